@@ -1,0 +1,144 @@
+"""Frozen configuration dataclasses, composed per process."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type not in (None, "default"):
+            scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", False) or cfg.get("model_type") == "qwen2",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes an engine: model, memory, scheduling, numerics."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.3
+    max_running_requests: int = 64
+    max_context_len: int | None = None
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 4096
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    page_size: int = 1
+    attention_backend: str = "auto"
+    tp_size: int = 1
+    seed: int = 0
+    num_threads: int | None = None
+    new_token_ratio: float = 0.4
+    min_new_token_ratio: float = 0.1
+    log_level: str = "info"
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("invalid engine arguments: " + "; ".join(problems))
+
+    def _problems(self):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            yield f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            yield f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+        if self.dtype not in DTYPES:
+            yield f"dtype must be one of {DTYPES}, got {self.dtype!r}"
+        if self.page_size < 1:
+            yield "page_size must be >= 1"
+        if self.chunked_prefill_size < self.page_size:
+            yield "chunked_prefill_size must be >= page_size"
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            yield "max_total_tokens is too small"
+        if not 0 < self.mem_fraction <= 1:
+            yield "mem_fraction must be in (0, 1]"
+        if self.max_running_requests < 1:
+            yield "max_running_requests must be >= 1"
+        if self.tp_size < 1:
+            yield "tp_size must be >= 1"
+
+    def with_(self, **changes) -> "EngineArgs":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The HTTP front: where to listen and who may call."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    engine: EngineArgs = field(default_factory=EngineArgs)

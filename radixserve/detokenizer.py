@@ -1,0 +1,71 @@
+"""Incremental detokenization with stop-string trimming, one state per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DecodeState:
+    skip_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+class Detokenizer:
+    """Turns streams of token ids into text deltas.
+
+    Text that might be the start of a stop string is held back until the request
+    finishes; a request that stopped on a stop string never shows it.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.vocab_limit = len(tokenizer)
+        self.states: dict[str, DecodeState] = {}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        ids = [i for i in ids if 0 <= i < self.vocab_limit]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def start(self, rid: str, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
+        self.states[rid] = DecodeState(skip_special_tokens, list(stop or []))
+
+    def step(self, rid: str, new_ids: list[int], finished: bool, finish_reason: dict | None) -> str:
+        """Append tokens; return the newly visible text."""
+        state = self.states.setdefault(rid, DecodeState())
+        state.ids += new_ids
+        state.text += self._new_text(state)
+        visible = self._visible(state, finished, finish_reason)
+        delta = visible[state.sent:]
+        state.sent = max(state.sent, len(visible))
+        if finished:
+            del self.states[rid]
+        return delta
+
+    def _new_text(self, s: DecodeState) -> str:
+        before = self.decode(s.ids[s.prefix_offset:s.read_offset], s.skip_special_tokens)
+        after = self.decode(s.ids[s.prefix_offset:], s.skip_special_tokens)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
+        return after[len(before):]
+
+    def _visible(self, s: DecodeState, finished: bool, reason: dict | None) -> str:
+        if finished:
+            if s.read_offset < len(s.ids):
+                tail = self.decode(s.ids[s.prefix_offset:], s.skip_special_tokens)
+                s.text += tail[len(self.decode(s.ids[s.prefix_offset:s.read_offset], s.skip_special_tokens)):]
+                s.read_offset = len(s.ids)
+            matched = (reason or {}).get("matched")
+            if isinstance(matched, str) and matched in s.text:
+                return s.text[: s.text.index(matched)]
+            return s.text
+        if not s.stop:
+            return s.text
+        hold = max(len(x) for x in s.stop) - 1
+        return s.text[: max(len(s.text) - hold, s.sent)]

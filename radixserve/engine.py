@@ -1,0 +1,243 @@
+"""The offline engine: tokenizer, scheduler and model worker in one process.
+
+The scheduler runs in a background thread; `generate` and `generate_stream` may be
+called from any thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from typing import Any, Iterator
+
+from .config import EngineArgs
+from .detokenizer import Detokenizer
+from .messages import GenerateReq, ReqOutput
+from .models.loader import resolve_model
+from .responses import RequestState
+from .sampling_params import SamplingParams
+from .scheduler.scheduler import Scheduler
+from .tokenizer import eos_ids, load_tokenizer
+from .worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Engine:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.args = EngineArgs(model=model, **kwargs)
+        source = resolve_model(self.args.model)
+        self.model_name = source.name
+        self.tokenizer = load_tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None
+        self.runner = ModelRunner(source, self.args)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
+        decode_tail = self.detokenizer.decode if self.detokenizer else None
+        self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer))
+        log_capacity(self.runner.info)
+        self._inbox: deque = deque()
+        self._queues: dict[str, queue.Queue] = {}
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public API ------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 return_text_in_logprobs: bool = False) -> dict | list[dict]:
+        """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in place)."""
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob,
+                                           logprob_start_len, top_logprobs_num)
+        streams = [self._submit(r) for r in reqs]
+        results = [self._collect(r, s, return_logprob, return_text_in_logprobs) for r, s in zip(reqs, streams)]
+        return results[0] if single and len(results) == 1 else results
+
+    def generate_stream(self, prompt: str | None = None, sampling_params: dict | None = None,
+                        input_ids: list[int] | None = None, return_logprob: bool = False,
+                        logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Iterator[dict]:
+        """Yields the cumulative result after every step that produced text."""
+        reqs, _ = self._make_requests(prompt, input_ids, sampling_params, return_logprob,
+                                      logprob_start_len, top_logprobs_num)
+        if len(reqs) != 1:
+            raise ValueError("generate_stream takes one prompt with n=1")
+        req = reqs[0]
+        stream = self._submit(req)
+        state = RequestState(req.rid)
+        try:
+            while not state.finished:
+                state.update(self._next_output(stream))
+                yield state.to_dict(return_logprob, self._token_text)
+        finally:
+            if not state.finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._post(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        return self._call("flush")
+
+    def get_stats(self, top_prefixes: int = 0):
+        return self._call("stats", top_prefixes)
+
+    def check_memory(self) -> None:
+        self._call("check")
+
+    def encode(self, text: str) -> list[int]:
+        self._need_tokenizer()
+        return self.tokenizer.encode(text)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- request plumbing --------------------------------------------------
+    def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                       top_logprobs_num) -> tuple[list[GenerateReq], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        if input_ids is not None:
+            id_lists = [input_ids] if single else list(input_ids)
+        else:
+            self._need_tokenizer()
+            id_lists = [self.tokenizer.encode(p) for p in ([prompt] if single else prompt)]
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        if len(params_list) != len(id_lists):
+            raise ValueError("sampling_params list must match the number of prompts")
+        reqs = []
+        for ids, raw in zip(id_lists, params_list):
+            params = SamplingParams.from_dict(raw)
+            params.validate(self.args.max_n)
+            for i in range(params.n):
+                sibling = dict(params.to_dict(), n=1, seed=None if params.seed is None else params.seed + i)
+                reqs.append(GenerateReq(uuid.uuid4().hex, list(ids), sibling, return_logprob,
+                                        logprob_start_len, top_logprobs_num))
+        return reqs, single
+
+    def _submit(self, req: GenerateReq) -> queue.Queue:
+        stream: queue.Queue = queue.Queue()
+        self._queues[req.rid] = stream
+        self._post(("add", req))
+        return stream
+
+    def _collect(self, req: GenerateReq, stream: queue.Queue, with_logprobs: bool, text_in_logprobs: bool) -> dict:
+        state = RequestState(req.rid)
+        while not state.finished:
+            state.update(self._next_output(stream))
+        return state.to_dict(with_logprobs, self._token_text if text_in_logprobs else None)
+
+    def _next_output(self, stream: queue.Queue) -> ReqOutput:
+        item = stream.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _token_text(self, token_id: int) -> str:
+        return self.detokenizer.decode([token_id], skip_special_tokens=False) if self.detokenizer else ""
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass input_ids")
+
+    def _post(self, item) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _call(self, kind: str, *args):
+        reply: queue.Queue = queue.Queue()
+        self._post((kind, (reply, *args)))
+        result = reply.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # ---- the scheduler thread ------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stopped:
+            with self._wake:
+                if not self._inbox and not sched.has_work():
+                    self._wake.wait(timeout=0.5)
+                items = list(self._inbox)
+                self._inbox.clear()
+            for kind, payload in items:
+                self._handle(kind, payload)
+            try:
+                outputs = sched.step()
+            except BaseException as exc:  # a crash must not hang callers
+                log.exception("scheduler step failed")
+                self._fail_all(exc)
+                return
+            self._deliver(outputs)
+
+    def _handle(self, kind: str, payload) -> None:
+        sched = self.scheduler
+        if kind == "add":
+            try:
+                sched.add_request(payload)
+                if self.detokenizer:
+                    p = SamplingParams.from_dict(payload.sampling_params)
+                    self.detokenizer.start(payload.rid, p.skip_special_tokens, p.stop)
+            except ValueError as exc:
+                self._queues.pop(payload.rid).put(exc)
+        elif kind == "abort":
+            sched.abort(payload)
+        else:
+            reply, *args = payload
+            try:
+                reply.put(self._control(kind, *args))
+            except BaseException as exc:
+                reply.put(exc)
+
+    def _control(self, kind: str, *args):
+        if kind == "flush":
+            return self.scheduler.flush_cache()
+        if kind == "stats":
+            return self.scheduler.snapshot(*args)
+        if kind == "check":
+            return self.scheduler.check_memory()
+        raise ValueError(kind)
+
+    def _deliver(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            if self.detokenizer:
+                out.text = self.detokenizer.step(out.rid, out.new_token_ids, out.finished, out.finish_reason)
+            stream = self._queues.get(out.rid)
+            if stream is not None:
+                stream.put(out)
+            if out.finished:
+                self._queues.pop(out.rid, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._queues.values():
+            stream.put(RuntimeError(f"engine failed: {exc}"))
+        self._queues.clear()
+
+
+def log_capacity(info) -> None:
+    full = info.num_slots // info.max_context_len
+    log.info("KV pool: %d tokens (%.1f MB, %s, %s); fits %d full-context (%d-token) requests; "
+             "attention backend %s", info.num_slots, info.num_slots * info.bytes_per_token / 2**20,
+             info.dtype, info.device, full, info.max_context_len, info.attention_backend)
+
+

@@ -1,0 +1,26 @@
+"""Per-layer K and V storage, indexed by slot. Owned by the model worker."""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K/V tensors `[num_slots, kv_heads, head_dim]` per layer.
+
+    Zero-initialised so that padded gathers (slot 0) and stale table entries
+    only ever read finite values, which masking then removes exactly.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

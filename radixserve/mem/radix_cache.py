@@ -1,0 +1,212 @@
+"""Radix tree of cached KV (RadixAttention).
+
+Keys are token ids, values are the KV slots holding those tokens. Edges are
+compressed runs; with pages of `page_size` slots every edge length is a multiple
+of the page size, so a node never splits inside a page.
+
+Contract: the slots returned by `match_prefix` stay valid only while the returned
+node is locked (`inc_lock_ref`); an unlocked leaf may be evicted at any time and
+its slots handed back to the allocator through `free_slots`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+_clock = itertools.count(1)
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    value: list[int] = field(default_factory=list)
+    parent: "TreeNode | None" = None
+    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+    hit_count: int = 0
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        return self.last_access < other.last_access
+
+    def touch(self) -> None:
+        self.last_access = next(_clock)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A cached path from the root, for the dashboard."""
+
+    tokens: list[int]
+    num_tokens: int
+    hit_count: int
+    last_access: int
+    locked: bool
+
+
+class RadixCache:
+    def __init__(self, page_size: int = 1, free_slots: Callable[[list[int]], None] | None = None,
+                 disable: bool = False):
+        self.page_size = page_size
+        self.disable = disable
+        self.free_slots = free_slots or (lambda slots: None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode()
+        self.root.lock_ref = 1
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 1
+
+    # ---- queries -------------------------------------------------------
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
+        """Longest cached, page-aligned prefix of `key`: (its slots, its last node)."""
+        if self.disable:
+            return [], self.root
+        key = key[: len(key) - len(key) % self.page_size]
+        node, slots = self.root, []
+        node.touch()
+        while key:
+            child = node.children.get(self._edge(key))
+            if child is None:
+                break
+            n = self._common_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.touch()
+            slots += child.value
+            node, key = child, key[n:]
+        return slots, node
+
+    # ---- updates -------------------------------------------------------
+    def insert(self, key: list[int], value: list[int]) -> int:
+        """Insert a page-aligned run; returns how many leading tokens were already cached.
+
+        The caller owns `value[:returned]` still (they duplicate cached slots) and
+        must free them; the rest now belongs to the tree.
+        """
+        if self.disable:
+            return len(key)
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        node, done = self.root, 0
+        node.touch()
+        while done < len(key):
+            rest = key[done:]
+            child = node.children.get(self._edge(rest))
+            if child is None:
+                self._add_leaf(node, rest, value[done:])
+                return done
+            n = self._common_len(child.key, rest)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.touch()
+            node, done = child, done + n
+        return done
+
+    def record_hit(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.hit_count += 1
+            node = node.parent
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict least recently used unlocked leaves until `num_tokens` are freed."""
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            leaf = heapq.heappop(leaves)
+            self.free_slots(leaf.value)
+            freed += len(leaf.key)
+            parent = self._remove_leaf(leaf)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def top_prefixes(self, limit: int = 10) -> list[CachedPrefix]:
+        """The largest cached paths ending at a leaf, biggest first."""
+        paths = []
+        for leaf in (n for n in self._nodes() if not n.children and n is not self.root):
+            tokens, node = [], leaf
+            while node is not self.root:
+                tokens[:0] = node.key
+                node = node.parent
+            paths.append(CachedPrefix(tokens, len(tokens), leaf.hit_count, leaf.last_access, leaf.lock_ref > 0))
+        paths.sort(key=lambda p: p.num_tokens, reverse=True)
+        return paths[:limit]
+
+    # ---- internals -----------------------------------------------------
+    def _edge(self, key: list[int]) -> tuple[int, ...]:
+        return tuple(key[: self.page_size])
+
+    def _common_len(self, a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n - n % self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after `n` tokens; returns the new upper node."""
+        parent = child.parent
+        upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
+                         lock_ref=child.lock_ref, last_access=child.last_access,
+                         hit_count=child.hit_count)
+        parent.children[self._edge(upper.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[self._edge(child.key)] = child
+        self._num_nodes += 1
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int]) -> None:
+        leaf = TreeNode(key=list(key), value=list(value), parent=parent)
+        leaf.touch()
+        parent.children[self._edge(leaf.key)] = leaf
+        self._evictable += len(key)
+        self._num_nodes += 1
+
+    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+        parent = leaf.parent
+        del parent.children[self._edge(leaf.key)]
+        self._evictable -= len(leaf.key)
+        self._num_nodes -= 1
+        return parent
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

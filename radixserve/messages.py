@@ -1,0 +1,160 @@
+"""Every message that crosses a process boundary, as plain dataclasses.
+
+api -> scheduler: GenerateReq, AbortReq, FlushCacheReq, StatsReq
+scheduler -> worker: ForwardBatch; worker -> scheduler: ForwardResult
+scheduler -> detokenizer -> api: ReqOutput batches (BatchOut), then with text
+Fields hold only plain values (ints, floats, strings, lists, dicts) so that the
+codec in `ipc` can move them without pickle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1
+    DECODE = 2
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    seeds: list[int | None]
+    steps: list[int]
+    frequency_penalties: list[float]
+    presence_penalties: list[float]
+    repetition_penalties: list[float]
+    penalty_outputs: list[list[int] | None]
+    penalty_prompts: list[list[int] | None]
+    suppressed_ids: list[list[int] | None]
+
+
+@dataclass
+class LogprobRequest:
+    """Logprobs wanted for one request of the batch.
+
+    `prompt_targets[i]` is the token that follows position `prompt_start + i` of this
+    step's tokens; its logprob is read from that position's logits.
+    """
+
+    top_k: int = 0
+    prompt_start: int = -1
+    prompt_targets: list[int] = field(default_factory=list)
+    want_output: bool = False
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: list[int]
+    rows: list[int]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    row_writes: list[tuple[int, int, list[int]]]
+    sampling: SamplingBatch
+    logprobs: list[LogprobRequest | None]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class ForwardResult:
+    next_token_ids: list[int]
+    output_logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs | None]
+
+
+# ---- api <-> scheduler ---------------------------------------------------
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class StatsReq:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    """One request's progress in one scheduler step (token ids; text is added later)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_logprobs: list[list] | None = None
+    output_top_logprobs: list[list] | None = None
+    input_logprobs: list[list] | None = None
+    input_top_logprobs: list[list] | None = None
+    text: str = ""
+    queue_time: float = 0.0
+
+
+@dataclass
+class BatchOut:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class SchedulerStats:
+    """Live figures of the scheduler, for metrics and the dashboard."""
+
+    num_running: int = 0
+    num_queued: int = 0
+    num_slots: int = 0
+    free_slots: int = 0
+    cached_slots: int = 0
+    evictable_slots: int = 0
+    running_slots: int = 0
+    radix_nodes: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    evicted_tokens_total: int = 0
+    retractions_total: int = 0
+    requests_finished: dict = field(default_factory=dict)
+    aborted_total: int = 0
+    forward_steps: int = 0
+    recent_hit_rate: float = 0.0
+    gen_throughput: float = 0.0
+    top_prefixes: list = field(default_factory=list)
+    queue_times: list = field(default_factory=list)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0

@@ -1,0 +1,1 @@
+"""Llama-family model and its weight loaders."""

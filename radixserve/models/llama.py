@@ -1,0 +1,118 @@
+"""One Llama-family decoder for Llama, Qwen2 (qkv bias) and Mistral, built from shared layers."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..config import ModelConfig
+from ..layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+
+# checkpoint name fragment -> (our fused parameter, shard index)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return self.o_proj(backend.forward(self.layer, q, k, v))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states `[T, hidden]` of this step's tokens."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            target, shard = self._fused_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            self._copy_into(params[target], tensor, shard)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"checkpoint is missing {sorted(missing)[:5]}")
+
+    @staticmethod
+    def _fused_target(name: str) -> tuple[str, int | None]:
+        for piece, (fused, shard) in _FUSED_SHARDS.items():
+            if f".{piece}." in name:
+                return name.replace(piece, fused), shard
+        return name, None
+
+    def _copy_into(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+        with torch.no_grad():
+            if shard is None:
+                param.copy_(tensor)
+                return
+            offset = sum(self._shard_sizes(param)[:shard])
+            param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+
+    def _shard_sizes(self, param: nn.Parameter) -> list[int]:
+        cfg = self.cfg
+        if param.shape[0] == cfg.q_size + 2 * cfg.kv_size:
+            return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        return [cfg.intermediate_size, cfg.intermediate_size]

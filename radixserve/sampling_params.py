@@ -1,0 +1,102 @@
+"""Sampling parameters of one request, validated at the boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, asdict
+from typing import Any
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclass
+class SamplingParams:
+    """SGLang-compatible sampling parameters. `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON dict; unknown keys and wrong types raise ValueError."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        if data.get("stop") is None:
+            data.pop("stop", None)
+        if data.get("stop_token_ids") is None:
+            data.pop("stop_token_ids", None)
+        for name in ("max_new_tokens", "top_k", "temperature"):
+            if name in data and data[name] is None:
+                data.pop(name)
+        params = cls(**data)
+        params.validate()
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+    def validate(self, max_n: int = 128) -> None:
+        problems = list(self._problems(max_n))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _problems(self, max_n: int):
+        checks = [
+            ("max_new_tokens", int, lambda v: v >= 0, "must be an integer >= 0"),
+            ("min_new_tokens", int, lambda v: v >= 0, "must be an integer >= 0"),
+            ("temperature", float, lambda v: 0 <= v <= 100, "must be a number in [0, 100]"),
+            ("top_p", float, lambda v: 0 < v <= 1, "must be a number in (0, 1]"),
+            ("top_k", int, lambda v: v == -1 or 1 <= v <= MAX_TOP_K, "must be -1 or an integer >= 1"),
+            ("min_p", float, lambda v: 0 <= v <= 1, "must be a number in [0, 1]"),
+            ("frequency_penalty", float, lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
+            ("presence_penalty", float, lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
+            ("repetition_penalty", float, lambda v: 0 < v <= 10, "must be a number in (0, 10]"),
+            ("n", int, lambda v: 1 <= v <= max_n, f"must be an integer in [1, {max_n}]"),
+        ]
+        for name, kind, ok, message in checks:
+            value = getattr(self, name)
+            if not _is_kind(value, kind) or not ok(value):
+                yield f"{name} {message}, got {value!r}"
+        if self.seed is not None and not _is_kind(self.seed, int):
+            yield f"seed must be an integer, got {self.seed!r}"
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            yield "stop must be a non-empty string or a list of non-empty strings"
+        if not isinstance(self.stop_token_ids, list) or not all(_is_kind(t, int) and t >= 0 for t in self.stop_token_ids):
+            yield "stop_token_ids must be a list of non-negative integers"
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                yield f"{flag} must be a boolean"
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and value == value
+    return isinstance(value, kind)

@@ -1,0 +1,1 @@
+"""Continuous batching over the radix cache."""

@@ -1,0 +1,74 @@
+"""A request as the scheduler tracks it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..mem.radix_cache import TreeNode
+from ..sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+
+    # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
+    # the rest are this request's own pages. `synced` leading slots are in the worker's row.
+    row: int | None = None
+    kv_slots: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    node: TreeNode | None = None
+    synced: int = 0
+
+    cached_tokens: int = 0
+    admitted: bool = False
+    queue_time: float = 0.0
+    finish_reason: dict | None = None
+    to_abort: bool = False
+    sent_len: int = 0
+    input_logprobs: list[list] = field(default_factory=list)
+    input_top_logprobs: list[list] = field(default_factory=list)
+    output_logprobs: list[list] = field(default_factory=list)
+    output_top_logprobs: list[list] = field(default_factory=list)
+    sent_logprobs: int = 0
+    prompt_logprobs_done: bool = False
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs: prompt plus every output but the newest."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed through the model (1 while decoding)."""
+        return len(self.input_ids) + len(self.output_ids) - len(self.kv_slots)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.pending == 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.prompt_logprobs_done
+
+    def max_prefix_len(self) -> int:
+        """Cached prefix we may reuse: leave one token to compute, and the prompt positions whose logprobs are wanted."""
+        limit = len(self.fill_ids) - 1
+        if self.wants_prompt_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit

@@ -1,0 +1,464 @@
+"""The scheduler: admission, chunked prefill, decode, retraction, radix-cache bookkeeping.
+
+It owns the radix tree, the slot allocator and the request rows; the worker owns
+the KV tensors and sees only slot indices. It talks to the model only through
+an `Executor`, so it runs (and is tested) without one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from ..config import EngineArgs
+from ..mem.allocator import ReqToTokenRows, SlotAllocator
+from ..mem.radix_cache import RadixCache
+from ..messages import (ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
+                        ReqOutput, SamplingBatch, SchedulerStats)
+from ..sampling_params import SamplingParams
+from .policy import order_waiting
+from .req import Req
+
+log = logging.getLogger(__name__)
+
+IN_BATCH_SHARE_MIN = 32
+RATIO_DECAY_STEPS = 600
+RETRACT_RATIO_STEP = 0.15
+
+
+class Executor(Protocol):
+    """What the scheduler needs from the model worker(s)."""
+
+    info: "WorkerInfo"  # noqa: F821
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+
+
+@dataclass
+class Step:
+    mode: ForwardMode
+    reqs: list[Req]
+    batch: ForwardBatch
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs, executor: Executor,
+                 decode_tail: Callable[[list[int]], str] | None = None,
+                 extra_eos_ids: tuple[int, ...] = ()):
+        info = executor.info
+        self.args, self.executor, self.info = args, executor, info
+        self.decode_tail = decode_tail
+        self.eos_ids = set(info.eos_token_ids) | set(extra_eos_ids)
+        self.allocator = SlotAllocator(info.num_pages, info.page_size)
+        self.rows = ReqToTokenRows(info.max_running_requests)
+        self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.outputs: list[ReqOutput] = []
+        self.pending_aborts: set[str] = set()
+        self.new_token_ratio = args.new_token_ratio
+        self.last_was_prefill = False
+        self.stats = SchedulerStats(num_slots=self.allocator.num_slots)
+        self._recent_admissions: deque[tuple[int, int]] = deque(maxlen=200)
+        self._recent_tokens: deque[tuple[float, int]] = deque(maxlen=512)
+        self._queue_times: deque[float] = deque(maxlen=512)
+
+    # ---- requests in -----------------------------------------------------
+    def add_request(self, msg: GenerateReq) -> None:
+        """Queue a request; raises ValueError when it can never run."""
+        params = SamplingParams.from_dict(msg.sampling_params)
+        self._validate(msg, params)
+        params.max_new_tokens = min(params.max_new_tokens, self._room_for_output(len(msg.input_ids)))
+        req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
+                  msg.top_logprobs_num)
+        self.waiting.append(req)
+
+    def _validate(self, msg: GenerateReq, params: SamplingParams) -> None:
+        n, info = len(msg.input_ids), self.info
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= info.max_context_len:
+            raise ValueError(f"the prompt has {n} tokens but the context holds {info.max_context_len} "
+                             "(prompt plus at least one new token)")
+        if n + 1 > self.allocator.num_slots:
+            raise ValueError(f"the prompt has {n} tokens but the KV pool holds {self.allocator.num_slots}")
+        bad = [t for t in msg.input_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
+        if msg.top_logprobs_num < 0 or msg.top_logprobs_num > 100:
+            raise ValueError("top_logprobs_num must be in [0, 100]")
+
+    def _room_for_output(self, prompt_len: int) -> int:
+        return min(self.info.max_context_len, self.allocator.num_slots) - prompt_len
+
+    def abort(self, rid: str) -> None:
+        self.pending_aborts.add(rid)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only when idle (no request holds tree nodes)."""
+        if self.running or self.waiting:
+            return False
+        self.cache.evict(self.cache.total_size())
+        self.cache.reset()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_aborts)
+
+    # ---- one step --------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """Run one forward step (if there is work) and return the outputs it produced."""
+        self._apply_aborts()
+        step = self._next_step()
+        if step is not None:
+            result = self.executor.forward(step.batch)
+            self._process(step, result)
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+    def _next_step(self) -> Step | None:
+        decoding = any(r.is_decoding for r in self.running)
+        if self.last_was_prefill and decoding:
+            step = self._decode_step() or self._prefill_step()
+        else:
+            step = self._prefill_step() or self._decode_step()
+        self.last_was_prefill = step is not None and step.mode == ForwardMode.EXTEND
+        return step
+
+    # ---- prefill ---------------------------------------------------------
+    def _prefill_step(self) -> Step | None:
+        budget = self.args.max_prefill_tokens
+        reqs, lens = [], []
+        for req in [r for r in self.running if not r.is_decoding]:
+            n = min(req.pending, self.args.chunked_prefill_size, budget)
+            if n <= 0 or not self._alloc(req, n):
+                break
+            reqs.append(req), lens.append(n)
+            budget -= n
+        for req, n in self._admit(budget, bool(reqs)):
+            reqs.append(req), lens.append(n)
+        if not reqs:
+            return None
+        return Step(ForwardMode.EXTEND, reqs, self._build_batch(ForwardMode.EXTEND, reqs, lens))
+
+    def _admit(self, budget: int, batch_started: bool):
+        if not self.waiting:
+            return
+        shared = RadixCache(self.info.page_size)
+        reserved = self._reserved_decode_slots()
+        ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache, self._match)
+        for req in ordered:
+            if budget <= 0 or self.rows.available() == 0:
+                break
+            slots, node = self._match(req)
+            uncached = req.fill_ids[len(slots):]
+            if self._share_later(shared, uncached, batch_started):
+                continue
+            n = min(len(uncached), self.args.chunked_prefill_size, budget)
+            growth = req.remaining_new_tokens * self.new_token_ratio if n == len(uncached) else 0
+            self.cache.inc_lock_ref(node)
+            need = self.allocator.pages_needed(len(slots), n) * self.info.page_size
+            fits = need + reserved + growth <= self.allocator.available() + self.cache.evictable_size()
+            if not fits and (batch_started or self.running):
+                self.cache.dec_lock_ref(node)
+                break
+            self._start(req, slots, node)
+            if not self._alloc(req, n):
+                self._retract(req)
+                break
+            shared.insert(uncached[: len(uncached) - len(uncached) % self.info.page_size],
+                          [0] * (len(uncached) - len(uncached) % self.info.page_size))
+            reserved += growth
+            budget -= n
+            batch_started = True
+            yield req, n
+
+    def _share_later(self, shared: RadixCache, uncached: list[int], batch_started: bool) -> bool:
+        """Defer a request whose uncached part starts like one admitted in this batch:
+        next step it finds that prefix in the cache instead of computing it twice."""
+        if self.cache.disable or not batch_started:
+            return False
+        matched = len(shared.match_prefix(uncached)[0])
+        return matched >= min(IN_BATCH_SHARE_MIN, len(uncached) - 1) and matched > 0
+
+    def _match(self, req: Req):
+        return self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+
+    def _start(self, req: Req, slots: list[int], node) -> None:
+        self.waiting.remove(req)
+        req.row = self.rows.alloc()
+        req.kv_slots, req.cached_len, req.node, req.synced = list(slots), len(slots), node, 0
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = len(slots)
+            req.queue_time = time.monotonic() - req.arrival
+            self._queue_times.append(req.queue_time)
+            self.stats.prompt_tokens_total += len(req.input_ids)
+            self.stats.cached_tokens_total += len(slots)
+            self._recent_admissions.append((len(req.input_ids), len(slots)))
+        self.cache.record_hit(node)
+        self.running.append(req)
+
+    def _reserved_decode_slots(self) -> float:
+        return sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio
+
+    # ---- decode ----------------------------------------------------------
+    def _decode_step(self) -> Step | None:
+        reqs = [r for r in self.running if r.is_decoding]
+        if not reqs:
+            return None
+        while not self._make_room(sum(self.allocator.pages_needed(len(r.kv_slots), 1) for r in reqs)):
+            victim = self._pick_victim()
+            if victim is None:
+                raise RuntimeError("out of KV memory with a single request; pool too small")
+            self._retract(victim)
+            reqs = [r for r in reqs if r is not victim]
+        for req in reqs:
+            assert self._alloc(req, 1)
+        self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - self._ratio_decay())
+        return Step(ForwardMode.DECODE, reqs, self._build_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)))
+
+    def _ratio_decay(self) -> float:
+        return (self.args.new_token_ratio - self.args.min_new_token_ratio) / RATIO_DECAY_STEPS
+
+    def _pick_victim(self) -> Req | None:
+        """The running request cheapest to redo (fewest own computed tokens); never the last one."""
+        if len(self.running) <= 1:
+            return None
+        return min(self.running, key=lambda r: (len(r.kv_slots) - r.cached_len, -len(r.input_ids)))
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the queue; its computed KV stays cached (evictable)."""
+        self._release(req)
+        req.kv_slots, req.cached_len, req.node, req.row, req.synced = [], 0, None, None, 0
+        if not req.prompt_logprobs_done:
+            req.input_logprobs, req.input_top_logprobs = [], []
+        self.waiting.insert(0, req)
+        self.stats.retractions_total += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP)
+        log.info("retracted %s (%d tokens) for lack of KV memory", req.rid, len(req.fill_ids))
+
+    # ---- memory ----------------------------------------------------------
+    def _make_room(self, pages: int) -> bool:
+        missing = pages * self.info.page_size - self.allocator.available()
+        if missing > 0:
+            self.stats.evicted_tokens_total += self.cache.evict(missing)
+        return self.allocator.can_alloc_pages(pages)
+
+    def _alloc(self, req: Req, n: int) -> bool:
+        if not self._make_room(self.allocator.pages_needed(len(req.kv_slots), n)):
+            return False
+        last = req.kv_slots[-1] if req.kv_slots else None
+        req.kv_slots += self.allocator.alloc_extend(len(req.kv_slots), last, n)
+        return True
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Put the request's computed, page-aligned KV into the tree and lock it there."""
+        computed = len(req.kv_slots)
+        aligned = computed - computed % self.info.page_size
+        if self.cache.disable or aligned <= req.cached_len:
+            return
+        key = req.fill_ids[:aligned]
+        already = self.cache.insert(key, req.kv_slots[:aligned])
+        if already > req.cached_len:
+            self.allocator.free(req.kv_slots[req.cached_len:already])
+            req.synced = min(req.synced, req.cached_len)
+        slots, node = self.cache.match_prefix(key)
+        self.cache.inc_lock_ref(node)
+        if req.node is not None:
+            self.cache.dec_lock_ref(req.node)
+        req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
+
+    def _release(self, req: Req) -> None:
+        """Give back everything the request holds: KV to the tree or allocator, its lock, its row."""
+        self._cache_prefix(req)
+        self.allocator.free(req.kv_slots[req.cached_len:])
+        if req.node is not None:
+            self.cache.dec_lock_ref(req.node)
+        if req.row is not None:
+            self.rows.free(req.row)
+        self.running.remove(req)
+
+    def held_slots(self) -> int:
+        return sum(self.allocator.held_slots(len(r.kv_slots) - r.cached_len) for r in self.running)
+
+    def check_memory(self) -> None:
+        """Capacity invariant: free + cached + held by running requests == pool size."""
+        total = self.allocator.available() + self.cache.total_size() + self.held_slots()
+        assert total == self.allocator.num_slots, (
+            f"KV leak: free {self.allocator.available()} + cached {self.cache.total_size()} + "
+            f"held {self.held_slots()} != {self.allocator.num_slots}")
+        assert self.rows.available() + len(self.running) == self.rows.num_rows
+
+    # ---- batch building ----------------------------------------------------
+    def _build_batch(self, mode: ForwardMode, reqs: list[Req], lens: list[int]) -> ForwardBatch:
+        ids, positions, locs, writes, seq_lens, logprobs = [], [], [], [], [], []
+        for req, n in zip(reqs, lens):
+            end = len(req.kv_slots)
+            start = end - n
+            ids += req.fill_ids[start:end]
+            positions += range(start, end)
+            locs += req.kv_slots[start:end]
+            if req.synced < start:
+                writes.append((req.row, req.synced, req.kv_slots[req.synced:start]))
+            req.synced = end
+            seq_lens.append(end)
+            logprobs.append(self._logprob_request(req, start, end))
+        return ForwardBatch(mode, ids, positions, locs, [r.row for r in reqs], seq_lens, lens,
+                            writes, self._sampling_batch(reqs), logprobs)
+
+    def _logprob_request(self, req: Req, start: int, end: int) -> LogprobRequest | None:
+        if not req.return_logprob:
+            return None
+        lp = LogprobRequest(top_k=req.top_logprobs_num, want_output=end == len(req.fill_ids))
+        if req.wants_prompt_logprobs:
+            lo = max(start, req.logprob_start_len - 1, 0)
+            hi = min(end, len(req.input_ids) - 1)
+            if lo < hi:
+                lp.prompt_start, lp.prompt_targets = lo - start, req.input_ids[lo + 1:hi + 1]
+        return lp
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        return SamplingBatch(
+            temperatures=[p.temperature for p in ps], top_ps=[p.top_p for p in ps],
+            top_ks=[p.top_k for p in ps], min_ps=[p.min_p for p in ps],
+            seeds=[p.seed for p in ps], steps=[len(r.output_ids) for r in reqs],
+            frequency_penalties=[p.frequency_penalty for p in ps],
+            presence_penalties=[p.presence_penalty for p in ps],
+            repetition_penalties=[p.repetition_penalty for p in ps],
+            penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
+            penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+            suppressed_ids=[self._suppressed(r) for r in reqs])
+
+    def _suppressed(self, req: Req) -> list[int] | None:
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return None
+        return sorted(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids))
+
+    # ---- results ---------------------------------------------------------
+    def _process(self, step: Step, result: ForwardResult) -> None:
+        self.stats.forward_steps += 1
+        generated = 0
+        for b, req in enumerate(step.reqs):
+            self._take_prompt_logprobs(req, result, b)
+            if req.pending == 0:
+                generated += self._take_token(req, result, b)
+            if step.mode == ForwardMode.EXTEND and not req.finished:
+                self._cache_prefix(req)
+            self._emit(req)
+            if req.finished:
+                self._release(req)
+        self.stats.generation_tokens_total += generated
+        self._recent_tokens.append((time.monotonic(), generated))
+
+    def _take_prompt_logprobs(self, req: Req, result: ForwardResult, b: int) -> None:
+        if not req.wants_prompt_logprobs:
+            return
+        if not req.input_logprobs and req.logprob_start_len == 0:
+            req.input_logprobs.append([None, req.input_ids[0]])
+            req.input_top_logprobs.append(None)
+        got = result.prompt_logprobs[b]
+        if got is not None:
+            first = len(req.input_logprobs) + max(req.logprob_start_len, 0)
+            targets = req.input_ids[first:first + len(got.logprobs)]
+            req.input_logprobs += [[lp, t] for lp, t in zip(got.logprobs, targets)]
+            req.input_top_logprobs += [_pairs(t) for t in got.top] if got.top else [None] * len(targets)
+        if len(req.kv_slots) >= len(req.input_ids):
+            req.prompt_logprobs_done = True
+
+    def _take_token(self, req: Req, result: ForwardResult, b: int) -> int:
+        if req.params.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            return 0
+        token = result.next_token_ids[b]
+        req.output_ids.append(token)
+        got = result.output_logprobs[b]
+        if got is not None:
+            req.output_logprobs.append([got.logprobs[0], token])
+            req.output_top_logprobs.append(_pairs(got.top[0]) if got.top else None)
+        req.finish_reason = self._finish_reason(req, token)
+        return 1
+
+    def _finish_reason(self, req: Req, token: int) -> dict | None:
+        p, out = req.params, req.output_ids
+        if len(out) >= p.min_new_tokens:
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+                return {"type": "stop", "matched": token}
+            matched = self._matched_stop_string(req)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if len(out) >= p.max_new_tokens:
+            return {"type": "length", "length": len(out)}
+        return None
+
+    def _matched_stop_string(self, req: Req) -> str | None:
+        if not req.params.stop or self.decode_tail is None:
+            return None
+        window = max(len(s) for s in req.params.stop) + 4
+        tail = self.decode_tail(req.output_ids[-window:])
+        return next((s for s in req.params.stop if s in tail), None)
+
+    def _emit(self, req: Req) -> None:
+        new = req.output_ids[req.sent_len:]
+        if not new and not req.finished:
+            return
+        req.sent_len = len(req.output_ids)
+        out = ReqOutput(req.rid, new, req.finished, req.finish_reason, len(req.input_ids),
+                        len(req.output_ids), req.cached_tokens, queue_time=req.queue_time)
+        if req.return_logprob:
+            out.output_logprobs = req.output_logprobs[req.sent_logprobs:]
+            out.output_top_logprobs = req.output_top_logprobs[req.sent_logprobs:]
+            req.sent_logprobs = len(req.output_logprobs)
+            if req.finished or len(req.output_ids) == len(new):
+                out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+        if req.finished:
+            self.stats.requests_finished[req.finish_reason["type"]] = \
+                self.stats.requests_finished.get(req.finish_reason["type"], 0) + 1
+        self.outputs.append(out)
+
+    # ---- aborts ----------------------------------------------------------
+    def _apply_aborts(self) -> None:
+        if not self.pending_aborts:
+            return
+        for req in [r for r in self.waiting + self.running if r.rid in self.pending_aborts]:
+            req.finish_reason = {"type": "abort", "message": "aborted"}
+            if req in self.running:
+                self._release(req)
+            else:
+                self.waiting.remove(req)
+            self.stats.aborted_total += 1
+            self._emit(req)
+        self.pending_aborts.clear()
+
+    # ---- figures ---------------------------------------------------------
+    def snapshot(self, top_prefixes: int = 0) -> SchedulerStats:
+        s = self.stats
+        s.num_running, s.num_queued = len(self.running), len(self.waiting)
+        s.free_slots = self.allocator.available()
+        s.cached_slots = self.cache.total_size()
+        s.evictable_slots = self.cache.evictable_size()
+        s.running_slots = self.held_slots()
+        s.radix_nodes = self.cache.num_nodes()
+        prompt = sum(p for p, _ in self._recent_admissions)
+        s.recent_hit_rate = sum(c for _, c in self._recent_admissions) / prompt if prompt else 0.0
+        s.gen_throughput = self._throughput()
+        s.queue_times = list(self._queue_times)
+        self._queue_times.clear()
+        if top_prefixes:
+            s.top_prefixes = [vars(p) for p in self.cache.top_prefixes(top_prefixes)]
+        return s
+
+    def _throughput(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent_tokens if now - t <= window]
+        if len(recent) < 2:
+            return 0.0
+        span = max(now - recent[0][0], 1e-6)
+        return sum(n for _, n in recent) / span
+
+
+def _pairs(top: list[tuple[int, float]]) -> list[list]:
+    return [[lp, tid] for tid, lp in top]

@@ -1,0 +1,1 @@
+"""Model worker: forward batches, attention metadata, sampling."""
