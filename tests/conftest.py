@@ -1,0 +1,62 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Question: What is the boiling point of water at sea level in Celsius?\nAnswer:",
+    ("Radix trees store strings by their shared prefixes. Each edge holds a run of symbols, "
+     "and a lookup walks down from the root, matching as much as it can. Serving engines use them "
+     "to find the longest cached prompt prefix so that attention keys and values computed for one "
+     "request can be reused by the next. Summarize this in one sentence:"),
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from radixserve.models.loader import bundled_model_dir
+    return bundled_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from radixserve.tokenizer import load_tokenizer
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, tokenizer):
+    """Greedy continuation by HF transformers, one prompt at a time (no padding)."""
+    import torch
+    cache = {}
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+    return generate
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from radixserve import Engine
+    with Engine(max_total_tokens=8192, max_running_requests=16, chunked_prefill_size=256) as eng:
+        yield eng

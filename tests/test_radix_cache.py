@@ -1,0 +1,138 @@
+from hypothesis import given, settings, strategies as st
+
+from radixserve.mem.allocator import SlotAllocator
+from radixserve.mem.radix_cache import RadixCache
+
+
+def make_cache(page_size=1, num_pages=1000):
+    alloc = SlotAllocator(num_pages, page_size)
+    return RadixCache(page_size, alloc.free), alloc
+
+
+def test_match_insert_split():
+    cache, _ = make_cache()
+    assert cache.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0
+    slots, node = cache.match_prefix([1, 2, 9])
+    assert slots == [10, 11]
+    assert node.key == [1, 2]  # split at the mismatch
+    assert cache.insert([1, 2, 5], [20, 21, 22]) == 2
+    assert cache.match_prefix([1, 2, 5, 6])[0] == [10, 11, 22]
+    assert cache.total_size() == 5
+    assert cache.num_nodes() == 4  # root, [1,2], [3,4], [5]
+
+
+def test_lock_protects_from_eviction_and_lru_order():
+    cache, alloc = make_cache()
+    before = alloc.available()
+    cache.insert([1, 2], alloc.alloc_extend(0, None, 2))
+    cache.insert([3, 4], alloc.alloc_extend(0, None, 2))
+    cache.insert([5, 6], alloc.alloc_extend(0, None, 2))
+    _, node = cache.match_prefix([1, 2])
+    cache.inc_lock_ref(node)
+    cache.match_prefix([5, 6])  # touch: [3,4] is now least recently used
+    assert cache.evict(2) == 2
+    assert cache.match_prefix([3, 4])[0] == []
+    assert cache.match_prefix([5, 6])[0] != []
+    assert cache.evict(100) == 2
+    assert cache.match_prefix([1, 2])[0] != []
+    assert cache.protected_size() == 2
+    cache.dec_lock_ref(node)
+    assert cache.evictable_size() == 2
+    cache.evict(100)
+    assert cache.total_size() == 0 and alloc.available() == before
+
+
+def test_page_aligned_matching():
+    cache, _ = make_cache(page_size=4)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], [4, 5, 6, 7, 8, 9, 10, 11])
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 0, 0])[0] == [4, 5, 6, 7]
+    assert cache.match_prefix([1, 2, 3])[0] == []
+    assert cache.insert([1, 2, 3, 4, 9, 9, 9, 9], [4, 5, 6, 7, 20, 21, 22, 23]) == 4
+
+
+def test_disabled_cache_matches_nothing():
+    cache = RadixCache(disable=True)
+    assert cache.insert([1, 2], [5, 6]) == 2
+    assert cache.match_prefix([1, 2])[0] == []
+
+
+class NaiveCache:
+    """Reference: a dict of every cached token prefix -> slot of its last token."""
+
+    def __init__(self):
+        self.slot_of: dict[tuple, int] = {}
+
+    def insert(self, key, value) -> int:
+        existing = 0
+        for i in range(len(key)):
+            prefix = tuple(key[: i + 1])
+            if prefix in self.slot_of:
+                existing = i + 1
+            else:
+                self.slot_of[prefix] = value[i]
+        return existing
+
+    def match(self, key) -> list[int]:
+        out = []
+        for i in range(len(key)):
+            slot = self.slot_of.get(tuple(key[: i + 1]))
+            if slot is None:
+                break
+            out.append(slot)
+        return out
+
+
+keys = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "evict"]), keys), max_size=40))
+def test_radix_cache_agrees_with_naive_reference(ops):
+    cache, alloc = make_cache(num_pages=10_000)
+    naive = NaiveCache()
+    for op, key in ops:
+        if op == "insert":
+            value = alloc.alloc_extend(0, None, len(key))
+            dup = cache.insert(key, value)
+            assert dup == naive.insert(key, value)
+            alloc.free(value[:dup])
+        elif op == "match":
+            slots, _ = cache.match_prefix(key)
+            assert slots == naive.match(key)
+        else:
+            cache.evict(len(key))
+            naive = NaiveCache()
+            for tokens in _all_paths(cache):
+                naive.insert(tokens[0], tokens[1])
+        assert cache.total_size() + alloc.available() == alloc.num_slots
+        assert cache.total_size() == len(naive.slot_of)
+
+
+def _all_paths(cache):
+    out = []
+
+    def walk(node, key, value):
+        if node is not cache.root:
+            out.append((key, value))
+        for child in node.children.values():
+            walk(child, key + child.key, value + child.value)
+    walk(cache.root, [], [])
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda k: k * 2), min_size=1, max_size=20),
+       st.integers(1, 30))
+def test_locked_paths_survive_any_eviction(inserts, evict_n):
+    cache, alloc = make_cache(page_size=2, num_pages=10_000)
+    for key in inserts:
+        value = alloc.alloc_extend(0, None, len(key))
+        alloc.free(value[: cache.insert(key, value)])
+    locked_key = inserts[0]
+    slots, node = cache.match_prefix(locked_key)
+    cache.inc_lock_ref(node)
+    cache.evict(evict_n)
+    assert cache.match_prefix(locked_key)[0] == slots
+    cache.dec_lock_ref(node)
+    cache.evict(10**9)
+    assert cache.total_size() == 0 and alloc.available() == alloc.num_slots

@@ -1,0 +1,163 @@
+"""Scheduler tests without a model: the fake executor checks every slot mapping."""
+import random
+
+import pytest
+
+from radixserve.config import EngineArgs
+from radixserve.messages import ForwardMode, GenerateReq
+from radixserve.scheduler.scheduler import Scheduler
+
+from fake_executor import EOS, FakeExecutor, reference
+
+
+def make(num_pages=4096, page_size=1, max_running=8, **kw):
+    args = EngineArgs(page_size=page_size, max_running_requests=max_running,
+                      chunked_prefill_size=kw.pop("chunk", 64), **kw)
+    ex = FakeExecutor(num_pages, page_size, max_running)
+    return Scheduler(args, ex), ex
+
+
+def submit(sched, rid, prompt, max_new=8, **params):
+    sched.add_request(GenerateReq(rid, prompt, dict(max_new_tokens=max_new, temperature=0,
+                                                    ignore_eos=True, **params)))
+
+
+def run(sched, max_steps=10_000):
+    results = {}
+    for _ in range(max_steps):
+        for out in sched.step():
+            results.setdefault(out.rid, {"ids": [], "out": None})
+            results[out.rid]["ids"] += out.new_token_ids
+            results[out.rid]["out"] = out
+        sched.check_memory()
+        if not sched.has_work():
+            return results
+    raise AssertionError("scheduler did not finish")
+
+
+def prompts(n, length, seed=0, shared=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(998) for _ in range(shared)]
+    return [prefix + [rng.randrange(998) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_outputs_match_reference(page_size, policy):
+    sched, _ = make(page_size=page_size, schedule_policy=policy)
+    ps = prompts(6, 20, shared=40)
+    for i, p in enumerate(ps):
+        submit(sched, str(i), p, max_new=10)
+    res = run(sched)
+    for i, p in enumerate(ps):
+        assert res[str(i)]["ids"] == reference(p, 10)
+        assert res[str(i)]["out"].finish_reason == {"type": "length", "length": 10}
+
+
+def test_shared_prefix_is_computed_once_in_a_burst():
+    sched, ex = make(chunk=512)
+    ps = prompts(5, 8, shared=64)
+    for i, p in enumerate(ps):
+        submit(sched, str(i), p, max_new=2)
+    res = run(sched)
+    computed = sum(len(b.input_ids) for b in ex.batches if b.mode == ForwardMode.EXTEND)
+    assert computed == 64 + 5 * 8
+    assert sorted(res[str(i)]["out"].cached_tokens for i in range(5)) == [0, 64, 64, 64, 64]
+
+
+def test_repeated_prompt_hits_cache_and_disabled_cache_does_not():
+    for disable, expected in [(False, 40), (True, 0)]:
+        sched, _ = make(disable_radix_cache=disable)
+        p = prompts(1, 41)[0]
+        submit(sched, "a", p)
+        run(sched)
+        submit(sched, "b", p)
+        res = run(sched)
+        assert res["b"]["out"].cached_tokens == expected
+        assert res["b"]["ids"] == reference(p, 8)
+
+
+def test_chunked_prefill_interleaves_decode():
+    sched, ex = make(chunk=16)
+    submit(sched, "short", prompts(1, 5, seed=1)[0], max_new=20)
+    sched.step()
+    long_prompt = prompts(1, 100, seed=2)[0]
+    submit(sched, "long", long_prompt, max_new=4)
+    res = run(sched)
+    assert res["long"]["ids"] == reference(long_prompt, 4)
+    modes = [b.mode for b in ex.batches]
+    extends = [i for i, b in enumerate(ex.batches) if b.mode == ForwardMode.EXTEND and len(b.input_ids) == 16]
+    assert len(extends) >= 6
+    assert all(modes[i + 1] == ForwardMode.DECODE for i in extends[:3])  # decodes keep running
+
+
+def test_small_pool_retracts_and_still_matches():
+    sched, _ = make(num_pages=120, max_running=8, chunk=32)
+    ps = prompts(8, 30, seed=3)
+    for i, p in enumerate(ps):
+        submit(sched, str(i), p, max_new=40)
+    res = run(sched)
+    for i, p in enumerate(ps):
+        assert res[str(i)]["ids"] == reference(p, 40)
+    assert sched.stats.retractions_total > 0
+    assert sched.allocator.available() + sched.cache.total_size() == sched.allocator.num_slots
+
+
+def test_eviction_under_pressure_with_pages():
+    sched, _ = make(num_pages=40, page_size=4, chunk=32)
+    for round_ in range(6):
+        p = prompts(1, 50, seed=10 + round_)[0]
+        submit(sched, str(round_), p, max_new=6)
+        res = run(sched)
+        assert res[str(round_)]["ids"] == reference(p, 6)
+    assert sched.stats.evicted_tokens_total > 0
+
+
+def test_abort_waiting_and_running_frees_everything():
+    sched, _ = make()
+    submit(sched, "run", prompts(1, 10)[0], max_new=100)
+    sched.step()
+    submit(sched, "wait", prompts(1, 10, seed=5)[0], max_new=100)
+    sched.abort("run")
+    sched.abort("wait")
+    res = run(sched)
+    assert res["run"]["out"].finish_reason["type"] == "abort"
+    assert res["wait"]["out"].finish_reason["type"] == "abort"
+    assert not sched.running and sched.rows.available() == sched.rows.num_rows
+
+
+def test_stop_tokens_eos_and_min_new_tokens():
+    sched, ex = make()
+    p = prompts(1, 10, seed=7)[0]
+    ref = reference(p, 12)
+    submit(sched, "stop", p, max_new=12, stop_token_ids=[ref[3]])
+    sched.add_request(GenerateReq("eos", p, dict(max_new_tokens=5, temperature=0, min_new_tokens=2)))
+    res = run(sched)
+    assert res["stop"]["ids"] == ref[:4]
+    assert res["stop"]["out"].finish_reason == {"type": "stop", "matched": ref[3]}
+    eos_batch = [b for b in ex.batches if len(b.rows) and b.sampling.suppressed_ids[0] is not None]
+    assert eos_batch and EOS in eos_batch[0].sampling.suppressed_ids[0]
+
+
+def test_bad_requests_raise_clear_errors():
+    sched, _ = make()
+    with pytest.raises(ValueError, match="empty"):
+        submit(sched, "e", [])
+    with pytest.raises(ValueError, match="context"):
+        submit(sched, "long", [1] * 600)
+    with pytest.raises(ValueError, match="vocabulary"):
+        submit(sched, "v", [1, 5000])
+    with pytest.raises(ValueError, match="temperature"):
+        sched.add_request(GenerateReq("t", [1], {"temperature": -1}))
+    with pytest.raises(ValueError, match="unknown"):
+        sched.add_request(GenerateReq("u", [1], {"temprature": 1}))
+    assert not sched.has_work()
+
+
+def test_max_new_tokens_clamped_to_context():
+    sched, _ = make()
+    p = prompts(1, 500)[0]
+    submit(sched, "c", p, max_new=100)
+    res = run(sched)
+    assert len(res["c"]["ids"]) == 12
+    assert res["c"]["out"].finish_reason["type"] == "length"
