@@ -65,13 +65,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with W stored transposed, `[in, out]`.
+
+    On CPU a small-batch matmul against a contiguous `[in, out]` matrix runs about
+    twice as fast as F.linear against `[out, in]` (measured: bench/decode_step.py).
+    Checkpoint tensors arrive as `[out, in]`; `load` transposes them into place.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight_t)
+        return torch.mm(x, self.weight_t)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Copy a checkpoint weight (`[out, in]`) or bias into rows `offset:` of the output."""
+        if name == "bias":
+            self.bias.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+        else:
+            self.weight_t.narrow(1, offset, tensor.shape[0]).copy_(tensor.t())
+
+
 class SwiGLU(nn.Module):
     """Gate and up projections fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -17,7 +17,8 @@ class TorchNativeBackend:
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         batch, max_len = len(inputs.rows), inputs.max_seq_len
-        self.kv_indices = inputs.req_to_token[inputs.rows, :max_len]
+        self.kv_indices = inputs.req_to_token[inputs.rows, :max_len].flatten()
+        self.kv_shape = (batch, max_len)
         key_pos = torch.arange(max_len).view(1, 1, max_len)
         if inputs.is_decode:
             self.mask = (key_pos < inputs.seq_lens.view(-1, 1, 1)).unsqueeze(1)
@@ -32,12 +33,16 @@ class TorchNativeBackend:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.inputs.out_cache_loc, k, v)
-        keys = self.pool.k[layer][self.kv_indices].transpose(1, 2)
-        values = self.pool.v[layer][self.kv_indices].transpose(1, 2)
+        keys = self._gather(self.pool.k[layer])
+        values = self._gather(self.pool.v[layer])
         queries = self._pad(q).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask,
                                              scale=self.scale, enable_gqa=True)
         return self._unpad(out.transpose(1, 2)).flatten(1)
+
+    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """`[B, kv_heads, L, D]` view of each request's keys (index_select beats fancy indexing)."""
+        return cache.index_select(0, self.kv_indices).view(*self.kv_shape, *cache.shape[1:]).transpose(1, 2)
 
     def _pad(self, q: torch.Tensor) -> torch.Tensor:
         if self.inputs.is_decode:

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..config import ModelConfig
-from ..layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 # checkpoint name fragment -> (our fused parameter, shard index)
 _FUSED_SHARDS = {
@@ -22,8 +22,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -62,12 +62,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = LlamaModel(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -79,40 +74,47 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up; a tied head copies the embedding."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
-            target, shard = self._fused_target(name)
-            if target not in params:
+            module_name, _, kind = name.rpartition(".")
+            target, shard = self._fused_target(module_name)
+            module = modules.get(target)
+            if isinstance(module, Linear):
+                module.load(kind, tensor, self._shard_offset(module, shard))
+                loaded.add(f"{target}.{'weight_t' if kind == 'weight' else kind}")
+            elif name in params:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+            else:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-            self._copy_into(params[target], tensor, shard)
-            loaded.add(target)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.load("weight", self.model.embed_tokens.weight)
+            loaded.add("lm_head.weight_t")
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"checkpoint is missing {sorted(missing)[:5]}")
 
     @staticmethod
-    def _fused_target(name: str) -> tuple[str, int | None]:
-        for piece, (fused, shard) in _FUSED_SHARDS.items():
-            if f".{piece}." in name:
-                return name.replace(piece, fused), shard
-        return name, None
+    def _fused_target(module_name: str) -> tuple[str, int | None]:
+        prefix, _, leaf = module_name.rpartition(".")
+        if leaf in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[leaf]
+            return f"{prefix}.{fused}", shard
+        return module_name, None
 
-    def _copy_into(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
-        with torch.no_grad():
-            if shard is None:
-                param.copy_(tensor)
-                return
-            offset = sum(self._shard_sizes(param)[:shard])
-            param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
-
-    def _shard_sizes(self, param: nn.Parameter) -> list[int]:
+    def _shard_offset(self, module: Linear, shard: int | None) -> int:
+        if not shard:
+            return 0
         cfg = self.cfg
-        if param.shape[0] == cfg.q_size + 2 * cfg.kv_size:
-            return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        sizes = ([cfg.q_size, cfg.kv_size] if module.weight_t.shape[1] == cfg.q_size + 2 * cfg.kv_size
+                 else [cfg.intermediate_size])
+        return sum(sizes[:shard])

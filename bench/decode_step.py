@@ -1,0 +1,70 @@
+"""Decode step time of the model runner vs batch size, against the weight-streaming floor.
+
+    python bench/decode_step.py [--model MODEL] [--batch 1 8 32] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.config import EngineArgs
+from radixserve.messages import ForwardBatch, ForwardMode, SamplingBatch
+from radixserve.models.loader import resolve_model
+from radixserve.worker.model_runner import ModelRunner
+
+
+def greedy(n: int) -> SamplingBatch:
+    return SamplingBatch([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n,
+                         [0.0] * n, [1.0] * n, [None] * n, [None] * n, [None] * n)
+
+
+def decode_batch(batch: int, context: int) -> ForwardBatch:
+    seq = context + 1
+    rows = list(range(batch))
+    writes = [(r, 0, list(range(1 + r * seq, 1 + r * seq + context))) for r in rows]
+    return ForwardBatch(ForwardMode.DECODE, [42] * batch, [context] * batch,
+                        [1 + r * seq + context for r in rows], rows, [seq] * batch, [1] * batch,
+                        writes, greedy(batch), [None] * batch)
+
+
+def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
+    runner.forward(fb)
+    fb.row_writes = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.forward(fb)
+    return (time.perf_counter() - start) / steps
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    slots = max(a.batch) * (a.context + 1) + 8
+    runner = ModelRunner(resolve_model(a.model), EngineArgs(
+        max_total_tokens=slots, max_running_requests=max(a.batch), dtype=a.dtype))
+    rows = []
+    for b in a.batch:
+        ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000
+        rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1)})
+        print(f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s")
+    print(f"weights: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype})")
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
