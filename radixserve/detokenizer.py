@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .messages import BatchOut, ReqOutput
+
 
 @dataclass
 class DecodeState:
@@ -32,19 +34,19 @@ class Detokenizer:
         ids = [i for i in ids if 0 <= i < self.vocab_limit]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def start(self, rid: str, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
-        self.states[rid] = DecodeState(skip_special_tokens, list(stop or []))
-
-    def step(self, rid: str, new_ids: list[int], finished: bool, finish_reason: dict | None) -> str:
-        """Append tokens; return the newly visible text."""
-        state = self.states.setdefault(rid, DecodeState())
-        state.ids += new_ids
+    def text_for(self, out: ReqOutput) -> str:
+        """Append this output's tokens to its request; return the newly visible text."""
+        state = self.states.get(out.rid)
+        if state is None:
+            state = self.states[out.rid] = DecodeState(out.skip_special_tokens, list(out.stop or []))
+        state.ids += out.new_token_ids
+        finished, finish_reason = out.finished, out.finish_reason
         state.text += self._new_text(state)
         visible = self._visible(state, finished, finish_reason)
         delta = visible[state.sent:]
         state.sent = max(state.sent, len(visible))
         if finished:
-            del self.states[rid]
+            del self.states[out.rid]
         return delta
 
     def _new_text(self, s: DecodeState) -> str:
@@ -69,3 +71,31 @@ class Detokenizer:
             return s.text
         hold = max(len(x) for x in s.stop) - 1
         return s.text[: max(len(s.text) - hold, s.sent)]
+
+
+def run_detokenizer(tokenizer_dir, endpoints, log_level: str = "info") -> None:
+    """Detokenizer process: scheduler outputs in, the same outputs with text out to the api.
+
+    Any other message (readiness, control replies) passes through unchanged.
+    """
+    import logging
+
+    import zmq
+
+    from .ipc import decode, encode, exit_with_parent, pull_socket, push_socket
+    from .tokenizer import load_tokenizer
+
+    exit_with_parent()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s detokenizer: %(message)s")
+    detok = Detokenizer(load_tokenizer(tokenizer_dir)) if tokenizer_dir else None
+    ctx = zmq.Context()
+    inbox = pull_socket(ctx, endpoints.detokenizer_in, bind=True)
+    outbox = push_socket(ctx, endpoints.api_in, bind=False)
+    while True:
+        if not inbox.poll(1000):
+            continue
+        msg = decode(inbox.recv())
+        if isinstance(msg, BatchOut) and detok is not None:
+            for out in msg.outputs:
+                out.text = detok.text_for(out)
+        outbox.send(encode(msg))

@@ -195,9 +195,6 @@ class Engine:
         if kind == "add":
             try:
                 sched.add_request(payload)
-                if self.detokenizer:
-                    p = SamplingParams.from_dict(payload.sampling_params)
-                    self.detokenizer.start(payload.rid, p.skip_special_tokens, p.stop)
             except ValueError as exc:
                 self._queues.pop(payload.rid).put(exc)
         elif kind == "abort":
@@ -221,7 +218,7 @@ class Engine:
     def _deliver(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
             if self.detokenizer:
-                out.text = self.detokenizer.step(out.rid, out.new_token_ids, out.finished, out.finish_reason)
+                out.text = self.detokenizer.text_for(out)
             stream = self._queues.get(out.rid)
             if stream is not None:
                 stream.put(out)

@@ -78,6 +78,27 @@ class ForwardResult:
     prompt_logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class WorkerInfo:
+    """What the scheduler needs to know about the worker's memory and model."""
+
+    num_pages: int
+    page_size: int
+    max_context_len: int
+    max_running_requests: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    attention_backend: str
+    bytes_per_token: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+
+
 # ---- api <-> scheduler ---------------------------------------------------
 
 @dataclass
@@ -97,16 +118,6 @@ class AbortReq:
 
 
 @dataclass
-class FlushCacheReq:
-    pass
-
-
-@dataclass
-class StatsReq:
-    pass
-
-
-@dataclass
 class ReqOutput:
     """One request's progress in one scheduler step (token ids; text is added later)."""
 
@@ -123,6 +134,8 @@ class ReqOutput:
     input_top_logprobs: list[list] | None = None
     text: str = ""
     queue_time: float = 0.0
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -158,3 +171,31 @@ class SchedulerStats:
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+
+@dataclass
+class ControlReq:
+    """api -> scheduler: a question the scheduler answers with a ControlReply."""
+
+    kind: str
+    token: str
+    arg: int = 0
+
+
+@dataclass
+class ControlReply:
+    kind: str
+    token: str
+    data: dict
+
+
+@dataclass
+class SchedulerReady:
+    info: WorkerInfo
+    model_name: str
+
+
+@dataclass
+class ChildFailed:
+    name: str
+    error: str

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 
 from radixserve.messages import ForwardBatch, ForwardResult
-from radixserve.worker.model_runner import WorkerInfo
+from radixserve.messages import WorkerInfo
 
 VOCAB = 1000
 EOS = 999

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 from ..config import EngineArgs
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.radix_cache import RadixCache
-from ..messages import (ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
+from ..messages import (WorkerInfo, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
                         ReqOutput, SamplingBatch, SchedulerStats)
 from ..sampling_params import SamplingParams
 from .policy import order_waiting
@@ -31,7 +31,7 @@ RETRACT_RATIO_STEP = 0.15
 class Executor(Protocol):
     """What the scheduler needs from the model worker(s)."""
 
-    info: "WorkerInfo"  # noqa: F821
+    info: WorkerInfo
 
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
@@ -405,9 +405,12 @@ class Scheduler:
         new = req.output_ids[req.sent_len:]
         if not new and not req.finished:
             return
+        first = req.sent_len == 0
         req.sent_len = len(req.output_ids)
         out = ReqOutput(req.rid, new, req.finished, req.finish_reason, len(req.input_ids),
-                        len(req.output_ids), req.cached_tokens, queue_time=req.queue_time)
+                        len(req.output_ids), req.cached_tokens, queue_time=req.queue_time,
+                        stop=req.params.stop if first else None,
+                        skip_special_tokens=req.params.skip_special_tokens)
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[req.sent_logprobs:]
             out.output_top_logprobs = req.output_top_logprobs[req.sent_logprobs:]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -11,32 +10,12 @@ from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
 from ..models.loader import ModelSource, build_model, with_max_context
-from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs
+from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .sampler import sample
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_MAX_TOKENS = 65536
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the scheduler needs to know about the worker's memory and model."""
-
-    num_pages: int
-    page_size: int
-    max_context_len: int
-    max_running_requests: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    attention_backend: str
-    bytes_per_token: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

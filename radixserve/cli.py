@@ -1,0 +1,89 @@
+"""`radixserve serve` and `radixserve generate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineArgs, ServerArgs
+
+ENGINE_FLAGS = [
+    ("--model", dict(default=None, help="bundled SmolLM2-135M-Instruct when omitted; a local HF "
+                     "checkpoint directory (Llama/Qwen2/Mistral); or dummy:<shape> random weights "
+                     "(dummy:llama-3-8b, dummy:qwen2-0.5b, dummy:smollm2-135m, dummy:tiny)")),
+    ("--dtype", dict(default="auto", choices=DTYPES, help="weights/KV dtype; auto = float32 on CPU, bfloat16 on GPU")),
+    ("--max-total-tokens", dict(type=int, default=None, help="KV pool size in tokens (overrides --mem-fraction)")),
+    ("--mem-fraction", dict(type=float, default=0.3, help="fraction of free memory for the KV pool")),
+    ("--max-running-requests", dict(type=int, default=64, help="requests decoding at once")),
+    ("--max-context-len", dict(type=int, default=None, help="context length cap (default: the model's)")),
+    ("--chunked-prefill-size", dict(type=int, default=512, help="longest prompt chunk per step")),
+    ("--max-prefill-tokens", dict(type=int, default=4096, help="prompt tokens per prefill step")),
+    ("--schedule-policy", dict(default="lpm", choices=SCHEDULE_POLICIES,
+                               help="lpm: longest cached prefix first; dfs-weight; fcfs")),
+    ("--disable-radix-cache", dict(action="store_true", help="no prefix reuse (a baseline)")),
+    ("--page-size", dict(type=int, default=1, help="KV slots per page")),
+    ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
+                                 help="auto: flashinfer on CUDA if importable, else triton, else torch_native")),
+    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (1 for now)")),
+    ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
+    ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
+    ("--log-level", dict(default="info", choices=["debug", "info", "warning", "error"], help="log level")),
+]
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, kwargs in ENGINE_FLAGS:
+        parser.add_argument(flag, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{flag[2:].replace("-", "_"): getattr(ns, flag[2:].replace("-", "_"))
+                         for flag, _ in ENGINE_FLAGS})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="LLM serving with a radix prefix cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the HTTP API (SGLang native + OpenAI)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=30000, help="port to listen on")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    serve.add_argument("--served-model-name", default=None, help="model name reported by /v1/models")
+    _add_engine_flags(serve)
+    gen = sub.add_parser("generate", help="generate offline, in this process",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", nargs="+", help="prompt(s)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--json", action="store_true", help="print the full results as JSON")
+    _add_engine_flags(gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        engine_args = engine_args_from(ns)
+    except ValueError as exc:
+        print(f"radixserve: {exc}", file=sys.stderr)
+        return 2
+    if ns.command == "serve":
+        from .server.launch import launch_server
+        return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args))
+    return _generate(ns, engine_args)
+
+
+def _generate(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    from .engine import Engine
+
+    with Engine(**{k: v for k, v in vars(engine_args).items()}) as engine:
+        results = engine.generate(list(ns.prompt), {"max_new_tokens": ns.max_new_tokens,
+                                                    "temperature": ns.temperature})
+    for prompt, result in zip(ns.prompt, results):
+        print(json.dumps(result) if ns.json else f"{prompt}{result['text']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The HTTP server: api process, tokenizer manager, OpenAI adapter, metrics, launch."""

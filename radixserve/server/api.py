@@ -1,0 +1,221 @@
+"""The FastAPI app: SGLang's native routes, health, control; OpenAI routes live in openai_api."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from ..config import ServerArgs
+from ..messages import GenerateReq
+from .protocol import AbortRequest, GenerateRequest
+from .tokenizer_manager import RequestError, TokenizerManager
+
+OPEN_PATHS = {"/health", "/dashboard", "/docs", "/openapi.json"}
+
+
+@dataclass
+class Health:
+    """Set unhealthy by the launcher's watchdog when a child process dies."""
+
+    healthy: bool = True
+    reason: str = ""
+    started: float = field(default_factory=time.time)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """JSON body as `model`, whatever the content type; malformed or mistyped input is a 400."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestError("the JSON body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            499: "ClientClosedRequest", 503: "ServiceUnavailableError"}.get(status, "Error")
+    return JSONResponse({"object": "error", "message": message, "type": kind, "code": status,
+                         "error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:  # a disconnected client cancels us here: close the chain so the request aborts
+            await chunks.aclose()
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
+    app = FastAPI(title="radixserve", version="0.1.0")
+    app.state.tm, app.state.args, app.state.health = tm, server_args, health
+    _install_error_handlers(app)
+    _install_auth(app, server_args.api_key)
+    _native_routes(app, tm, server_args, health)
+    from .openai_api import openai_routes
+    openai_routes(app, tm, server_args)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError):
+        return error_response(str(exc), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        return error_response("invalid request: " + "; ".join(parts[:5]), 400)
+
+
+def _install_auth(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+            return await call_next(request)
+        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return error_response("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+        return await call_next(request)
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise RequestError(f"{name} has {len(value)} entries for {count} prompts")
+        return value
+    return [value] * count
+
+
+def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateReq], bool]:
+    """The batch of scheduler requests a /generate body stands for, and whether it was a single prompt."""
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("send exactly one of 'text' or 'input_ids'")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        id_lists = [tm.tokenize(t) for t in ([body.text] if single else body.text)]
+    else:
+        single = not body.input_ids or isinstance(body.input_ids[0], int)
+        id_lists = [body.input_ids] if single else body.input_ids
+    if not id_lists:
+        raise RequestError("the batch is empty")
+    n = len(id_lists)
+    params = _per_prompt(body.sampling_params, n, "sampling_params")
+    rids = _per_prompt(body.rid, n, "rid") if isinstance(body.rid, list) else [
+        None if body.rid is None else (body.rid if single else f"{body.rid}-{i}") for i in range(n)]
+    logprob = _per_prompt(body.return_logprob or False, n, "return_logprob")
+    starts = _per_prompt(-1 if body.logprob_start_len is None else body.logprob_start_len, n, "logprob_start_len")
+    tops = _per_prompt(body.top_logprobs_num or 0, n, "top_logprobs_num")
+    reqs = []
+    for i in range(n):
+        req, sp = tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i])
+        reqs += tm.expand_n(req, sp)
+    return reqs, single and len(reqs) == 1
+
+
+def generate_result(tm: TokenizerManager, state, body: GenerateRequest, with_logprob: bool) -> dict:
+    result = state.to_dict(with_logprob, tm.token_text if body.return_text_in_logprobs else None)
+    if with_logprob:
+        lps = [e[0] for e in result["meta_info"]["input_token_logprobs"] if e[0] is not None]
+        result["meta_info"]["normalized_prompt_logprob"] = sum(lps) / len(lps) if lps else 0.0
+    return result
+
+
+def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health: Health) -> None:
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse_body(request, GenerateRequest)
+        reqs, single = build_generate(tm, body)
+        if body.stream:
+            if len(reqs) != 1:
+                raise RequestError("stream takes a single prompt with n=1")
+            return sse(_stream_generate(tm, reqs[0], body))
+        states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
+        results = [generate_result(tm, s, body, r.return_logprob) for s, r in zip(states, reqs)]
+        return json_response(results[0] if single else results)
+
+    @app.get("/health")
+    async def health_check():
+        if not health.healthy:
+            return error_response(f"unhealthy: {health.reason}", 503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not health.healthy:
+            return error_response(f"unhealthy: {health.reason}", 503)
+        req, _ = tm.make_request([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
+                                 {"max_new_tokens": 1, "temperature": 0})
+        await asyncio.wait_for(tm.run_to_end(req), timeout=60)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": args.engine.model or tm.model_name, "tokenizer_path": args.engine.model,
+                "is_generation": True, "served_model_name": served_name(tm, args)}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        stats = await tm.control("stats")
+        return json_response({**server_args_dict(args), "worker": vars(tm.info),
+                              "max_total_num_tokens": tm.info.num_pages * tm.info.page_size,
+                              "stats": stats, "uptime_s": time.time() - health.started})
+
+    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    async def flush_cache():
+        reply = await tm.control("flush_cache")
+        if not reply.get("success"):
+            return error_response("cannot flush the cache while requests are running", 400)
+        return Response("Cache flushed.", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await parse_body(request, AbortRequest)
+        await tm.abort(body.rid)
+        return Response(status_code=200)
+
+
+async def _stream_generate(tm: TokenizerManager, req: GenerateReq, body: GenerateRequest):
+    stream = tm.run(req)
+    try:
+        async for state in stream:
+            yield generate_result(tm, state, body, req.return_logprob)
+    except RequestError as exc:
+        yield {"error": {"message": str(exc), "code": exc.status}}
+    finally:
+        await stream.aclose()
+
+
+def served_name(tm: TokenizerManager, args: ServerArgs) -> str:
+    return args.served_model_name or tm.model_name
+
+
+def server_args_dict(args: ServerArgs) -> dict:
+    data = {k: v for k, v in vars(args).items() if k not in ("engine", "api_key")}
+    data.update(vars(args.engine))
+    return data

@@ -1,0 +1,142 @@
+"""Starts the processes (worker, scheduler, detokenizer), serves HTTP, and cleans up."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+import zmq
+
+from ..config import ServerArgs
+from ..detokenizer import run_detokenizer
+from ..ipc import Endpoints, pull_socket, recv_all
+from ..messages import SchedulerReady
+from ..models.loader import resolve_model
+from ..scheduler.process import run_scheduler
+from ..tokenizer import load_tokenizer
+from ..worker.process import run_worker
+from .api import Health, create_app
+from .tokenizer_manager import TokenizerManager, api_inbox
+
+log = logging.getLogger("radixserve")
+READY_TIMEOUT_S = 900
+
+
+@dataclass
+class Children:
+    procs: dict[str, mp.Process]
+
+    def first_dead(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return name, proc.exitcode
+        return None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.time() + 5
+        for proc in self.procs.values():
+            proc.join(timeout=max(deadline - time.time(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+
+
+def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir) -> Children:
+    ctx = mp.get_context("spawn")
+    e = args.engine
+    procs = {
+        "detokenizer": ctx.Process(target=run_detokenizer, args=(tokenizer_dir, endpoints, e.log_level),
+                                   name="radixserve-detokenizer"),
+        "worker": ctx.Process(target=run_worker, args=(e, endpoints), name="radixserve-worker-tp0"),
+        "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints), name="radixserve-scheduler"),
+    }
+    for proc in procs.values():
+        proc.start()
+    return Children(procs)
+
+
+def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:
+    ctx = zmq.Context()
+    sock = pull_socket(ctx, endpoints.api_in, bind=True)
+    try:
+        deadline = time.time() + READY_TIMEOUT_S
+        while time.time() < deadline:
+            dead = children.first_dead()
+            if dead:
+                raise RuntimeError(f"the {dead[0]} process died during start-up (exit code {dead[1]})")
+            for msg in recv_all(sock, 500):
+                if isinstance(msg, SchedulerReady):
+                    return msg
+        raise TimeoutError("the scheduler did not become ready in time")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def watch_children(children: Children, health: Health, server: uvicorn.Server, exit_code: list[int]) -> None:
+    while not server.should_exit:
+        dead = children.first_dead()
+        if dead:
+            health.healthy = False
+            health.reason = f"the {dead[0]} process died (exit code {dead[1]})"
+            log.error("%s; shutting down", health.reason)
+            exit_code[0] = 1
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1)."""
+    logging.basicConfig(level=args.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    started = time.time()
+    source = resolve_model(args.engine.model)
+    endpoints = Endpoints.create()
+    children = start_children(args, endpoints, source.tokenizer_dir)
+    exit_code = [0]
+    try:
+        ready = wait_ready(endpoints, children)
+        tokenizer = load_tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None
+        tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n)
+        health = Health()
+        app = create_app(tm, args, health)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            await tm.start(api_inbox(endpoints))
+            log_ready(args, ready, time.time() - started)
+            yield
+
+        app.router.lifespan_context = lifespan
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        threading.Thread(target=watch_children, args=(children, health, server, exit_code),
+                         daemon=True, name="child-watch").start()
+        server.run()
+        if not server.started and exit_code[0] == 0:
+            exit_code[0] = 1
+    except Exception as exc:
+        log.error("start-up failed: %s", exc)
+        exit_code[0] = 1
+    finally:
+        children.stop()
+        shutil.rmtree(endpoints.folder, ignore_errors=True)
+    return exit_code[0]
+
+
+def log_ready(args: ServerArgs, ready: SchedulerReady, seconds: float) -> None:
+    info = ready.info
+    log.info("serving %s on http://%s:%d (cold start %.1f s)", ready.model_name, args.host, args.port, seconds)
+    log.info("KV pool: %d tokens (%s, %s); %d full-context (%d) requests fit; backend %s",
+             info.num_pages * info.page_size, info.dtype, info.device,
+             info.num_pages * info.page_size // info.max_context_len, info.max_context_len,
+             info.attention_backend)

@@ -1,0 +1,92 @@
+"""Request bodies of the HTTP API, as pydantic models (wrong types become 400s)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = False
+    logprob_start_len: int | list[int] | None = -1
+    top_logprobs_num: int | list[int] | None = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+
+class AbortRequest(BaseModel):
+    rid: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIBase(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+        }
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
+                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
+                    "stop_token_ids": self.stop_token_ids}
+        params.update({k: v for k, v in optional.items() if v is not None})
+        return params
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=0)

@@ -1,0 +1,180 @@
+"""The api process's side of a request: validate, tokenize, send, await outputs, abort."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from ..ipc import Endpoints, decode, encode, pull_socket, push_socket
+from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, SchedulerReady
+from ..responses import RequestState
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """Bad input: becomes an HTTP 4xx with this message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Pending:
+    state: RequestState
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, endpoints: Endpoints, ready: SchedulerReady, max_n: int = 16):
+        self.tokenizer = tokenizer
+        self.endpoints = endpoints
+        self.info = ready.info
+        self.model_name = ready.model_name
+        self.max_n = max_n
+        self.pending: dict[str, _Pending] = {}
+        self.replies: dict[str, asyncio.Future] = {}
+        self.observers: list[Callable[[RequestState], None]] = []
+
+    async def start(self, inbox: zmq.Socket | None = None) -> None:
+        """Bind sockets and start reading outputs (call inside the server's event loop)."""
+        ctx = zmq.asyncio.Context.instance()
+        self.outbox = push_socket(ctx, self.endpoints.scheduler_in, bind=False)
+        self.inbox = inbox
+        self.reader = asyncio.create_task(self._read_outputs())
+
+    # ---- input ------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; send input_ids")
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # template errors are the caller's input
+            raise RequestError(f"cannot apply the chat template: {exc}") from exc
+
+    def make_request(self, input_ids: list[int], params: dict | None, rid: str | None = None,
+                     return_logprob: bool = False, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0) -> tuple[GenerateReq, SamplingParams]:
+        """Validate everything the scheduler would refuse, so it never sees bad input."""
+        try:
+            sp = SamplingParams.from_dict(params)
+            sp.validate(self.max_n)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"invalid sampling_params: {exc}") from exc
+        self._check_prompt(input_ids)
+        if not 0 <= top_logprobs_num <= 100:
+            raise RequestError("top_logprobs_num must be in [0, 100]")
+        if logprob_start_len < -1:
+            raise RequestError("logprob_start_len must be >= -1")
+        req = GenerateReq(rid or uuid.uuid4().hex, input_ids, sp.to_dict(), return_logprob,
+                          logprob_start_len, top_logprobs_num)
+        return req, sp
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        limit = min(self.info.max_context_len, self.info.num_pages * self.info.page_size)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1}")
+        if any(not isinstance(t, int) or not 0 <= t < self.info.vocab_size for t in ids):
+            raise RequestError(f"input_ids must be integers in [0, {self.info.vocab_size})")
+
+    def expand_n(self, req: GenerateReq, sp: SamplingParams) -> list[GenerateReq]:
+        """n samples become n requests; the shared prompt is computed once through the radix cache."""
+        if sp.n == 1:
+            return [req]
+        out = []
+        for i in range(sp.n):
+            seed = None if sp.seed is None else sp.seed + i
+            params = dict(req.sampling_params, n=1, seed=seed)
+            out.append(GenerateReq(f"{req.rid}-{i}", req.input_ids, params, req.return_logprob,
+                                   req.logprob_start_len, req.top_logprobs_num))
+        return out
+
+    # ---- running ----------------------------------------------------------
+    async def run(self, req: GenerateReq) -> AsyncIterator[RequestState]:
+        """Send a request and yield its state after every update; aborts if the caller stops early."""
+        if req.rid in self.pending:
+            raise RequestError(f"a request with rid {req.rid!r} is already running")
+        pending = self.pending[req.rid] = _Pending(RequestState(req.rid))
+        await self.outbox.send(encode(req))
+        try:
+            while not pending.state.finished:
+                out = await pending.updates.get()
+                pending.state.update(out)
+                yield pending.state
+        finally:
+            self.pending.pop(req.rid, None)
+            if not pending.state.finished:
+                await self.abort(req.rid)
+        reason = pending.state.finish_reason or {}
+        if reason.get("status_code"):
+            raise RequestError(reason.get("message", "bad request"), reason["status_code"])
+        for observe in self.observers:
+            observe(pending.state)
+
+    async def run_to_end(self, req: GenerateReq, disconnected: Callable | None = None) -> RequestState:
+        """Await the final state; abort if `disconnected()` turns true while waiting."""
+        stream = self.run(req)
+        state = None
+        try:
+            while True:
+                step = asyncio.ensure_future(stream.__anext__())
+                while not step.done():
+                    await asyncio.wait([step], timeout=0.5)
+                    if not step.done() and disconnected is not None and await disconnected():
+                        step.cancel()
+                        raise RequestError("client disconnected", 499)
+                try:
+                    state = step.result()
+                except StopAsyncIteration:
+                    return state
+        finally:
+            await stream.aclose()
+
+    async def abort(self, rid: str) -> None:
+        await self.outbox.send(encode(AbortReq(rid)))
+
+    async def control(self, kind: str, arg: int = 0, timeout: float = 10.0) -> dict:
+        token = uuid.uuid4().hex
+        future = self.replies[token] = asyncio.get_running_loop().create_future()
+        await self.outbox.send(encode(ControlReq(kind, token, arg)))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.replies.pop(token, None)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = decode(await self.inbox.recv())
+            if isinstance(msg, BatchOut):
+                for out in msg.outputs:
+                    pending = self.pending.get(out.rid)
+                    if pending is not None:
+                        pending.updates.put_nowait(out)
+            elif isinstance(msg, ControlReply):
+                future = self.replies.get(msg.token)
+                if future is not None and not future.done():
+                    future.set_result(msg.data)
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None or not 0 <= token_id < len(self.tokenizer):
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def api_inbox(endpoints: Endpoints) -> zmq.Socket:
+    """The api's inbound socket, bound before the children start so nothing is lost."""
+    return pull_socket(zmq.asyncio.Context.instance(), endpoints.api_in, bind=True)
