@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -26,6 +26,7 @@ class Health:
 
     healthy: bool = True
     reason: str = ""
+    processes: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
 
@@ -67,10 +68,10 @@ def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
-    app = FastAPI(title="radixserve", version="0.1.0")
+    app = FastAPI(title="radixserve", version="0.1.0",
+                  dependencies=[Depends(_auth_dependency(server_args.api_key))])
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
     _install_error_handlers(app)
-    _install_auth(app, server_args.api_key)
     _native_routes(app, tm, server_args, health)
     from .openai_api import openai_routes
     openai_routes(app, tm, server_args)
@@ -91,17 +92,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response("invalid request: " + "; ".join(parts[:5]), 400)
 
 
-def _install_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
-            return await call_next(request)
+def _auth_dependency(api_key: str | None):
+    """A global dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects."""
+    async def check_key(request: Request) -> None:
+        if not api_key or request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+            return
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return error_response("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
-        return await call_next(request)
+            raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+    return check_key
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list:
@@ -184,7 +182,8 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
         stats = await tm.control("stats")
         return json_response({**server_args_dict(args), "worker": vars(tm.info),
                               "max_total_num_tokens": tm.info.num_pages * tm.info.page_size,
-                              "stats": stats, "uptime_s": time.time() - health.started})
+                              "stats": stats, "uptime_s": time.time() - health.started,
+                              "processes": health.processes})
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache():

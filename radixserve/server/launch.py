@@ -106,7 +106,7 @@ def launch_server(args: ServerArgs) -> int:
         ready = wait_ready(endpoints, children)
         tokenizer = load_tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None
         tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n)
-        health = Health()
+        health = Health(processes={name: p.pid for name, p in children.procs.items()})
         app = create_app(tm, args, health)
 
         @contextlib.asynccontextmanager

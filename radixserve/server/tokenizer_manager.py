@@ -16,6 +16,7 @@ from ..responses import RequestState
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.5
 
 
 class RequestError(Exception):
@@ -106,43 +107,53 @@ class TokenizerManager:
     # ---- running ----------------------------------------------------------
     async def run(self, req: GenerateReq) -> AsyncIterator[RequestState]:
         """Send a request and yield its state after every update; aborts if the caller stops early."""
+        pending = await self._send(req)
+        try:
+            while not pending.state.finished:
+                pending.state.update(await pending.updates.get())
+                yield pending.state
+        finally:
+            await self._close(req.rid, pending)
+        self._finish(pending)
+
+    async def run_to_end(self, req: GenerateReq, disconnected: Callable | None = None) -> RequestState:
+        """Await the final state; abort if `disconnected()` turns true while waiting."""
+        pending = await self._send(req)
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
+        try:
+            while not pending.state.finished:
+                try:
+                    pending.state.update(await asyncio.wait_for(pending.updates.get(), DISCONNECT_POLL_S))
+                except asyncio.TimeoutError:
+                    pass
+                if disconnected is not None and loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_POLL_S
+                    if await disconnected():
+                        raise RequestError("client disconnected", 499)
+        finally:
+            await self._close(req.rid, pending)
+        return self._finish(pending)
+
+    async def _send(self, req: GenerateReq) -> _Pending:
         if req.rid in self.pending:
             raise RequestError(f"a request with rid {req.rid!r} is already running")
         pending = self.pending[req.rid] = _Pending(RequestState(req.rid))
         await self.outbox.send(encode(req))
-        try:
-            while not pending.state.finished:
-                out = await pending.updates.get()
-                pending.state.update(out)
-                yield pending.state
-        finally:
-            self.pending.pop(req.rid, None)
-            if not pending.state.finished:
-                await self.abort(req.rid)
+        return pending
+
+    async def _close(self, rid: str, pending: _Pending) -> None:
+        self.pending.pop(rid, None)
+        if not pending.state.finished:
+            await self.abort(rid)
+
+    def _finish(self, pending: _Pending) -> RequestState:
         reason = pending.state.finish_reason or {}
         if reason.get("status_code"):
             raise RequestError(reason.get("message", "bad request"), reason["status_code"])
         for observe in self.observers:
             observe(pending.state)
-
-    async def run_to_end(self, req: GenerateReq, disconnected: Callable | None = None) -> RequestState:
-        """Await the final state; abort if `disconnected()` turns true while waiting."""
-        stream = self.run(req)
-        state = None
-        try:
-            while True:
-                step = asyncio.ensure_future(stream.__anext__())
-                while not step.done():
-                    await asyncio.wait([step], timeout=0.5)
-                    if not step.done() and disconnected is not None and await disconnected():
-                        step.cancel()
-                        raise RequestError("client disconnected", 499)
-                try:
-                    state = step.result()
-                except StopAsyncIteration:
-                    return state
-        finally:
-            await stream.aclose()
+        return pending.state
 
     async def abort(self, rid: str) -> None:
         await self.outbox.send(encode(AbortReq(rid)))

@@ -1,0 +1,87 @@
+"""Start a real `radixserve serve` process on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    api_key: str | None
+    log_path: str
+
+    def client(self, **kw) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def children(self) -> list[int]:
+        return child_pids(self.proc.pid)
+
+    def stop(self, timeout: float = 30) -> int:
+        kids = self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=timeout)
+        deadline = time.time() + 10
+        while any(alive(k) for k in kids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if alive(k)], "orphan child processes left behind"
+        return rc
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def start_server(tmp_path, *args: str, api_key: str | None = None, timeout: float = 180) -> Server:
+    port = free_port()
+    log_path = str(tmp_path / f"server-{port}.log")
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    server = Server(proc, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError(f"server did not come up:\n{server.log()}")

@@ -1,0 +1,211 @@
+"""The real server: processes, HTTP, ZeroMQ, the bundled model."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest import PROMPTS
+from server_utils import alive, start_server
+
+KEY = "test-key"
+LONG = PROMPTS[4] * 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("srv"), "--max-total-tokens", "4096",
+                       "--max-running-requests", "16", "--chunked-prefill-size", "256", api_key=KEY)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def stats(client):
+    return client.get("/get_server_info").json()["stats"]
+
+
+def wait_idle(client, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = stats(client)
+        if s["num_running"] == 0 and s["num_queued"] == 0:
+            assert s["free_slots"] + s["cached_slots"] == s["num_slots"], s
+            assert s["running_slots"] == 0
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running: {stats(client)}")
+
+
+def test_generate_matches_hf(client, tokenizer, hf_greedy):
+    r = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["output_ids"] == hf_greedy(tokenizer.encode(PROMPTS[0]), 12)
+    assert body["text"] == tokenizer.decode(body["output_ids"], skip_special_tokens=True)
+    meta = body["meta_info"]
+    assert meta["prompt_tokens"] == len(tokenizer.encode(PROMPTS[0])) and meta["completion_tokens"] == 12
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+
+
+def test_batch_generate_and_input_ids(client, tokenizer, hf_greedy):
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    r = client.post("/generate", json={"text": PROMPTS[:3], "sampling_params": params}).json()
+    assert [x["output_ids"] for x in r] == [hf_greedy(tokenizer.encode(p), 6) for p in PROMPTS[:3]]
+    ids = tokenizer.encode(PROMPTS[1])
+    single = client.post("/generate", json={"input_ids": ids, "sampling_params": params}).json()
+    assert single["output_ids"] == r[1]["output_ids"]
+
+
+def test_stream_sse(client):
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with client.stream("POST", "/generate", json={"text": PROMPTS[1], "stream": True,
+                                                   "sampling_params": params}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len(chunks) >= 2 and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    full = client.post("/generate", json={"text": PROMPTS[1], "sampling_params": params}).json()
+    assert chunks[-1]["text"] == full["text"]
+
+
+def test_logprobs_and_select_style_request(client, tokenizer):
+    choices = [PROMPTS[3] + " 100", PROMPTS[3] + " banana"]
+    r = client.post("/generate", json={"text": choices, "sampling_params": {"max_new_tokens": 0},
+                                       "return_logprob": True, "logprob_start_len": 0,
+                                       "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()
+    for res, text in zip(r, choices):
+        entries = res["meta_info"]["input_token_logprobs"]
+        assert len(entries) == len(tokenizer.encode(text)) and entries[0][0] is None
+        assert isinstance(entries[1][2], str)
+        assert res["output_ids"] == []
+    assert r[0]["meta_info"]["normalized_prompt_logprob"] > r[1]["meta_info"]["normalized_prompt_logprob"]
+
+
+def test_repeated_long_prompt_is_cached(client, tokenizer):
+    params = {"temperature": 0, "max_new_tokens": 4}
+    first = client.post("/generate", json={"text": LONG, "sampling_params": params}).json()
+    second = client.post("/generate", json={"text": LONG, "sampling_params": params}).json()
+    n = len(tokenizer.encode(LONG))
+    assert second["meta_info"]["cached_tokens"] >= n - 1 > first["meta_info"]["cached_tokens"]
+    assert second["output_ids"] == first["output_ids"]
+    assert stats(client)["cached_tokens_total"] >= n - 1
+
+
+def test_openai_client_chat_and_completions(server):
+    openai = pytest.importorskip("openai")
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    models = oai.models.list()
+    model = models.data[0].id
+    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                       max_tokens=10, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 10
+    again = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                        max_tokens=10, temperature=0)
+    assert again.choices[0].message.content == chat.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    stream = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                         max_tokens=10, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+    comp = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, n=2,
+                                  logprobs=2, stop=["\n\n"])
+    assert len(comp.choices) == 2 and comp.choices[0].text == comp.choices[1].text
+    assert len(comp.choices[0].logprobs.token_logprobs) >= 1
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, stop=["\n\n"], stream=True))
+    assert streamed == comp.choices[0].text
+
+
+def test_disconnect_mid_stream_aborts_and_frees(client):
+    params = {"max_new_tokens": 2000, "ignore_eos": True}
+    with client.stream("POST", "/generate", json={"text": LONG, "stream": True, "sampling_params": params}) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += bool(line)
+            if seen >= 3:
+                break
+    wait_idle(client)
+    assert stats(client)["aborted_total"] >= 1
+
+
+def test_disconnect_while_waiting_aborts(server, client):
+    with server.client(timeout=1.0) as short:
+        with pytest.raises(httpx.TimeoutException):
+            short.post("/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 2000,
+                                                                               "ignore_eos": True}})
+    wait_idle(client)
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"{not json", "malformed JSON"),
+    (b'{"text": 5}', "text"),
+    (b'{"text": "hi", "sampling_params": {"temperature": -1}}', "temperature"),
+    (b'{"text": "hi", "sampling_params": {"max_new_tokens": 1e9}}', "max_new_tokens"),
+    (b'{"text": "hi", "sampling_params": {"top_p": "high"}}', "top_p"),
+    (b'{"text": "hi", "sampling_params": {"n": 1000}}', "n "),
+    (b'{"text": "hi", "sampling_params": {"colour": 1}}', "unknown"),
+    (b'{"text": ""}', "empty"),
+    (b'{"input_ids": [1, 99999999]}', "input_ids"),
+    (b'{"text": "hi", "input_ids": [1]}', "exactly one"),
+    (b'[1, 2]', "object"),
+])
+def test_bad_generate_inputs_are_400(client, body, needle):
+    r = client.post("/generate", content=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["message"]
+
+
+def test_too_long_prompt_and_bad_openai_inputs(client):
+    r = client.post("/generate", json={"input_ids": [5] * 5000})
+    assert r.status_code == 400 and "accepts at most" in r.json()["message"]
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -3})
+    assert r.status_code == 400 and "max_tokens" in r.json()["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_api_key_is_required(server):
+    r = httpx.post(f"{server.url}/generate", json={"text": "hi"})
+    assert r.status_code == 401 and "API key" in r.json()["message"]
+    r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+
+def test_info_flush_and_abort_endpoints(client):
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    server_info = client.get("/get_server_info").json()
+    assert server_info["max_total_num_tokens"] == 4096 and "cache_hit_rate" in server_info["stats"]
+    assert client.post("/abort_request", json={"rid": "nope"}).status_code == 200
+    wait_idle(client)
+    assert client.post("/flush_cache").status_code == 200
+    assert stats(client)["cached_slots"] == 0
+
+
+def test_child_crash_is_detected(tmp_path):
+    srv = start_server(tmp_path, "--max-total-tokens", "1024")
+    kids = srv.children()
+    with srv.client() as c:
+        worker = c.get("/get_server_info").json()["processes"]["worker"]
+    assert worker in kids
+    os.kill(worker, signal.SIGKILL)
+    rc = srv.proc.wait(timeout=30)
+    assert rc == 1
+    assert "the worker process died" in srv.log()
+    deadline = time.time() + 10
+    while any(alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)]
