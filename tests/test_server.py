@@ -198,11 +198,14 @@ def test_info_flush_and_abort_endpoints(client):
 def test_child_crash_is_detected(tmp_path):
     srv = start_server(tmp_path, "--max-total-tokens", "1024")
     kids = srv.children()
-    with srv.client() as c:
-        worker = c.get("/get_server_info").json()["processes"]["worker"]
-    assert worker in kids
-    os.kill(worker, signal.SIGKILL)
-    rc = srv.proc.wait(timeout=30)
+    try:
+        with srv.client() as c:
+            worker = c.get("/get_server_info").json()["processes"]["worker"]
+        assert worker in kids
+        os.kill(worker, signal.SIGKILL)
+        rc = srv.proc.wait(timeout=30)
+    finally:
+        srv.proc.kill()
     assert rc == 1
     assert "the worker process died" in srv.log()
     deadline = time.time() + 10

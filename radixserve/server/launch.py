@@ -5,6 +5,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,21 @@ from .tokenizer_manager import TokenizerManager, api_inbox
 
 log = logging.getLogger("radixserve")
 READY_TIMEOUT_S = 900
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would kill us
+    before the children are stopped; we exit on our own terms instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handled = (signal.SIGINT, signal.SIGTERM)
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
 
 
 @dataclass
@@ -118,7 +134,7 @@ def launch_server(args: ServerArgs) -> int:
         app.router.lifespan_context = lifespan
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=2)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         threading.Thread(target=watch_children, args=(children, health, server, exit_code),
                          daemon=True, name="child-watch").start()
         server.run()
