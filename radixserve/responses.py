@@ -20,6 +20,9 @@ class RequestState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    queue_time: float = 0.0
     output_logprobs: list[list] = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs: list[list] | None = None
@@ -27,8 +30,9 @@ class RequestState:
     error: str | None = None
 
     def update(self, out: ReqOutput) -> None:
-        if out.new_token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if out.new_token_ids:
+            self._time_tokens(len(out.new_token_ids))
+        self.queue_time = out.queue_time
         self.text += out.text
         self.output_ids += out.new_token_ids
         self.finished, self.finish_reason = out.finished, out.finish_reason
@@ -38,6 +42,18 @@ class RequestState:
         self.output_top_logprobs += out.output_top_logprobs or []
         if out.input_logprobs is not None:
             self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
+
+    def _time_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_token_at is not None:
+            self.inter_token_latencies += [(now - self.last_token_at) / count] * count
+        self.last_token_at = now
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.created
 
     def to_dict(self, with_logprobs: bool = False,
                 token_text: Callable[[int], str] | None = None) -> dict:

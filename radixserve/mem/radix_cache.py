@@ -11,11 +11,9 @@ its slots handed back to the allocator through `free_slots`.
 from __future__ import annotations
 
 import heapq
-import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable
-
-_clock = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -25,14 +23,14 @@ class TreeNode:
     parent: "TreeNode | None" = None
     children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
-    last_access: int = 0
+    last_access: float = 0.0
     hit_count: int = 0
 
     def __lt__(self, other: "TreeNode") -> bool:
         return self.last_access < other.last_access
 
     def touch(self) -> None:
-        self.last_access = next(_clock)
+        self.last_access = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class CachedPrefix:
     tokens: list[int]
     num_tokens: int
     hit_count: int
-    last_access: int
+    idle_seconds: float
     locked: bool
 
 
@@ -155,15 +153,18 @@ class RadixCache:
         return freed
 
     def top_prefixes(self, limit: int = 10) -> list[CachedPrefix]:
-        """The largest cached paths ending at a leaf, biggest first."""
-        paths = []
-        for leaf in (n for n in self._nodes() if not n.children and n is not self.root):
-            tokens, node = [], leaf
-            while node is not self.root:
-                tokens[:0] = node.key
-                node = node.parent
-            paths.append(CachedPrefix(tokens, len(tokens), leaf.hit_count, leaf.last_access, leaf.lock_ref > 0))
-        paths.sort(key=lambda p: p.num_tokens, reverse=True)
+        """Cached paths that earned the most (hits x length), then the biggest leaves."""
+        paths, now = [], time.monotonic()
+        for node in self._nodes():
+            if node is self.root or (node.children and not node.hit_count):
+                continue
+            tokens, up = [], node
+            while up is not self.root:
+                tokens[:0] = up.key
+                up = up.parent
+            paths.append(CachedPrefix(tokens, len(tokens), node.hit_count, now - node.last_access,
+                                      node.lock_ref > 0))
+        paths.sort(key=lambda p: (p.hit_count * p.num_tokens, p.num_tokens), reverse=True)
         return paths[:limit]
 
     # ---- internals -----------------------------------------------------

@@ -24,6 +24,7 @@ from .req import Req
 log = logging.getLogger(__name__)
 
 IN_BATCH_SHARE_MIN = 32
+DECODE_LOG_INTERVAL = 40
 RATIO_DECAY_STEPS = 600
 RETRACT_RATIO_STEP = 0.15
 
@@ -41,6 +42,7 @@ class Step:
     mode: ForwardMode
     reqs: list[Req]
     batch: ForwardBatch
+    reused_tokens: int = 0
 
 
 class Scheduler:
@@ -137,11 +139,13 @@ class Scheduler:
                 break
             reqs.append(req), lens.append(n)
             budget -= n
+        reused = 0
         for req, n in self._admit(budget, bool(reqs)):
             reqs.append(req), lens.append(n)
+            reused += req.cached_len
         if not reqs:
             return None
-        return Step(ForwardMode.EXTEND, reqs, self._build_batch(ForwardMode.EXTEND, reqs, lens))
+        return Step(ForwardMode.EXTEND, reqs, self._build_batch(ForwardMode.EXTEND, reqs, lens), reused)
 
     def _admit(self, budget: int, batch_started: bool):
         if not self.waiting:
@@ -341,6 +345,7 @@ class Scheduler:
     # ---- results ---------------------------------------------------------
     def _process(self, step: Step, result: ForwardResult) -> None:
         self.stats.forward_steps += 1
+        self._log_step(step)
         generated = 0
         for b, req in enumerate(step.reqs):
             self._take_prompt_logprobs(req, result, b)
@@ -437,6 +442,18 @@ class Scheduler:
         self.pending_aborts.clear()
 
     # ---- figures ---------------------------------------------------------
+    def _log_step(self, step: Step) -> None:
+        usage = 1 - self.allocator.available() / self.allocator.num_slots
+        if step.mode == ForwardMode.EXTEND:
+            new = len(step.batch.input_ids)
+            cached = step.reused_tokens
+            log.info("prefill: %d reqs, %d new tokens, %d cached tokens (hit %.0f%%), token usage %.2f, "
+                     "running %d, queued %d", len(step.reqs), new, cached, 100 * cached / max(new + cached, 1),
+                     usage, len(self.running), len(self.waiting))
+        elif self.stats.forward_steps % DECODE_LOG_INTERVAL == 0:
+            log.info("decode: %d reqs, token usage %.2f, gen throughput %.1f tok/s, queued %d",
+                     len(step.reqs), usage, self._throughput(), len(self.waiting))
+
     def snapshot(self, top_prefixes: int = 0) -> SchedulerStats:
         s = self.stats
         s.num_running, s.num_queued = len(self.running), len(self.waiting)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -10,14 +11,17 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from ..config import ServerArgs
 from ..messages import GenerateReq
+from .metrics import Metrics
 from .protocol import AbortRequest, GenerateRequest
 from .tokenizer_manager import RequestError, TokenizerManager
 
 OPEN_PATHS = {"/health", "/dashboard", "/docs", "/openapi.json"}
+DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
 @dataclass
@@ -75,7 +79,25 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     _native_routes(app, tm, server_args, health)
     from .openai_api import openai_routes
     openai_routes(app, tm, server_args)
+    app.state.metrics = Metrics(tm)
+    _observability_routes(app, app.state.metrics)
     return app
+
+
+def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return Response(DASHBOARD_HTML.read_bytes(), media_type="text/html")
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        if not metrics.history:
+            await metrics.refresh()
+        return json_response(metrics.dashboard_data())
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,6 +1,7 @@
 """Starts the processes (worker, scheduler, detokenizer), serves HTTP, and cleans up."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
@@ -128,8 +129,10 @@ def launch_server(args: ServerArgs) -> int:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             await tm.start(api_inbox(endpoints))
+            sampler = asyncio.create_task(app.state.metrics.sample_forever())
             log_ready(args, ready, time.time() - started)
             yield
+            sampler.cancel()
 
         app.router.lifespan_context = lifespan
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

@@ -1,0 +1,150 @@
+"""Prometheus metrics and the dashboard's data.
+
+The scheduler owns the cache and batch figures: the api process asks it for a
+snapshot (one small control message) and exports it through a custom collector,
+so nothing is shared between processes. Request latencies are measured here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..responses import RequestState
+from .tokenizer_manager import TokenizerManager
+
+log = logging.getLogger(__name__)
+P = "radixserve:"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+HISTORY_POINTS = 600
+TOP_PREFIXES = 10
+
+
+class Metrics:
+    def __init__(self, tm: TokenizerManager):
+        self.tm = tm
+        self.registry = CollectorRegistry()
+        histogram = lambda name, doc, buckets=LATENCY_BUCKETS: Histogram(  # noqa: E731
+            P + name, doc, buckets=buckets, registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
+                             (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = histogram("queue_time_seconds", "Time from arrival to admission")
+        self.registry.register(_SchedulerCollector(self))
+        self.snapshot: dict = {}
+        self.history: deque[dict] = deque(maxlen=HISTORY_POINTS)
+        self.recent_ttft: deque[float] = deque(maxlen=2000)
+        tm.observers.append(self.observe)
+
+    def observe(self, state: RequestState) -> None:
+        if state.ttft is not None:
+            self.ttft.observe(state.ttft)
+            self.recent_ttft.append(state.ttft)
+        for gap in state.inter_token_latencies:
+            self.itl.observe(gap)
+        self.e2e.observe(time.monotonic() - state.created)
+        self.queue.observe(state.queue_time)
+
+    async def refresh(self) -> dict:
+        self.snapshot = await self.tm.control("stats", TOP_PREFIXES)
+        self.history.append(self._point(self.snapshot))
+        return self.snapshot
+
+    async def sample_forever(self, period: float = 1.0) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (asyncio.TimeoutError, OSError) as exc:
+                log.warning("metrics refresh failed: %s", exc)
+            await asyncio.sleep(period)
+
+    async def render(self) -> bytes:
+        await self.refresh()
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def _point(s: dict) -> dict:
+        return {"t": time.time(), "hit_rate": s["cache_hit_rate"], "recent_hit_rate": s["recent_hit_rate"],
+                "cached_total": s["cached_tokens_total"],
+                "computed_total": s["prompt_tokens_total"] - s["cached_tokens_total"],
+                "throughput": s["gen_throughput"], "running": s["num_running"], "queued": s["num_queued"],
+                "kv_running": s["running_slots"], "kv_cached": s["cached_slots"], "kv_free": s["free_slots"]}
+
+    def dashboard_data(self) -> dict:
+        s = self.snapshot
+        return {"model": self.tm.model_name, "now": time.time(), "current": s,
+                "ttft": _percentiles(self.recent_ttft), "history": list(self.history),
+                "top_prefixes": [self._prefix_row(p) for p in s.get("top_prefixes", [])]}
+
+    def _prefix_row(self, p: dict) -> dict:
+        return {"tokens": p["num_tokens"], "hits": p["hit_count"], "idle_s": p["idle_seconds"],
+                "locked": p["locked"], "saved_tokens": p["hit_count"] * p["num_tokens"],
+                "preview": self._preview(p["tokens"])}
+
+    def _preview(self, tokens: list[int]) -> str:
+        """The start and the end of a cached prefix, so siblings can be told apart."""
+        if self.tm.tokenizer is None:
+            return ""
+        decode = lambda ids: self.tm.tokenizer.decode(ids).replace("\n", " ")  # noqa: E731
+        if len(tokens) <= 40:
+            return decode(tokens)
+        return f"{decode(tokens[:24])} … {decode(tokens[-12:])}"
+
+
+def _percentiles(values) -> dict:
+    data = sorted(values)
+    if not data:
+        return {"p50": None, "p90": None, "p99": None, "count": 0}
+    pick = lambda q: data[min(int(q * len(data)), len(data) - 1)]  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "count": len(data)}
+
+
+class _SchedulerCollector:
+    """Exports the latest scheduler snapshot as Prometheus families."""
+
+    GAUGES = [
+        ("cache_hit_rate", "Prompt tokens served from the radix cache / all prompt tokens", "cache_hit_rate"),
+        ("recent_cache_hit_rate", "Cache hit rate over the last 200 admitted requests", "recent_hit_rate"),
+        ("num_running_reqs", "Requests in the running batch", "num_running"),
+        ("num_queue_reqs", "Requests waiting for admission", "num_queued"),
+        ("kv_capacity_tokens", "KV pool size in tokens", "num_slots"),
+        ("kv_free_tokens", "Free KV slots", "free_slots"),
+        ("kv_cached_tokens", "KV slots held by the radix tree", "cached_slots"),
+        ("kv_evictable_tokens", "Cached KV slots no request holds (evictable)", "evictable_slots"),
+        ("kv_running_tokens", "KV slots held by running requests outside the tree", "running_slots"),
+        ("radix_tree_nodes", "Nodes of the radix tree", "radix_nodes"),
+        ("gen_throughput", "Generated tokens per second (last 10 s)", "gen_throughput"),
+    ]
+    COUNTERS = [
+        ("prompt_tokens", "Prompt tokens of admitted requests", "prompt_tokens_total"),
+        ("cached_tokens", "Prompt tokens served from the radix cache", "cached_tokens_total"),
+        ("generation_tokens", "Generated tokens", "generation_tokens_total"),
+        ("evicted_tokens", "Tokens evicted from the radix cache", "evicted_tokens_total"),
+        ("retractions", "Requests retracted for lack of KV memory", "retractions_total"),
+        ("aborted_requests", "Aborted requests", "aborted_total"),
+    ]
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.snapshot
+        if not s:
+            return
+        for name, doc, key in self.GAUGES:
+            yield GaugeMetricFamily(P + name, doc, value=s[key])
+        used = s["num_slots"] - s["free_slots"]
+        yield GaugeMetricFamily(P + "token_usage", "Used share of the KV pool", value=used / max(s["num_slots"], 1))
+        for name, doc, key in self.COUNTERS:
+            yield CounterMetricFamily(P + name, doc, value=s[key])
+        computed = s["prompt_tokens_total"] - s["cached_tokens_total"]
+        yield CounterMetricFamily(P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed)
+        family = CounterMetricFamily(P + "requests", "Finished requests by finish reason", labels=["finish_reason"])
+        for reason, count in sorted(s["requests_finished"].items()):
+            family.add_metric([reason], count)
+        yield family
