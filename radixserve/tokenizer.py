@@ -21,3 +21,29 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+SENTINEL = "\u2063RADIXSERVE\u2063"
+
+
+def chat_roles(tokenizer: Any) -> dict[str, Any]:
+    """Text before and after each role's content in the model's chat template.
+
+    Returned as {"roles": {role: [prefix, suffix]}, "default_system": str}: the text the
+    template inserts when a conversation does not start with a system message.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return {"roles": {r: [f"{r}: ", "\n"] for r in ("system", "user", "assistant")}, "default_system": ""}
+    render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False)  # noqa: E731
+    base = [{"role": "system", "content": "S"}]
+    head = render(base)
+    roles = {}
+    for role in ("system", "user", "assistant"):
+        msgs = [{"role": role, "content": SENTINEL}] if role == "system" else base + [{"role": role, "content": SENTINEL}]
+        text = render(msgs)
+        text = text if role == "system" else text[len(head):]
+        prefix, _, suffix = text.partition(SENTINEL)
+        roles[role] = [prefix, suffix]
+    alone = render([{"role": "user", "content": SENTINEL}])
+    default_system = alone[: alone.index(roles["user"][0] + SENTINEL)]
+    return {"roles": roles, "default_system": default_system}

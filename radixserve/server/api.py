@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..config import ServerArgs
 from ..messages import GenerateReq
+from ..tokenizer import chat_roles
 from .metrics import Metrics
 from .protocol import AbortRequest, GenerateRequest
 from .tokenizer_manager import RequestError, TokenizerManager
@@ -206,6 +207,10 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
                               "max_total_num_tokens": tm.info.num_pages * tm.info.page_size,
                               "stats": stats, "uptime_s": time.time() - health.started,
                               "processes": health.processes})
+
+    @app.get("/get_chat_template")
+    async def chat_template():
+        return chat_roles(tm.tokenizer)
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache():
