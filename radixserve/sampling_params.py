@@ -5,6 +5,9 @@ from dataclasses import dataclass, field, fields, asdict
 from typing import Any
 
 MAX_TOP_K = 1 << 20
+# SGLang parameters we accept only when unset (structured output is not built yet).
+UNSUPPORTED_WHEN_SET = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag", "logit_bias",
+                        "custom_params", "dtype", "no_stop_trim", "stream_interval")
 
 
 @dataclass
@@ -31,20 +34,20 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
         """Build from a JSON dict; unknown keys and wrong types raise ValueError."""
-        data = dict(data or {})
+        if data is not None and not isinstance(data, dict):
+            raise ValueError("sampling_params must be an object")
+        data = {k: v for k, v in (data or {}).items() if v is not None}
+        for name in UNSUPPORTED_WHEN_SET:
+            if data.pop(name, None) not in (None, False, "", [], {}):
+                raise ValueError(f"sampling parameter {name!r} is not supported by radixserve yet")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
-        if data.get("stop") is None:
-            data.pop("stop", None)
-        if data.get("stop_token_ids") is None:
-            data.pop("stop_token_ids", None)
-        for name in ("max_new_tokens", "top_k", "temperature"):
-            if name in data and data[name] is None:
-                data.pop(name)
+        if isinstance(data.get("stop"), tuple):
+            data["stop"] = list(data["stop"])
         params = cls(**data)
         params.validate()
         return params

@@ -1,0 +1,49 @@
+"""SGLang's own frontend language (the `sglang` PyPI package) works against radixserve unchanged."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_utils import start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+FRONTEND = Path(os.environ.get("RADIXSERVE_SGLANG_PATH", ROOT / ".sglang-frontend"))
+
+
+def sglang_available() -> bool:
+    env = dict(os.environ, PYTHONPATH=str(FRONTEND))
+    probe = subprocess.run([sys.executable, "-c", "from sglang import RuntimeEndpoint"], env=env,
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not sglang_available():
+        pytest.skip(f"the sglang frontend is not installed in {FRONTEND} (scripts/install_sglang_frontend.sh)")
+    srv = start_server(tmp_path_factory.mktemp("sgl"), "--max-total-tokens", "8192")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_sglang_programs_run_unchanged(server):
+    env = dict(os.environ, PYTHONPATH=str(FRONTEND))
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_program.py"), server.url],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    qa = out["qa"]
+    assert qa["verdict"] in ("yes", "no")
+    prompt = qa["text"].split("Answer:")[0] + "Answer:"
+    direct = httpx.post(f"{server.url}/generate", json={"text": prompt, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12}}).json()
+    assert direct["text"] == qa["answer"]
+    assert out["tree"]["text"].count("Chosen: ") == 1
+    assert [b["text"].split("\n")[0] for b in out["batch"]] == [
+        "Question: 2+2?", "Question: Color of the sky?", "Question: Largest ocean?"]
+    stats = httpx.get(f"{server.url}/get_server_info").json()["stats"]
+    assert stats["cached_tokens_total"] > 100  # select and fork hit the radix cache
