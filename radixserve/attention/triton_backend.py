@@ -1,0 +1,40 @@
+"""Attention through our Triton kernels (`kernels/`): paged decode with split-KV, extend with prefixes."""
+from __future__ import annotations
+
+import torch
+
+from ..mem.kv_pool import KVPool
+from .base import AttentionInputs
+
+
+class TritonBackend:
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
+        import radixserve_kernels as kernels
+
+        self.kernels = kernels
+        self.pool = pool
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def plan(self, inputs: AttentionInputs) -> None:
+        self.inputs = inputs
+        self.kv_indptr, self.kv_indices = self.kernels.build_kv_indices(
+            inputs.req_to_token, inputs.rows, inputs.seq_lens)
+        if inputs.is_decode:
+            self.num_splits = self.kernels.choose_splits(inputs.max_seq_len)
+            return
+        self.qo_indptr = torch.zeros(len(inputs.rows) + 1, dtype=torch.long, device=inputs.rows.device)
+        self.qo_indptr[1:] = torch.cumsum(inputs.extend_lens, 0)
+        self.prefix_lens = inputs.prefix_lens
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        self.kernels.store_kv(k, v, k_cache, v_cache, self.inputs.out_cache_loc)
+        if self.inputs.is_decode:
+            out = self.kernels.decode_attention(q, k_cache, v_cache, self.kv_indptr, self.kv_indices,
+                                                self.inputs.seq_lens, self.scale, num_splits=self.num_splits)
+        else:
+            out = self.kernels.extend_attention(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr,
+                                                self.kv_indices, self.prefix_lens, self.inputs.extend_lens,
+                                                self.inputs.max_extend_len, self.scale)
+        return out.flatten(1)
