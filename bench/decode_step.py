@@ -34,10 +34,24 @@ def decode_batch(batch: int, context: int) -> ForwardBatch:
 def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
     runner.forward(fb)
     fb.row_writes = []
+    sync(runner)
     start = time.perf_counter()
     for _ in range(steps):
         runner.forward(fb)
+    sync(runner)
     return (time.perf_counter() - start) / steps
+
+
+def make_runner(model: str | None, max_batch: int, context: int, dtype: str = "auto",
+                backend: str = "auto") -> ModelRunner:
+    slots = max_batch * (context + 1) + 8
+    return ModelRunner(resolve_model(model), EngineArgs(max_total_tokens=slots, max_running_requests=max_batch,
+                                                        dtype=dtype, attention_backend=backend))
+
+
+def sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -51,11 +65,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    slots = max(a.batch) * (a.context + 1) + 8
-    runner = ModelRunner(resolve_model(a.model), EngineArgs(
-        max_total_tokens=slots, max_running_requests=max(a.batch), dtype=a.dtype))
+    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend)
     rows = []
     for b in a.batch:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000

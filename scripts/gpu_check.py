@@ -1,0 +1,150 @@
+"""One prepared GPU check (issue: GPU path). Run on a CUDA machine through scripts/gpu_check.sh.
+
+1. Triton kernels vs their references on CUDA (fp32, fp16, bf16).
+2. The bundled model through every available backend on the GPU gives the CPU path's greedy tokens.
+3. Decode step time vs batch size for a Llama-3-8B-shaped dummy model per backend, against the
+   weight-bandwidth floor (weight bytes / measured copy bandwidth), and prefill throughput.
+Prints a compact table; writes $OUT/gpu_check.json when OUT is set.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Radix trees store strings by"]
+
+
+def backends() -> list[str]:
+    names = ["torch_native", "triton"]
+    if importlib.util.find_spec("flashinfer") is not None:
+        names.append("flashinfer")
+    else:
+        print("flashinfer is not installed on this machine: its rows are skipped")
+    return names
+
+
+def kernel_tests() -> bool:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests/test_kernels.py"),
+                          "-k", "not backend"], capture_output=True, text=True)
+    print(run.stdout.strip().splitlines()[-1] if run.stdout else run.stderr[-2000:])
+    return run.returncode == 0
+
+
+def check_model() -> str | None:
+    """The bundled model when its package is here, else random weights of its shape."""
+    from radixserve.models.loader import find_bundled_gguf
+
+    return None if find_bundled_gguf() else "dummy:smollm2-135m"
+
+
+def greedy(backend: str, device: str) -> list[list[int]]:
+    from radixserve import Engine
+
+    model = check_model()
+    prompts = PROMPTS if model is None else None
+    kwargs = dict(model=model, max_total_tokens=4096, max_running_requests=8, dtype="float32",
+                  attention_backend=backend)
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(**kwargs) as engine:
+        if prompts is None:
+            out = engine.generate(input_ids=[[1, 2, 3, 4, 5], [7] * 40, list(range(100, 180))], sampling_params=params)
+        else:
+            out = engine.generate(prompts, params)
+    return [r["output_ids"] for r in out]
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def decode_table(backend: str, batches: list[int], context: int, floor_s: float) -> list[dict]:
+    from decode_step import decode_batch, make_runner, time_steps
+
+    runner = make_runner("dummy:llama-3-8b", max(batches), context, "bfloat16", backend)
+    rows = []
+    for b in batches:
+        ms = time_steps(runner, decode_batch(b, context), 10) * 1000
+        rows.append({"backend": backend, "batch": b, "step_ms": round(ms, 2),
+                     "floor_ms": round(floor_s * 1000, 2), "vs_floor": round(ms / (floor_s * 1000), 2)})
+    rows.append(prefill_row(runner, backend))
+    del runner
+    torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_row(runner, backend: str, batch: int = 4, length: int = 1024) -> dict:
+    from decode_step import greedy as greedy_batch
+    from radixserve.messages import ForwardBatch, ForwardMode
+
+    ids = [11] * (batch * length)
+    slots = list(range(1, batch * length + 1))
+    fb = ForwardBatch(ForwardMode.EXTEND, ids, list(range(length)) * batch, slots, list(range(batch)),
+                      [length] * batch, [length] * batch, [], greedy_batch(batch), [None] * batch)
+    runner.forward(fb)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        runner.forward(fb)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 3
+    return {"backend": backend, "prefill_tokens": batch * length, "prefill_tok_per_s": round(batch * length / seconds)}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    report: dict = {"kernels_ok": kernel_tests()}
+    names = backends()
+    outputs = {name: greedy(name, "cuda") for name in names}
+    cpu = subprocess.run([sys.executable, "-c", (
+        "import json, os; os.environ['CUDA_VISIBLE_DEVICES']=''; import sys; sys.path.insert(0, 'scripts'); "
+        "from gpu_check import greedy; print(json.dumps(greedy('torch_native', 'cpu')))")],
+        capture_output=True, text=True, cwd=ROOT)
+    reference = json.loads(cpu.stdout.strip().splitlines()[-1])
+    report["greedy_matches_cpu"] = {name: out == reference for name, out in outputs.items()}
+    report["model"] = check_model() or "bundled SmolLM2-135M-Instruct"
+    print("greedy tokens equal to the CPU path:", report["greedy_matches_cpu"])
+    bandwidth = copy_bandwidth()
+    weights = 8.03e9 * 2
+    floor_s = weights / bandwidth
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B bf16 weights {weights / 1e9:.1f} GB; "
+          f"floor {floor_s * 1000:.2f} ms/step")
+    rows = []
+    for name in names:
+        rows += decode_table(name, [1, 8, 32, 64], 1024, floor_s)
+    print(f"{'backend':14s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s}")
+    for r in rows:
+        if "batch" in r:
+            print(f"{r['backend']:14s} {r['batch']:5d} {r['step_ms']:8.2f} {r['floor_ms']:8.2f} {r['vs_floor']:7.2f}")
+        else:
+            print(f"{r['backend']:14s} prefill {r['prefill_tokens']} tokens: {r['prefill_tok_per_s']} tok/s")
+    report["rows"] = rows
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
+    return 0 if report["kernels_ok"] and all(report["greedy_matches_cpu"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
