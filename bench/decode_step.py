@@ -43,10 +43,11 @@ def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
 
 
 def make_runner(model: str | None, max_batch: int, context: int, dtype: str = "auto",
-                backend: str = "auto") -> ModelRunner:
+                backend: str = "auto", quantization: str | None = None) -> ModelRunner:
     slots = max_batch * (context + 1) + 8
     return ModelRunner(resolve_model(model), EngineArgs(max_total_tokens=slots, max_running_requests=max_batch,
-                                                        dtype=dtype, attention_backend=backend))
+                                                        dtype=dtype, attention_backend=backend,
+                                                        quantization=quantization))
 
 
 def sync(runner: ModelRunner) -> None:
@@ -55,7 +56,8 @@ def sync(runner: ModelRunner) -> None:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.dim() > 1)
 
 
 def main() -> None:
@@ -66,9 +68,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quantization", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend)
+    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization)
     rows = []
     for b in a.batch:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000

@@ -27,6 +27,8 @@ ENGINE_FLAGS = [
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (1 for now)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
+    ("--quantization", dict(default=None, choices=["int8"],
+                            help="weight-only int8 (faster CPU decode; outputs differ slightly from fp32)")),
     ("--log-level", dict(default="info", choices=["debug", "info", "warning", "error"], help="log level")),
 ]
 

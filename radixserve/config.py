@@ -103,6 +103,7 @@ class EngineArgs:
     min_new_token_ratio: float = 0.1
     log_level: str = "info"
     max_n: int = 16
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -126,6 +127,8 @@ class EngineArgs:
             yield "mem_fraction must be in (0, 1]"
         if self.max_running_requests < 1:
             yield "max_running_requests must be >= 1"
+        if self.quantization not in (None, "int8"):
+            yield f"quantization must be None or 'int8', got {self.quantization!r}"
         if self.tp_size < 1:
             yield "tp_size must be >= 1"
 

