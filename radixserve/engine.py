@@ -19,7 +19,7 @@ from .models.loader import resolve_model
 from .responses import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
-from .tokenizer import eos_ids, load_tokenizer
+from .tokenizer import eos_ids, load_tokenizer_or_none
 from .worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class Engine:
         self.args = EngineArgs(model=model, **kwargs)
         source = resolve_model(self.args.model)
         self.model_name = source.name
-        self.tokenizer = load_tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None
+        self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         self.runner = ModelRunner(source, self.args)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
         decode_tail = self.detokenizer.decode if self.detokenizer else None

@@ -13,6 +13,16 @@ def load_tokenizer(tokenizer_dir: Path | None) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
+def load_tokenizer_or_none(tokenizer_dir: Path | None) -> Any:
+    """The tokenizer when the model ships one; None means token ids only."""
+    if tokenizer_dir is None:
+        return None
+    try:
+        return load_tokenizer(tokenizer_dir)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     return (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
 

@@ -20,7 +20,7 @@ from ..ipc import Endpoints, pull_socket, recv_all
 from ..messages import SchedulerReady
 from ..models.loader import resolve_model
 from ..scheduler.process import run_scheduler
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer_or_none
 from ..worker.process import run_worker
 from .api import Health, create_app
 from .tokenizer_manager import TokenizerManager, api_inbox
@@ -121,7 +121,7 @@ def launch_server(args: ServerArgs) -> int:
     exit_code = [0]
     try:
         ready = wait_ready(endpoints, children)
-        tokenizer = load_tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None
+        tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n)
         health = Health(processes={name: p.pid for name, p in children.procs.items()})
         app = create_app(tm, args, health)
