@@ -35,6 +35,7 @@ except md.PackageNotFoundError:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
 PY
+}
 
 avx512() {
   # Native builds may pick AMX, which this VM advertises but faults on (illegal instruction).
