@@ -104,6 +104,7 @@ class EngineArgs:
     log_level: str = "info"
     max_n: int = 16
     quantization: str | None = None
+    enable_mixed_chunk: bool = True
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

@@ -15,6 +15,7 @@ from enum import IntEnum
 class ForwardMode(IntEnum):
     EXTEND = 1
     DECODE = 2
+    MIXED = 3  # prompt chunks and decoding requests in one pass
 
 
 @dataclass

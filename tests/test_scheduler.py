@@ -41,10 +41,11 @@ def prompts(n, length, seed=0, shared=0):
     return [prefix + [rng.randrange(998) for _ in range(length)] for _ in range(n)]
 
 
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
-def test_outputs_match_reference(page_size, policy):
-    sched, _ = make(page_size=page_size, schedule_policy=policy)
+def test_outputs_match_reference(page_size, policy, mixed):
+    sched, _ = make(page_size=page_size, schedule_policy=policy, enable_mixed_chunk=mixed)
     ps = prompts(6, 20, shared=40)
     for i, p in enumerate(ps):
         submit(sched, str(i), p, max_new=10)
@@ -60,8 +61,8 @@ def test_shared_prefix_is_computed_once_in_a_burst():
     for i, p in enumerate(ps):
         submit(sched, str(i), p, max_new=2)
     res = run(sched)
-    computed = sum(len(b.input_ids) for b in ex.batches if b.mode == ForwardMode.EXTEND)
-    assert computed == 64 + 5 * 8
+    fed = sum(len(b.input_ids) for b in ex.batches)
+    assert fed - 5 * 1 == 64 + 5 * 8  # every token fed but one decode step per request is prompt work
     assert sorted(res[str(i)]["out"].cached_tokens for i in range(5)) == [0, 64, 64, 64, 64]
 
 
@@ -77,22 +78,28 @@ def test_repeated_prompt_hits_cache_and_disabled_cache_does_not():
         assert res["b"]["ids"] == reference(p, 8)
 
 
-def test_chunked_prefill_interleaves_decode():
-    sched, ex = make(chunk=16)
-    submit(sched, "short", prompts(1, 5, seed=1)[0], max_new=20)
-    sched.step()
+@pytest.mark.parametrize("mixed", [True, False])
+def test_chunked_prefill_keeps_decodes_running(mixed):
+    sched, ex = make(chunk=16, enable_mixed_chunk=mixed)
+    short = prompts(1, 5, seed=1)[0]
+    submit(sched, "short", short, max_new=20)
+    first = sched.step()[0].new_token_ids
     long_prompt = prompts(1, 100, seed=2)[0]
     submit(sched, "long", long_prompt, max_new=4)
     res = run(sched)
     assert res["long"]["ids"] == reference(long_prompt, 4)
-    modes = [b.mode for b in ex.batches]
-    extends = [i for i, b in enumerate(ex.batches) if b.mode == ForwardMode.EXTEND and len(b.input_ids) == 16]
-    assert len(extends) >= 6
-    assert all(modes[i + 1] == ForwardMode.DECODE for i in extends[:3])  # decodes keep running
+    assert first + res["short"]["ids"] == reference(short, 20)
+    chunks = [i for i, b in enumerate(ex.batches) if 16 in b.extend_lens]
+    assert len(chunks) >= 6
+    if mixed:  # each chunk rides along with the short request's decode
+        assert all(ex.batches[i].mode == ForwardMode.MIXED and 1 in ex.batches[i].extend_lens for i in chunks[:3])
+    else:  # chunks alternate with decode steps
+        assert all(ex.batches[i + 1].mode == ForwardMode.DECODE for i in chunks[:3])
 
 
-def test_small_pool_retracts_and_still_matches():
-    sched, _ = make(num_pages=120, max_running=8, chunk=32)
+@pytest.mark.parametrize("mixed", [True, False])
+def test_small_pool_retracts_and_still_matches(mixed):
+    sched, _ = make(num_pages=120, max_running=8, chunk=32, enable_mixed_chunk=mixed)
     ps = prompts(8, 30, seed=3)
     for i, p in enumerate(ps):
         submit(sched, str(i), p, max_new=40)

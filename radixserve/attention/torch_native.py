@@ -1,5 +1,12 @@
-"""Pure-torch attention over the paged KV pool: one padded, masked SDPA per layer."""
+"""Pure-torch attention over the paged KV pool: one padded, masked SDPA per request group.
+
+A step's requests are split into a decode group (one new token each) and an extend group
+(several new tokens), so that a mixed step does not pad every decode query to the longest
+prompt chunk.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -8,50 +15,74 @@ from ..mem.kv_pool import KVPool
 from .base import AttentionInputs
 
 
+@dataclass
+class _Group:
+    """Requests attended together: their tokens, gathered slots, mask and padding map."""
+
+    tokens: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_shape: tuple[int, int]
+    mask: torch.Tensor
+    pad_req: torch.Tensor | None = None
+    pad_pos: torch.Tensor | None = None
+    max_q: int = 1
+
+
+def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+    seq_lens, ext = inputs.seq_lens[members], inputs.extend_lens[members]
+    max_len, max_q = int(seq_lens.max()), int(ext.max())
+    kv_indices = inputs.req_to_token[inputs.rows[members], :max_len].flatten()
+    key_pos = torch.arange(max_len).view(1, 1, max_len)
+    q_pos = torch.arange(max_q).view(1, -1, 1)
+    limit = (seq_lens - ext).view(-1, 1, 1) + q_pos
+    mask = ((key_pos <= limit) & (key_pos < seq_lens.view(-1, 1, 1))).unsqueeze(1)
+    pad_req = torch.repeat_interleave(torch.arange(len(members)), ext)
+    local_starts = torch.cumsum(ext, 0) - ext
+    pad_pos = torch.arange(len(pad_req)) - local_starts[pad_req]
+    tokens = token_starts[members][pad_req] + pad_pos
+    if max_q == 1:
+        return _Group(tokens, kv_indices, (len(members), max_len), mask)
+    return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q)
+
+
 class TorchNativeBackend:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
-        self.num_heads = num_heads
         self.scale = head_dim ** -0.5
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
-        batch, max_len = len(inputs.rows), inputs.max_seq_len
-        self.kv_indices = inputs.req_to_token[inputs.rows, :max_len].flatten()
-        self.kv_shape = (batch, max_len)
-        key_pos = torch.arange(max_len).view(1, 1, max_len)
-        if inputs.is_decode:
-            self.mask = (key_pos < inputs.seq_lens.view(-1, 1, 1)).unsqueeze(1)
-            return
-        q_pos = torch.arange(inputs.max_extend_len).view(1, -1, 1)
-        limit = inputs.prefix_lens.view(-1, 1, 1) + q_pos
-        self.mask = ((key_pos <= limit) & (key_pos < inputs.seq_lens.view(-1, 1, 1))).unsqueeze(1)
-        req_of_token = torch.repeat_interleave(torch.arange(batch), inputs.extend_lens)
-        starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
-        self.token_req = req_of_token
-        self.token_offset = torch.arange(len(req_of_token)) - starts[req_of_token]
+        token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
+        single = inputs.extend_lens == 1
+        self.groups = [_plan_group(inputs, members, token_starts)
+                       for members in (single.nonzero().flatten(), (~single).nonzero().flatten()) if len(members)]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.inputs.out_cache_loc, k, v)
-        keys = self._gather(self.pool.k[layer])
-        values = self._gather(self.pool.v[layer])
-        queries = self._pad(q).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask,
-                                             scale=self.scale, enable_gqa=True)
-        return self._unpad(out.transpose(1, 2)).flatten(1)
+        if len(self.groups) == 1:
+            return self._attend(self.groups[0], layer, q).flatten(1)
+        out = torch.empty_like(q)
+        for group in self.groups:
+            out[group.tokens] = self._attend(group, layer, q[group.tokens])
+        return out.flatten(1)
 
-    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """`[B, kv_heads, L, D]` view of each request's keys (index_select beats fancy indexing)."""
-        return cache.index_select(0, self.kv_indices).view(*self.kv_shape, *cache.shape[1:]).transpose(1, 2)
+    def _attend(self, group: _Group, layer: int, q: torch.Tensor) -> torch.Tensor:
+        keys = self._gather(group, self.pool.k[layer])
+        values = self._gather(group, self.pool.v[layer])
+        queries = self._pad(group, q).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale,
+                                             enable_gqa=True).transpose(1, 2)
+        return out.squeeze(1) if group.pad_req is None else out[group.pad_req, group.pad_pos]
 
-    def _pad(self, q: torch.Tensor) -> torch.Tensor:
-        if self.inputs.is_decode:
+    @staticmethod
+    def _gather(group: _Group, cache: torch.Tensor) -> torch.Tensor:
+        """`[B, kv_heads, L, D]` keys of a group (index_select beats fancy indexing on CPU)."""
+        return cache.index_select(0, group.kv_indices).view(*group.kv_shape, *cache.shape[1:]).transpose(1, 2)
+
+    @staticmethod
+    def _pad(group: _Group, q: torch.Tensor) -> torch.Tensor:
+        if group.pad_req is None:
             return q.unsqueeze(1)
-        padded = q.new_zeros(len(self.inputs.rows), self.inputs.max_extend_len, *q.shape[1:])
-        padded[self.token_req, self.token_offset] = q
+        padded = q.new_zeros(group.kv_shape[0], group.max_q, *q.shape[1:])
+        padded[group.pad_req, group.pad_pos] = q
         return padded
-
-    def _unpad(self, out: torch.Tensor) -> torch.Tensor:
-        if self.inputs.is_decode:
-            return out.squeeze(1)
-        return out[self.token_req, self.token_offset]

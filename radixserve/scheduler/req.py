@@ -55,6 +55,11 @@ class Req:
         return self.pending == 1 and bool(self.output_ids)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Admitted, with prompt (or, after retraction, prompt and output) tokens left to compute."""
+        return self.pending > 0 and not self.is_decoding
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

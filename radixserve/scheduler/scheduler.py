@@ -43,6 +43,7 @@ class Step:
     reqs: list[Req]
     batch: ForwardBatch
     reused_tokens: int = 0
+    num_prefill: int = 0  # the first num_prefill reqs run prompt chunks
 
 
 class Scheduler:
@@ -121,31 +122,53 @@ class Scheduler:
         return outputs
 
     def _next_step(self) -> Step | None:
+        """Decoding requests advance every step; prompt chunks join them (mixed) or, with
+        mixing off, alternate with them so a long prompt never stalls decoding for long."""
+        if not self.args.enable_mixed_chunk:
+            return self._alternating_step()
+        decoding = self._prepare_decode()
+        prefill, lens, reused = self._prepare_prefill(batch_started=bool(decoding))
+        if not decoding and not prefill:
+            return None
+        mode = ForwardMode.MIXED if prefill and decoding else (
+            ForwardMode.EXTEND if prefill else ForwardMode.DECODE)
+        return self._step(mode, prefill + decoding, lens + [1] * len(decoding), len(prefill), reused)
+
+    def _alternating_step(self) -> Step | None:
         decoding = any(r.is_decoding for r in self.running)
-        if self.last_was_prefill and decoding:
-            step = self._decode_step() or self._prefill_step()
-        else:
-            step = self._prefill_step() or self._decode_step()
+        step = None
+        if not (self.last_was_prefill and decoding):
+            step = self._prefill_only()
+        if step is None and decoding:
+            reqs = self._prepare_decode()
+            step = self._step(ForwardMode.DECODE, reqs, [1] * len(reqs), 0, 0) if reqs else None
+        if step is None and self.last_was_prefill:
+            step = self._prefill_only()
         self.last_was_prefill = step is not None and step.mode == ForwardMode.EXTEND
         return step
 
+    def _prefill_only(self) -> Step | None:
+        reqs, lens, reused = self._prepare_prefill(batch_started=False)
+        return self._step(ForwardMode.EXTEND, reqs, lens, len(reqs), reused) if reqs else None
+
+    def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
+        return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)
+
     # ---- prefill ---------------------------------------------------------
-    def _prefill_step(self) -> Step | None:
+    def _prepare_prefill(self, batch_started: bool) -> tuple[list[Req], list[int], int]:
+        """Continue chunked prompts, then admit waiting requests; allocates their slots."""
         budget = self.args.max_prefill_tokens
-        reqs, lens = [], []
-        for req in [r for r in self.running if not r.is_decoding]:
+        reqs, lens, reused = [], [], 0
+        for req in [r for r in self.running if r.is_prefilling]:
             n = min(req.pending, self.args.chunked_prefill_size, budget)
             if n <= 0 or not self._alloc(req, n):
                 break
             reqs.append(req), lens.append(n)
             budget -= n
-        reused = 0
-        for req, n in self._admit(budget, bool(reqs)):
+        for req, n in self._admit(budget, batch_started or bool(reqs)):
             reqs.append(req), lens.append(n)
             reused += req.cached_len
-        if not reqs:
-            return None
-        return Step(ForwardMode.EXTEND, reqs, self._build_batch(ForwardMode.EXTEND, reqs, lens), reused)
+        return reqs, lens, reused
 
     def _admit(self, budget: int, batch_started: bool):
         if not self.waiting:
@@ -209,10 +232,11 @@ class Scheduler:
         return sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio
 
     # ---- decode ----------------------------------------------------------
-    def _decode_step(self) -> Step | None:
+    def _prepare_decode(self) -> list[Req]:
+        """One more slot for every decoding request, retracting the cheapest when memory is short."""
         reqs = [r for r in self.running if r.is_decoding]
         if not reqs:
-            return None
+            return []
         while not self._make_room(sum(self.allocator.pages_needed(len(r.kv_slots), 1) for r in reqs)):
             victim = self._pick_victim()
             if victim is None:
@@ -222,7 +246,7 @@ class Scheduler:
         for req in reqs:
             assert self._alloc(req, 1)
         self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - self._ratio_decay())
-        return Step(ForwardMode.DECODE, reqs, self._build_batch(ForwardMode.DECODE, reqs, [1] * len(reqs)))
+        return reqs
 
     def _ratio_decay(self) -> float:
         return (self.args.new_token_ratio - self.args.min_new_token_ratio) / RATIO_DECAY_STEPS
@@ -351,7 +375,7 @@ class Scheduler:
             self._take_prompt_logprobs(req, result, b)
             if req.pending == 0:
                 generated += self._take_token(req, result, b)
-            if step.mode == ForwardMode.EXTEND and not req.finished:
+            if b < step.num_prefill and not req.finished:
                 self._cache_prefix(req)
             self._emit(req)
             if req.finished:
@@ -444,13 +468,13 @@ class Scheduler:
     # ---- figures ---------------------------------------------------------
     def _log_step(self, step: Step) -> None:
         usage = 1 - self.allocator.available() / self.allocator.num_slots
-        if step.mode == ForwardMode.EXTEND:
-            new = len(step.batch.input_ids)
+        if step.num_prefill:
+            new = sum(step.batch.extend_lens[:step.num_prefill])
             cached = step.reused_tokens
             log.info("prefill: %d reqs, %d new tokens, %d cached tokens (hit %.0f%%), token usage %.2f, "
-                     "running %d, queued %d", len(step.reqs), new, cached, 100 * cached / max(new + cached, 1),
+                     "running %d, queued %d", step.num_prefill, new, cached, 100 * cached / max(new + cached, 1),
                      usage, len(self.running), len(self.waiting))
-        elif self.stats.forward_steps % DECODE_LOG_INTERVAL == 0:
+        if step.mode != ForwardMode.EXTEND and self.stats.forward_steps % DECODE_LOG_INTERVAL == 0:
             log.info("decode: %d reqs, token usage %.2f, gen throughput %.1f tok/s, queued %d",
                      len(step.reqs), usage, self._throughput(), len(self.waiting))
 
