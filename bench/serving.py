@@ -50,11 +50,21 @@ def start(system: str, log_dir: Path, concurrency: int, kv_tokens: int, model_di
         return servers.radixserve(port, log_dir, concurrency, kv_tokens)
     if system == "radixserve-nocache":
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, radix=False)
+    if system == "radixserve-int8":
+        return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=["--quantization", "int8"])
     if system == "vllm":
-        return servers.vllm(port, log_dir, concurrency, kv_tokens, model_dir)
+        return servers.vllm(port, log_dir, concurrency, kv_tokens, model_dir, compute_dtype())
     if system == "llama":
         return servers.llama_server(port, log_dir, concurrency, gguf)
     raise ValueError(system)
+
+
+def compute_dtype() -> str:
+    """The dtype radixserve's `auto` picks on this machine; vLLM and HF get the same, for fairness."""
+    import torch
+    from radixserve.worker.model_runner import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
 
 def bench_server(system: str, workloads: list[str], args, log_dir: Path, model_dir: Path, gguf: Path) -> list[dict]:
@@ -91,9 +101,9 @@ def bench_hf(workloads: list[str], args, model_dir: Path) -> list[dict]:
 
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, compute_dtype())).eval()
     cold = time.perf_counter() - start
-    print(f"  HF transformers: load {cold:.1f} s")
+    print(f"  HF transformers ({compute_dtype()}): load {cold:.1f} s")
     rows = []
     for name in workloads:
         sessions = scaled(name, args.scale, args.seed)
@@ -196,9 +206,11 @@ def plot(results: dict, stem: Path) -> list[str]:
         a.set_xlabel("prompt groups (4 requests each)")
         a.set_ylabel("radixserve hit rate")
         a.set_xscale("log", base=2)
+        a.set_ylim(0, 1)
         b.plot([p["kv_tokens"] for p in sweep["cache"]], [p["hit_rate"] for p in sweep["cache"]], "o-")
         b.set_xlabel("KV cache size (tokens), 8 groups")
         b.set_xscale("log", base=2)
+        b.set_ylim(0, 1)
         fig.tight_layout()
         path = stem.with_name(f"{stem.name}-hit_rate.png")
         fig.savefig(path, dpi=110)
@@ -243,7 +255,7 @@ def main() -> None:
         rows += bench_hf(workloads, args, model_dir) if system == "hf" else bench_server(
             system, workloads, args, log_dir, model_dir, gguf)
     results = {"date": str(datetime.date.today()), "machine": f"{platform.machine()}-{__import__('os').cpu_count()}cpu",
-               "args": vars(args), "rows": rows}
+               "dtype": compute_dtype(), "args": vars(args), "rows": rows}
     if not args.no_sweep:
         results["sweep"] = sweep_hit_rate(args, log_dir)
     out_dir = BENCH / "results"

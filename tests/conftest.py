@@ -6,6 +6,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on CPU
+except ImportError:
+    pass
 
 PROMPTS = [
     "The capital of France is",
@@ -58,5 +64,5 @@ def hf_greedy(hf_model, tokenizer):
 @pytest.fixture(scope="session")
 def engine():
     from radixserve import Engine
-    with Engine(max_total_tokens=8192, max_running_requests=16, chunked_prefill_size=256) as eng:
+    with Engine(max_total_tokens=8192, max_running_requests=16, chunked_prefill_size=256, dtype="float32") as eng:
         yield eng

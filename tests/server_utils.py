@@ -68,7 +68,7 @@ class Server:
 def start_server(tmp_path, *args: str, api_key: str | None = None, timeout: float = 180) -> Server:
     port = free_port()
     log_path = str(tmp_path / f"server-{port}.log")
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--dtype", "float32", *args]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)

@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path, kind: str):
 def test_local_checkpoint_matches_hf(tmp_path, kind):
     model, path = tiny_checkpoint(tmp_path, kind)
     prompts = [[5, 17, 42, 99, 3], list(range(100, 180))]
-    with Engine(model=str(path), max_total_tokens=1024, chunked_prefill_size=32) as eng:
+    with Engine(model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32") as eng:
         results = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12,
                                                                    "ignore_eos": True})
         eng.check_memory()

@@ -17,7 +17,7 @@ def test_serve_help_documents_every_flag():
 
 
 def test_generate_offline(tokenizer, hf_greedy):
-    r = run("generate", "The capital of France is", "--max-new-tokens", "6", "--max-total-tokens", "1024",
+    r = run("generate", "The capital of France is", "--max-new-tokens", "6", "--max-total-tokens", "1024", "--dtype", "float32",
             "--json", "--log-level", "warning")
     assert r.returncode == 0, r.stderr
     import json

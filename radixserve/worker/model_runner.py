@@ -19,10 +19,19 @@ DEFAULT_CPU_MAX_TOKENS = 65536
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (measured faster than bf16 without AVX-512 BF16), bf16 on GPU."""
+    """`auto`: bf16 on GPU, and on CPUs with AMX-BF16 (measured here: prefill 2.4x and batch-32
+    decode 2.2x faster than fp32, bench/decode_step.py); fp32 on other CPUs, where bf16 is slower."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
     return getattr(torch, name)
+
+
+def cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def default_device() -> torch.device:
