@@ -100,6 +100,7 @@ class Engine:
         with self._wake:
             self._wake.notify()
         self._thread.join(timeout=30)
+        self.scheduler = self.runner = None  # drop the KV pool and the weights
 
     def __enter__(self) -> "Engine":
         return self

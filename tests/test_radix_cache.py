@@ -136,3 +136,16 @@ def test_locked_paths_survive_any_eviction(inserts, evict_n):
     cache.dec_lock_ref(node)
     cache.evict(10**9)
     assert cache.total_size() == 0 and alloc.available() == alloc.num_slots
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(keys, min_size=1, max_size=10), keys)
+def test_match_length_agrees_with_match_prefix_without_changing_the_tree(inserted, probe):
+    cache, alloc = make_cache(num_pages=10_000)
+    for key in inserted:
+        value = alloc.alloc_extend(0, None, len(key))
+        alloc.free(value[: cache.insert(key, value)])
+    nodes_before = cache.num_nodes()
+    length, _ = cache.match_length(probe)
+    assert cache.num_nodes() == nodes_before
+    assert length == len(cache.match_prefix(probe)[0])

@@ -91,6 +91,23 @@ class RadixCache:
             node, key = child, key[n:]
         return slots, node
 
+    def match_length(self, key: list[int]) -> tuple[int, TreeNode]:
+        """Length of the cached prefix of `key` and the deepest node it reaches, without
+        splitting nodes or touching their LRU clocks (for ordering the queue)."""
+        if self.disable:
+            return 0, self.root
+        node, matched = self.root, 0
+        while matched < len(key):
+            child = node.children.get(self._edge(key[matched:]))
+            if child is None:
+                break
+            n = self._common_len(child.key, key[matched:])
+            matched += n
+            if n < len(child.key):
+                break
+            node = child
+        return matched - matched % self.page_size, node
+
     # ---- updates -------------------------------------------------------
     def insert(self, key: list[int], value: list[int]) -> int:
         """Insert a page-aligned run; returns how many leading tokens were already cached.

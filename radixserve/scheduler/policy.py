@@ -12,12 +12,13 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting(policy: str, waiting: list[Req], cache: RadixCache,
-                  match: Callable[[Req], tuple[list[int], TreeNode]]) -> list[Req]:
+                  match: Callable[[Req], tuple[int, TreeNode]]) -> list[Req]:
+    """`match(req)` gives (cached prefix length, deepest node) without changing the tree."""
     if policy == "fcfs" or cache.disable or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
     nodes = {id(r): match(r) for r in waiting}
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: -len(nodes[id(r)][0]))
+        return sorted(waiting, key=lambda r: -nodes[id(r)][0])
     return _dfs_weight_order(waiting, cache, {id(r): nodes[id(r)][1] for r in waiting})
 
 

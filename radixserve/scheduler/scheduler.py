@@ -175,7 +175,8 @@ class Scheduler:
             return
         shared = RadixCache(self.info.page_size)
         reserved = self._reserved_decode_slots()
-        ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache, self._match)
+        ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache,
+                                lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]))
         for req in ordered:
             if budget <= 0 or self.rows.available() == 0:
                 break
