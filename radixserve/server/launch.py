@@ -120,8 +120,8 @@ def launch_server(args: ServerArgs) -> int:
     children = start_children(args, endpoints, source.tokenizer_dir)
     exit_code = [0]
     try:
+        tokenizer = load_tokenizer_or_none(source.tokenizer_dir)  # while the children start
         ready = wait_ready(endpoints, children)
-        tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n)
         health = Health(processes={name: p.pid for name, p in children.procs.items()})
         app = create_app(tm, args, health)
