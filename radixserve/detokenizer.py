@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .messages import BatchOut, ReqOutput
+from .tokenizer import decode_ids
 
 
 @dataclass
@@ -27,12 +28,10 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.vocab_limit = len(tokenizer)
         self.states: dict[str, DecodeState] = {}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        ids = [i for i in ids if 0 <= i < self.vocab_limit]
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return decode_ids(self.tokenizer, ids, skip_special_tokens)
 
     def text_for(self, out: ReqOutput) -> str:
         """Append this output's tokens to its request; return the newly visible text."""
@@ -40,29 +39,25 @@ class Detokenizer:
         if state is None:
             state = self.states[out.rid] = DecodeState(out.skip_special_tokens, list(out.stop or []))
         state.ids += out.new_token_ids
-        finished, finish_reason = out.finished, out.finish_reason
-        state.text += self._new_text(state)
-        visible = self._visible(state, finished, finish_reason)
+        state.text += self._new_text(state, flush=out.finished)
+        visible = self._visible(state, out.finished, out.finish_reason)
         delta = visible[state.sent:]
         state.sent = max(state.sent, len(visible))
-        if finished:
+        if out.finished:
             del self.states[out.rid]
         return delta
 
-    def _new_text(self, s: DecodeState) -> str:
+    def _new_text(self, s: DecodeState, flush: bool) -> str:
+        """Text the new ids add; an incomplete UTF-8 sequence waits for more ids unless flushing."""
         before = self.decode(s.ids[s.prefix_offset:s.read_offset], s.skip_special_tokens)
         after = self.decode(s.ids[s.prefix_offset:], s.skip_special_tokens)
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        if not flush and (after.endswith("\ufffd") or len(after) <= len(before)):
             return ""
         s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
         return after[len(before):]
 
     def _visible(self, s: DecodeState, finished: bool, reason: dict | None) -> str:
         if finished:
-            if s.read_offset < len(s.ids):
-                tail = self.decode(s.ids[s.prefix_offset:], s.skip_special_tokens)
-                s.text += tail[len(self.decode(s.ids[s.prefix_offset:s.read_offset], s.skip_special_tokens)):]
-                s.read_offset = len(s.ids)
             matched = (reason or {}).get("matched")
             if isinstance(matched, str) and matched in s.text:
                 return s.text[: s.text.index(matched)]

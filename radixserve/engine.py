@@ -37,7 +37,7 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
         decode_tail = self.detokenizer.decode if self.detokenizer else None
         self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer))
-        log_capacity(self.runner.info)
+        log.info(self.runner.info.capacity_line())
         self._inbox: deque = deque()
         self._queues: dict[str, queue.Queue] = {}
         self._wake = threading.Condition()
@@ -126,9 +126,8 @@ class Engine:
         for ids, raw in zip(id_lists, params_list):
             params = SamplingParams.from_dict(raw)
             params.validate(self.args.max_n)
-            for i in range(params.n):
-                sibling = dict(params.to_dict(), n=1, seed=None if params.seed is None else params.seed + i)
-                reqs.append(GenerateReq(uuid.uuid4().hex, list(ids), sibling, return_logprob,
+            for sample in params.per_sample():
+                reqs.append(GenerateReq(uuid.uuid4().hex, list(ids), sample, return_logprob,
                                         logprob_start_len, top_logprobs_num))
         return reqs, single
 
@@ -230,12 +229,3 @@ class Engine:
         for stream in self._queues.values():
             stream.put(RuntimeError(f"engine failed: {exc}"))
         self._queues.clear()
-
-
-def log_capacity(info) -> None:
-    full = info.num_slots // info.max_context_len
-    log.info("KV pool: %d tokens (%.1f MB, %s, %s); fits %d full-context (%d-token) requests; "
-             "attention backend %s", info.num_slots, info.num_slots * info.bytes_per_token / 2**20,
-             info.dtype, info.device, full, info.max_context_len, info.attention_backend)
-
-

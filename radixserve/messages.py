@@ -98,6 +98,12 @@ class WorkerInfo:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    def capacity_line(self) -> str:
+        """The start-up log line: how many tokens, and how many full-context requests, fit."""
+        return (f"KV pool: {self.num_slots} tokens ({self.num_slots * self.bytes_per_token / 2**20:.1f} MB, "
+                f"{self.dtype}, {self.device}); fits {self.num_slots // self.max_context_len} full-context "
+                f"({self.max_context_len}-token) requests; attention backend {self.attention_backend}")
+
 
 
 # ---- api <-> scheduler ---------------------------------------------------

@@ -55,6 +55,11 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def per_sample(self) -> list[dict[str, Any]]:
+        """n samples become n single-sample parameter sets; sample i draws with seed + i."""
+        return [dict(self.to_dict(), n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1

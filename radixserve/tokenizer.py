@@ -23,6 +23,12 @@ def load_tokenizer_or_none(tokenizer_dir: Path | None) -> Any:
         return None
 
 
+def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """Decode, dropping ids the tokenizer does not know (a dummy model's vocabulary can be larger)."""
+    limit = len(tokenizer)
+    return tokenizer.decode([i for i in ids if 0 <= i < limit], skip_special_tokens=skip_special_tokens)
+
+
 def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     return (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
 

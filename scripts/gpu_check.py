@@ -47,15 +47,14 @@ def check_model() -> str | None:
     return None if find_bundled_gguf() else "dummy:smollm2-135m"
 
 
-def greedy(backend: str, device: str) -> list[list[int]]:
+def greedy(backend: str) -> list[list[int]]:
+    """Greedy tokens through `backend`; the CPU reference runs it in a process that sees no GPU."""
     from radixserve import Engine
 
     model = check_model()
     prompts = PROMPTS if model is None else None
     kwargs = dict(model=model, max_total_tokens=4096, max_running_requests=8, dtype="float32",
                   attention_backend=backend)
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(**kwargs) as engine:
         if prompts is None:
@@ -93,20 +92,14 @@ def decode_table(backend: str, batches: list[int], context: int, floor_s: float)
 
 
 def prefill_row(runner, backend: str, batch: int = 4, length: int = 1024) -> dict:
-    from decode_step import greedy as greedy_batch
+    from decode_step import greedy as greedy_batch, time_steps
     from radixserve.messages import ForwardBatch, ForwardMode
 
     ids = [11] * (batch * length)
     slots = list(range(1, batch * length + 1))
     fb = ForwardBatch(ForwardMode.EXTEND, ids, list(range(length)) * batch, slots, list(range(batch)),
                       [length] * batch, [length] * batch, [], greedy_batch(batch), [None] * batch)
-    runner.forward(fb)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        runner.forward(fb)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / 3
+    seconds = time_steps(runner, fb, 3)
     return {"backend": backend, "prefill_tokens": batch * length, "prefill_tok_per_s": round(batch * length / seconds)}
 
 
@@ -117,10 +110,10 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     report: dict = {"kernels_ok": kernel_tests()}
     names = backends()
-    outputs = {name: greedy(name, "cuda") for name in names}
+    outputs = {name: greedy(name) for name in names}
     cpu = subprocess.run([sys.executable, "-c", (
         "import json, os; os.environ['CUDA_VISIBLE_DEVICES']=''; import sys; sys.path.insert(0, 'scripts'); "
-        "from gpu_check import greedy; print(json.dumps(greedy('torch_native', 'cpu')))")],
+        "from gpu_check import greedy; print(json.dumps(greedy('torch_native')))")],
         capture_output=True, text=True, cwd=ROOT)
     reference = json.loads(cpu.stdout.strip().splitlines()[-1])
     report["greedy_matches_cpu"] = {name: out == reference for name, out in outputs.items()}

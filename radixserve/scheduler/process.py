@@ -12,7 +12,7 @@ from ..ipc import Endpoints, exit_with_parent, pull_socket, push_socket, recv_al
 from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, ReqOutput,
                         SchedulerReady)
 from ..models.loader import resolve_model
-from ..tokenizer import eos_ids, load_tokenizer_or_none
+from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
 from ..worker.process import RemoteWorker
 from .scheduler import Scheduler
 
@@ -26,7 +26,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
     torch_threads_off()
     source = resolve_model(args.model)
     tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
-    decode_tail = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
+    decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)

@@ -135,21 +135,20 @@ class Scheduler:
         return self._step(mode, prefill + decoding, lens + [1] * len(decoding), len(prefill), reused)
 
     def _alternating_step(self) -> Step | None:
-        decoding = any(r.is_decoding for r in self.running)
-        step = None
-        if not (self.last_was_prefill and decoding):
-            step = self._prefill_only()
-        if step is None and decoding:
-            reqs = self._prepare_decode()
-            step = self._step(ForwardMode.DECODE, reqs, [1] * len(reqs), 0, 0) if reqs else None
-        if step is None and self.last_was_prefill:
-            step = self._prefill_only()
+        if self.last_was_prefill and any(r.is_decoding for r in self.running):
+            step = self._decode_only() or self._prefill_only()
+        else:
+            step = self._prefill_only() or self._decode_only()
         self.last_was_prefill = step is not None and step.mode == ForwardMode.EXTEND
         return step
 
     def _prefill_only(self) -> Step | None:
         reqs, lens, reused = self._prepare_prefill(batch_started=False)
         return self._step(ForwardMode.EXTEND, reqs, lens, len(reqs), reused) if reqs else None
+
+    def _decode_only(self) -> Step | None:
+        reqs = self._prepare_decode()
+        return self._step(ForwardMode.DECODE, reqs, [1] * len(reqs), 0, 0) if reqs else None
 
     def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
         return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)

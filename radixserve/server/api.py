@@ -204,7 +204,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     async def server_info():
         stats = await tm.control("stats")
         return json_response({**server_args_dict(args), "worker": vars(tm.info),
-                              "max_total_num_tokens": tm.info.num_pages * tm.info.page_size,
+                              "max_total_num_tokens": tm.info.num_slots,
                               "stats": stats, "uptime_s": time.time() - health.started,
                               "processes": health.processes})
 

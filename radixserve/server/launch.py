@@ -153,9 +153,5 @@ def launch_server(args: ServerArgs) -> int:
 
 
 def log_ready(args: ServerArgs, ready: SchedulerReady, seconds: float) -> None:
-    info = ready.info
     log.info("serving %s on http://%s:%d (cold start %.1f s)", ready.model_name, args.host, args.port, seconds)
-    log.info("KV pool: %d tokens (%s, %s); %d full-context (%d) requests fit; backend %s",
-             info.num_pages * info.page_size, info.dtype, info.device,
-             info.num_pages * info.page_size // info.max_context_len, info.max_context_len,
-             info.attention_backend)
+    log.info(ready.info.capacity_line())

@@ -14,6 +14,7 @@ from ..ipc import Endpoints, decode, encode, pull_socket, push_socket
 from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, SchedulerReady
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
+from ..tokenizer import apply_chat_template, decode_ids
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
@@ -58,10 +59,12 @@ class TokenizerManager:
         return self.tokenizer.encode(text)
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None:
             raise RequestError("this model has no chat template")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return apply_chat_template(self.tokenizer, messages)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
         except Exception as exc:  # template errors are the caller's input
             raise RequestError(f"cannot apply the chat template: {exc}") from exc
 
@@ -84,7 +87,7 @@ class TokenizerManager:
         return req, sp
 
     def _check_prompt(self, ids: list[int]) -> None:
-        limit = min(self.info.max_context_len, self.info.num_pages * self.info.page_size)
+        limit = min(self.info.max_context_len, self.info.num_slots)
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= limit:
@@ -96,13 +99,9 @@ class TokenizerManager:
         """n samples become n requests; the shared prompt is computed once through the radix cache."""
         if sp.n == 1:
             return [req]
-        out = []
-        for i in range(sp.n):
-            seed = None if sp.seed is None else sp.seed + i
-            params = dict(req.sampling_params, n=1, seed=seed)
-            out.append(GenerateReq(f"{req.rid}-{i}", req.input_ids, params, req.return_logprob,
-                                   req.logprob_start_len, req.top_logprobs_num))
-        return out
+        return [GenerateReq(f"{req.rid}-{i}", req.input_ids, sample, req.return_logprob,
+                            req.logprob_start_len, req.top_logprobs_num)
+                for i, sample in enumerate(sp.per_sample())]
 
     # ---- running ----------------------------------------------------------
     async def run(self, req: GenerateReq) -> AsyncIterator[RequestState]:
@@ -181,9 +180,7 @@ class TokenizerManager:
                     future.set_result(msg.data)
 
     def token_text(self, token_id: int) -> str:
-        if self.tokenizer is None or not 0 <= token_id < len(self.tokenizer):
-            return ""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return "" if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special_tokens=False)
 
 
 def api_inbox(endpoints: Endpoints) -> zmq.Socket:
