@@ -25,6 +25,13 @@ PROMPTS = [
 ]
 
 
+def private_home(folder) -> dict:
+    """Environment for a third-party child (a browser, SGLang) that writes under $HOME:
+    keep its config and caches in a test folder instead of the user's home."""
+    return dict(os.environ, HOME=str(folder), XDG_CONFIG_HOME=str(folder / "config"),
+                XDG_CACHE_HOME=str(folder / "cache"))
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from radixserve.models.loader import bundled_model_dir

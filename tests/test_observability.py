@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, private_home
 from server_utils import start_server
 
 KEY = "dash-key"
@@ -68,14 +68,14 @@ def test_dashboard_data_lists_prefixes(server):
     assert data["ttft"]["count"] >= 3
 
 
-def test_dashboard_in_a_real_browser(server):
+def test_dashboard_in_a_real_browser(server, tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"no chromium at {CHROMIUM} (install Debian's chromium; .ci/run does)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     with server.client() as c:
         repeated_prefix_workload(c)
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+        browser = pw.chromium.launch(executable_path=CHROMIUM, env=private_home(tmp_path), args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--no-first-run", "--disable-sync"])
         page = browser.new_page()

@@ -8,30 +8,34 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import private_home
 from server_utils import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTEND = Path(os.environ.get("RADIXSERVE_SGLANG_PATH", ROOT / ".sglang-frontend"))
 
 
-def sglang_available() -> bool:
-    env = dict(os.environ, PYTHONPATH=str(FRONTEND))
-    probe = subprocess.run([sys.executable, "-c", "from sglang import RuntimeEndpoint"], env=env,
+def sglang_env(home: Path) -> dict:
+    return dict(private_home(home), PYTHONPATH=str(FRONTEND))
+
+
+def sglang_available(home: Path) -> bool:
+    probe = subprocess.run([sys.executable, "-c", "from sglang import RuntimeEndpoint"], env=sglang_env(home),
                            capture_output=True)
     return probe.returncode == 0
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not sglang_available():
+    if not sglang_available(tmp_path_factory.mktemp("sgl-home")):
         pytest.skip(f"the sglang frontend is not installed in {FRONTEND} (scripts/install_sglang_frontend.sh)")
     srv = start_server(tmp_path_factory.mktemp("sgl"), "--max-total-tokens", "8192")
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
-def test_sglang_programs_run_unchanged(server):
-    env = dict(os.environ, PYTHONPATH=str(FRONTEND))
+def test_sglang_programs_run_unchanged(server, tmp_path):
+    env = sglang_env(tmp_path)
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_program.py"), server.url],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
