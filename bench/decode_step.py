@@ -43,11 +43,11 @@ def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
 
 
 def make_runner(model: str | None, max_batch: int, context: int, dtype: str = "auto",
-                backend: str = "auto", quantization: str | None = None) -> ModelRunner:
+                backend: str = "auto", quantization: str | None = None, **engine_args) -> ModelRunner:
     slots = max_batch * (context + 1) + 8
     return ModelRunner(resolve_model(model), EngineArgs(max_total_tokens=slots, max_running_requests=max_batch,
                                                         dtype=dtype, attention_backend=backend,
-                                                        quantization=quantization))
+                                                        quantization=quantization, **engine_args))
 
 
 def sync(runner: ModelRunner) -> None:
@@ -69,9 +69,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization)
+    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
+                         disable_cuda_graph=a.disable_cuda_graph)
     rows = []
     for b in a.batch:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000

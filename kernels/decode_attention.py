@@ -97,7 +97,11 @@ def choose_splits(max_seq_len: int, tokens_per_split: int = 256, max_splits: int
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int = 1,
                      num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q `[B, H, D]`; caches `[slots, kv_heads, D]`; returns `[B, H, D]`."""
+    """q `[B, H, D]`; caches `[slots, kv_heads, D]`; returns `[B, H, D]`.
+
+    Request b's slots are `kv_indices[kv_indptr[b]:][:seq_lens[b]]`; only the starts of
+    `kv_indptr` are read, so a flat request-to-token table with row offsets works too.
+    """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads

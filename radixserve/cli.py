@@ -11,7 +11,8 @@ ENGINE_FLAGS = [
     ("--model", dict(default=None, help="bundled SmolLM2-135M-Instruct when omitted; a local HF "
                      "checkpoint directory (Llama/Qwen2/Mistral); or dummy:<shape> random weights "
                      "(dummy:llama-3-8b, dummy:qwen2-0.5b, dummy:smollm2-135m, dummy:tiny)")),
-    ("--dtype", dict(default="auto", choices=DTYPES, help="weights/KV dtype; auto = float32 on CPU, bfloat16 on GPU")),
+    ("--dtype", dict(default="auto", choices=DTYPES, help="weights/KV dtype; auto = bfloat16 on GPU and on CPUs with AMX-BF16, "
+                                                     "else float32")),
     ("--max-total-tokens", dict(type=int, default=None, help="KV pool size in tokens (overrides --mem-fraction)")),
     ("--mem-fraction", dict(type=float, default=0.3, help="fraction of free memory for the KV pool")),
     ("--max-running-requests", dict(type=int, default=64, help="requests decoding at once")),
@@ -24,6 +25,8 @@ ENGINE_FLAGS = [
     ("--page-size", dict(type=int, default=1, help="KV slots per page")),
     ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
                                  help="auto: flashinfer on CUDA if importable, else triton, else torch_native")),
+    ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
+    ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (1 for now)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),

@@ -105,6 +105,8 @@ class EngineArgs:
     max_n: int = 16
     quantization: str | None = None
     enable_mixed_chunk: bool = True
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -132,6 +134,8 @@ class EngineArgs:
             yield f"quantization must be None or 'int8', got {self.quantization!r}"
         if self.tp_size < 1:
             yield "tp_size must be >= 1"
+        if self.cuda_graph_max_bs < 1:
+            yield "cuda_graph_max_bs must be >= 1"
 
     def with_(self, **changes) -> "EngineArgs":
         return replace(self, **changes)

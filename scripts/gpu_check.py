@@ -1,9 +1,11 @@
 """One prepared GPU check (issue: GPU path). Run on a CUDA machine through scripts/gpu_check.sh.
 
 1. Triton kernels vs their references on CUDA (fp32, fp16, bf16).
-2. The bundled model through every available backend on the GPU gives the CPU path's greedy tokens.
-3. Decode step time vs batch size for a Llama-3-8B-shaped dummy model per backend, against the
-   weight-bandwidth floor (weight bytes / measured copy bandwidth), and prefill throughput.
+2. The bundled model through every available backend on the GPU, with and without CUDA graphs,
+   gives the CPU path's greedy tokens.
+3. Decode step time vs batch size for a Llama-3-8B-shaped dummy model per backend, eager and with
+   CUDA graphs, against the weight-bandwidth floor (weight bytes / measured copy bandwidth), and
+   prefill throughput.
 Prints a compact table; writes $OUT/gpu_check.json when OUT is set.
 """
 from __future__ import annotations
@@ -47,14 +49,22 @@ def check_model() -> str | None:
     return None if find_bundled_gguf() else "dummy:smollm2-135m"
 
 
-def greedy(backend: str) -> list[list[int]]:
+GRAPH_BACKENDS = ("triton", "flashinfer")
+
+
+def variants(names: list[str]) -> list[tuple[str, bool]]:
+    """(backend, CUDA graphs on) pairs to check."""
+    return [(name, graphs) for name in names for graphs in (False, True) if not graphs or name in GRAPH_BACKENDS]
+
+
+def greedy(backend: str, graphs: bool = False) -> list[list[int]]:
     """Greedy tokens through `backend`; the CPU reference runs it in a process that sees no GPU."""
     from radixserve import Engine
 
     model = check_model()
     prompts = PROMPTS if model is None else None
     kwargs = dict(model=model, max_total_tokens=4096, max_running_requests=8, dtype="float32",
-                  attention_backend=backend)
+                  attention_backend=backend, disable_cuda_graph=not graphs)
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(**kwargs) as engine:
         if prompts is None:
@@ -76,16 +86,19 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
-def decode_table(backend: str, batches: list[int], context: int, floor_s: float) -> list[dict]:
+def decode_table(backend: str, graphs: bool, batches: list[int], context: int, floor_s: float) -> list[dict]:
     from decode_step import decode_batch, make_runner, time_steps
 
-    runner = make_runner("dummy:llama-3-8b", max(batches), context, "bfloat16", backend)
+    runner = make_runner("dummy:llama-3-8b", max(batches), context, "bfloat16", backend,
+                         disable_cuda_graph=not graphs)
+    assert (runner.graphs is not None) == graphs
     rows = []
     for b in batches:
         ms = time_steps(runner, decode_batch(b, context), 10) * 1000
-        rows.append({"backend": backend, "batch": b, "step_ms": round(ms, 2),
+        rows.append({"backend": backend, "graphs": graphs, "batch": b, "step_ms": round(ms, 2),
                      "floor_ms": round(floor_s * 1000, 2), "vs_floor": round(ms / (floor_s * 1000), 2)})
-    rows.append(prefill_row(runner, backend))
+    if not graphs:
+        rows.append(prefill_row(runner, backend))
     del runner
     torch.cuda.empty_cache()
     return rows
@@ -110,7 +123,7 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     report: dict = {"kernels_ok": kernel_tests()}
     names = backends()
-    outputs = {name: greedy(name) for name in names}
+    outputs = {f"{name}{'+graphs' if graphs else ''}": greedy(name, graphs) for name, graphs in variants(names)}
     cpu = subprocess.run([sys.executable, "-c", (
         "import json, os; os.environ['CUDA_VISIBLE_DEVICES']=''; import sys; sys.path.insert(0, 'scripts'); "
         "from gpu_check import greedy; print(json.dumps(greedy('torch_native')))")],
@@ -125,12 +138,13 @@ def main() -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B bf16 weights {weights / 1e9:.1f} GB; "
           f"floor {floor_s * 1000:.2f} ms/step")
     rows = []
-    for name in names:
-        rows += decode_table(name, [1, 8, 32, 64], 1024, floor_s)
-    print(f"{'backend':14s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s}")
+    for name, graphs in variants(names):
+        rows += decode_table(name, graphs, [1, 8, 32, 64], 1024, floor_s)
+    print(f"{'backend':14s} {'graphs':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s}")
     for r in rows:
         if "batch" in r:
-            print(f"{r['backend']:14s} {r['batch']:5d} {r['step_ms']:8.2f} {r['floor_ms']:8.2f} {r['vs_floor']:7.2f}")
+            print(f"{r['backend']:14s} {str(r['graphs']):>6s} {r['batch']:5d} {r['step_ms']:8.2f} "
+                  f"{r['floor_ms']:8.2f} {r['vs_floor']:7.2f}")
         else:
             print(f"{r['backend']:14s} prefill {r['prefill_tokens']} tokens: {r['prefill_tok_per_s']} tok/s")
     report["rows"] = rows

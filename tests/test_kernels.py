@@ -66,6 +66,20 @@ def test_decode_attention(seq_lens, heads, kv_heads, dim, page_size, dtype):
         torch.testing.assert_close(got.float(), expected.float(), atol=tol(dtype), rtol=tol(dtype))
 
 
+def test_decode_attention_reads_the_table_rows_directly():
+    """The backends' decode path: the flat request-to-token table as kv_indices, row offsets as starts,
+    with more splits than some requests have tokens (as a captured graph's fixed split count gives)."""
+    seq_lens = [1, 17, 40]
+    k_cache, v_cache, table = make_pool(seq_lens, 3, 64, torch.float32)
+    rows = torch.tensor([2, 0, 1], device=DEVICE)
+    lens = torch.tensor(seq_lens, device=DEVICE)[rows]
+    q = torch.randn(3, 9, 64, device=DEVICE)
+    indptr, indices = K.build_kv_indices(table, rows, lens)
+    expected = K.decode_attention_ref(q, k_cache, v_cache, indptr, indices, lens, 0.125)
+    got = K.decode_attention(q, k_cache, v_cache, rows * table.stride(0), table.view(-1), lens, 0.125, num_splits=16)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("prefix_lens,extend_lens,heads,kv_heads,dim", [

@@ -39,3 +39,21 @@ class AttentionBackend(Protocol):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k/v into the pool, attend; q `[T, H, D]` -> `[T, H*D]`."""
+
+
+class GraphBackend(AttentionBackend, Protocol):
+    """A backend whose decode steps can be captured in a CUDA graph.
+
+    A captured kernel reads its metadata from fixed addresses, so the backend keeps static
+    buffers for it. `plan_graph` runs outside the graph, before capture and before every
+    replay, and must leave everything `forward` reads in those buffers; `inputs` are views
+    of the graph runner's own static buffers.
+    """
+
+    supports_cuda_graph: bool
+
+    def init_graph_buffers(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate the static metadata buffers for batches of up to `max_bs` requests."""
+
+    def plan_graph(self, bs: int, inputs: AttentionInputs) -> None:
+        """Plan a (padded) decode step of exactly `bs` requests into the static buffers."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -11,6 +12,7 @@ from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
 from ..models.loader import ModelSource, build_model, with_max_context
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
+from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ def default_device() -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device | None = None):
+    def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device | None = None,
+                 graph_cls=None):
         self.device = device or default_device()
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
@@ -60,6 +63,7 @@ class ModelRunner:
         self.backend = create_backend(backend, pool=self.pool, num_heads=cfg.num_heads,
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                       device=self.device)
+        self.graphs = self._capture_graphs(args, graph_cls)
         self.info = WorkerInfo(num_pages, ps, self.max_context_len, args.max_running_requests,
                                cfg.vocab_size, cfg.eos_token_ids, str(self.dtype).removeprefix("torch."),
                                str(self.device), backend, per_token)
@@ -74,6 +78,20 @@ class ModelRunner:
             tokens = min(int(total * args.mem_fraction) // per_token, DEFAULT_CPU_MAX_TOKENS)
         return max(tokens // args.page_size, 1)
 
+    def _capture_graphs(self, args: EngineArgs, graph_cls) -> CudaGraphRunner | None:
+        """Decode graphs on CUDA with a graph-capable backend, unless disabled; `graph_cls`
+        (EagerGraph) runs the same path on CPU for tests."""
+        graph_cls = graph_cls or (CudaGraph if self.device.type == "cuda" else None)
+        if graph_cls is None or args.disable_cuda_graph or not getattr(self.backend, "supports_cuda_graph", False):
+            return None
+        sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, self.max_context_len,
+                                     sizes, graph_cls)
+        log.info("captured decode graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
+        return graphs
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
         dev = self.device
@@ -83,6 +101,11 @@ class ModelRunner:
         extend_lens = as_long(fb.extend_lens)
         rows, positions, out_loc = as_long(fb.rows), as_long(fb.positions), as_long(fb.out_cache_loc)
         self.req_to_token[torch.repeat_interleave(rows, extend_lens), positions] = out_loc
+        if self._fits_graph(fb):
+            logits = self.graphs.replay(as_long(fb.input_ids), positions, out_loc, rows, as_long(fb.seq_lens)).cpu()
+            next_ids = sample(logits, fb.sampling)
+            return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb),
+                                 [None] * fb.batch_size)
         self.backend.plan(AttentionInputs(
             is_decode=fb.mode == ForwardMode.DECODE, out_cache_loc=out_loc, rows=rows,
             seq_lens=as_long(fb.seq_lens), extend_lens=extend_lens, req_to_token=self.req_to_token,
@@ -93,6 +116,9 @@ class ModelRunner:
         next_ids = sample(logits, fb.sampling)
         return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb),
                              self._prompt_logprobs(hidden, (ends - extend_lens).tolist(), fb))
+
+    def _fits_graph(self, fb: ForwardBatch) -> bool:
+        return self.graphs is not None and fb.mode == ForwardMode.DECODE and fb.batch_size <= self.graphs.max_bs
 
     def _output_logprobs(self, logits, next_ids, fb: ForwardBatch) -> list[TokenLogprobs | None]:
         wanted = [b for b, lp in enumerate(fb.logprobs) if lp is not None and lp.want_output]
