@@ -10,12 +10,14 @@ Prints a compact table; writes $OUT/gpu_check.json when OUT is set.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -99,8 +101,6 @@ def decode_table(backend: str, graphs: bool, batches: list[int], context: int, f
                      "floor_ms": round(floor_s * 1000, 2), "vs_floor": round(ms / (floor_s * 1000), 2)})
     if not graphs:
         rows.append(prefill_row(runner, backend))
-    del runner
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -116,30 +116,39 @@ def prefill_row(runner, backend: str, batch: int = 4, length: int = 1024) -> dic
     return {"backend": backend, "prefill_tokens": batch * length, "prefill_tok_per_s": round(batch * length / seconds)}
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 1
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    report: dict = {"kernels_ok": kernel_tests()}
-    names = backends()
-    outputs = {f"{name}{'+graphs' if graphs else ''}": greedy(name, graphs) for name, graphs in variants(names)}
+class Report:
+    """Collects results; a failing section is recorded and the rest still run. Saved after
+    every section, so a run cut short by its time limit still leaves what it measured."""
+
+    def __init__(self):
+        self.data: dict = {"errors": {}}
+
+    def attempt(self, label: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - one broken backend must not hide the others' results
+            self.data["errors"][label] = traceback.format_exc()[-3000:]
+            print(f"FAILED {label}:\n{self.data['errors'][label]}")
+            return None
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(self.data, indent=2))
+
+
+def cpu_reference() -> list[list[int]]:
     cpu = subprocess.run([sys.executable, "-c", (
         "import json, os; os.environ['CUDA_VISIBLE_DEVICES']=''; import sys; sys.path.insert(0, 'scripts'); "
         "from gpu_check import greedy; print(json.dumps(greedy('torch_native')))")],
         capture_output=True, text=True, cwd=ROOT)
-    reference = json.loads(cpu.stdout.strip().splitlines()[-1])
-    report["greedy_matches_cpu"] = {name: out == reference for name, out in outputs.items()}
-    report["model"] = check_model() or "bundled SmolLM2-135M-Instruct"
-    print("greedy tokens equal to the CPU path:", report["greedy_matches_cpu"])
-    bandwidth = copy_bandwidth()
-    weights = 8.03e9 * 2
-    floor_s = weights / bandwidth
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B bf16 weights {weights / 1e9:.1f} GB; "
-          f"floor {floor_s * 1000:.2f} ms/step")
-    rows = []
-    for name, graphs in variants(names):
-        rows += decode_table(name, graphs, [1, 8, 32, 64], 1024, floor_s)
+    if cpu.returncode:
+        raise RuntimeError(cpu.stderr[-2000:])
+    return json.loads(cpu.stdout.strip().splitlines()[-1])
+
+
+def print_rows(rows: list[dict]) -> None:
     print(f"{'backend':14s} {'graphs':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s}")
     for r in rows:
         if "batch" in r:
@@ -147,10 +156,40 @@ def main() -> int:
                   f"{r['floor_ms']:8.2f} {r['vs_floor']:7.2f}")
         else:
             print(f"{r['backend']:14s} prefill {r['prefill_tokens']} tokens: {r['prefill_tok_per_s']} tok/s")
-    report["rows"] = rows
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
-    return 0 if report["kernels_ok"] and all(report["greedy_matches_cpu"].values()) else 1
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    report = Report()
+    data = report.data
+    data["kernels_ok"] = report.attempt("kernels", kernel_tests)
+    names = backends()
+    data["model"] = check_model() or "bundled SmolLM2-135M-Instruct"
+    reference = report.attempt("cpu reference", cpu_reference)
+    data["greedy_matches_cpu"] = {}
+    for name, graphs in variants(names):
+        label = f"{name}{'+graphs' if graphs else ''}"
+        out = report.attempt(f"greedy {label}", greedy, name, graphs)
+        data["greedy_matches_cpu"][label] = out is not None and out == reference
+    print("greedy tokens equal to the CPU path:", data["greedy_matches_cpu"])
+    bandwidth = copy_bandwidth()
+    weights = 8.03e9 * 2
+    floor_s = weights / bandwidth
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B bf16 weights {weights / 1e9:.1f} GB; "
+          f"floor {floor_s * 1000:.2f} ms/step")
+    data["rows"] = []
+    for name, graphs in variants(names):
+        data["rows"] += report.attempt(f"decode {name} graphs={graphs}", decode_table, name, graphs,
+                                       [1, 8, 32, 64], 1024, floor_s) or []
+        gc.collect()  # free this backend's 16 GB model before the next one loads
+        torch.cuda.empty_cache()
+    print_rows(data["rows"])
+    report.save()
+    ok = data["kernels_ok"] and all(data["greedy_matches_cpu"].values()) and not data["errors"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
