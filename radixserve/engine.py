@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any, Iterator
 
 from .config import EngineArgs
+from .constrained import grammar_backend
 from .detokenizer import Detokenizer
 from .messages import GenerateReq, ReqOutput
 from .models.loader import resolve_model
@@ -36,7 +37,8 @@ class Engine:
         self.runner = ModelRunner(source, self.args)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
         decode_tail = self.detokenizer.decode if self.detokenizer else None
-        self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer))
+        self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer),
+                                   grammar_backend(self.tokenizer, self.runner.info))
         log.info(self.runner.info.capacity_line())
         self._inbox: deque = deque()
         self._queues: dict[str, queue.Queue] = {}

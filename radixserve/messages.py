@@ -32,6 +32,7 @@ class SamplingBatch:
     penalty_outputs: list[list[int] | None]
     penalty_prompts: list[list[int] | None]
     suppressed_ids: list[list[int] | None]
+    token_masks: list[list[int] | None] | None = None  # grammar bitmasks, int32 words (constrained.py)
 
 
 @dataclass

@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, asdict
 from typing import Any
 
+from .constrained import GRAMMAR_KEYS, json_schema_text
+
 MAX_TOP_K = 1 << 20
-# SGLang parameters we accept only when unset (structured output is not built yet).
-UNSUPPORTED_WHEN_SET = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag", "logit_bias",
+# SGLang parameters we accept only when unset.
+UNSUPPORTED_WHEN_SET = ("stop_regex", "structural_tag", "logit_bias",
                         "custom_params", "dtype", "no_stop_trim", "stream_interval")
 
 
@@ -30,6 +32,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -48,6 +53,8 @@ class SamplingParams:
             data["stop"] = [data["stop"]]
         if isinstance(data.get("stop"), tuple):
             data["stop"] = list(data["stop"])
+        if "json_schema" in data:
+            data["json_schema"] = json_schema_text(data["json_schema"])
         params = cls(**data)
         params.validate()
         return params
@@ -97,6 +104,12 @@ class SamplingParams:
             yield "stop must be a non-empty string or a list of non-empty strings"
         if not isinstance(self.stop_token_ids, list) or not all(_is_kind(t, int) and t >= 0 for t in self.stop_token_ids):
             yield "stop_token_ids must be a list of non-negative integers"
+        grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
+        if len(grammars) > 1:
+            yield f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"
+        for key in grammars:
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                yield f"{key} must be a non-empty string"
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 yield f"{flag} must be a boolean"

@@ -24,15 +24,22 @@ def branches(s, topic):
     s += "Chosen: " + forks[0]["idea"]
 
 
+@sgl.function
+def dated(s):
+    s += "The Eiffel Tower was finished in the year " + sgl.gen("year", max_tokens=6, regex="1[89][0-9]{2}")
+
+
 def main(url: str) -> None:
     sgl.set_default_backend(sgl.RuntimeEndpoint(url))
     first = qa.run(question="What is the capital of France?")
     tree = branches.run(topic="saving energy at home " * 6)
+    year = dated.run()
     batch = qa.run_batch([{"question": q} for q in ["2+2?", "Color of the sky?", "Largest ocean?"]])
     print(json.dumps({
         "qa": {"text": first.text(), "answer": first["answer"], "verdict": first["verdict"]},
         "tree": {"text": tree.text(), "ideas": [tree.text().count("Chosen: ")]},
         "batch": [{"text": s.text(), "answer": s["answer"]} for s in batch],
+        "year": year["year"],
     }))
 
 

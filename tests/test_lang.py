@@ -100,6 +100,22 @@ def test_run_batch_keeps_order_and_isolates_errors(backend):
     assert "program two fails" in str(states[2].error)
 
 
+@function
+def profile(s, name):
+    s += f"Facts about {name}. Born in year: " + gen("year", max_tokens=6, regex="1[89][0-9]{2}", temperature=0)
+    s += "\nAs JSON: " + gen("card", max_tokens=40, temperature=0, json_schema={
+        "type": "object", "properties": {"job": {"type": "string", "maxLength": 16}}, "required": ["job"]})
+
+
+def test_constrained_gen(backend):
+    import json
+    import re
+
+    state = profile.run(name="Ada Lovelace", backend=backend)
+    assert re.fullmatch(r"1[89][0-9]{2}", state["year"])
+    assert set(json.loads(state["card"])) == {"job"}
+
+
 def test_streaming_text(backend):
     state = multi_turn.run(q1="Say hello.", q2="Again.", backend=backend, stream=True)
     chunks = list(state.text_iter())

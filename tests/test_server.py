@@ -125,6 +125,33 @@ def test_openai_client_chat_and_completions(server):
     assert streamed == comp.choices[0].text
 
 
+def test_structured_output_over_http(server, client):
+    r = client.post("/generate", json={"text": "Is the sky blue? Answer:",
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(yes|no)"}})
+    assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
+    r = client.post("/generate", json={"text": "x", "sampling_params": {"regex": "(unclosed"}})
+    assert r.status_code == 400 and "invalid regex" in r.json()["message"]
+    openai = pytest.importorskip("openai")
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    chat = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Name a city in France as JSON."}],
+        max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"city"}
+    chat = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert chat.choices[0].finish_reason == "length" or isinstance(json.loads(chat.choices[0].message.content), dict)
+    comp = oai.completions.create(model="default", prompt="The year:", max_tokens=8, temperature=0,
+                                  extra_body={"regex": "19[0-9]{2}"})
+    assert comp.choices[0].text.startswith("19") and len(comp.choices[0].text) == 4
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": {"type": "json_schema"}})
+    assert r.status_code == 400 and "json_schema" in r.json()["message"]
+    wait_idle(client)
+
+
 def test_disconnect_mid_stream_aborts_and_frees(client):
     params = {"max_new_tokens": 2000, "ignore_eos": True}
     with client.stream("POST", "/generate", json={"text": LONG, "stream": True, "sampling_params": params}) as r:

@@ -1,6 +1,7 @@
 """SGLang's own frontend language (the `sglang` PyPI package) works against radixserve unchanged."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,5 +50,6 @@ def test_sglang_programs_run_unchanged(server, tmp_path):
     assert out["tree"]["text"].count("Chosen: ") == 1
     assert [b["text"].split("\n")[0] for b in out["batch"]] == [
         "Question: 2+2?", "Question: Color of the sky?", "Question: Largest ocean?"]
+    assert re.fullmatch(r"1[89][0-9]{2}", out["year"])  # SGLang's regex-constrained gen
     stats = httpx.get(f"{server.url}/get_server_info").json()["stats"]
     assert stats["cached_tokens_total"] > 100  # select and fork hit the radix cache

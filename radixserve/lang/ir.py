@@ -1,6 +1,7 @@
 """The expressions a program appends to its state: text, gen, select, roles."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -57,11 +58,14 @@ def gen(name: str | None = None, max_tokens: int = 128, stop: str | list[str] | 
         temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
         min_p: float | None = None, frequency_penalty: float | None = None,
         presence_penalty: float | None = None, ignore_eos: bool | None = None,
-        min_tokens: int | None = None, seed: int | None = None) -> Gen:
-    """Generate text into variable `name`; keyword names follow SGLang's `gen`."""
+        min_tokens: int | None = None, seed: int | None = None, regex: str | None = None,
+        json_schema: str | dict | None = None) -> Gen:
+    """Generate text into variable `name`; keyword names follow SGLang's `gen`. `regex` or
+    `json_schema` constrain the output (structured output on the server)."""
     given = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p, top_k=top_k,
                  min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                 ignore_eos=ignore_eos, min_tokens=min_tokens, seed=seed)
+                 ignore_eos=ignore_eos, min_tokens=min_tokens, seed=seed, regex=regex,
+                 json_schema=json.dumps(json_schema) if isinstance(json_schema, dict) else json_schema)
     params = {_GEN_KEYS.get(k, k): v for k, v in given.items() if v is not None}
     return Gen(name, params)
 

@@ -8,6 +8,7 @@ import time
 import zmq
 
 from ..config import EngineArgs
+from ..constrained import grammar_backend
 from ..ipc import Endpoints, exit_with_parent, pull_socket, push_socket, recv_all, encode
 from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, ReqOutput,
                         SchedulerReady)
@@ -31,7 +32,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)
     worker = RemoteWorker(ctx, endpoints)
-    scheduler = Scheduler(args, worker, decode_tail, eos_ids(tokenizer))
+    scheduler = Scheduler(args, worker, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, worker.info))
     outbox.send(encode(SchedulerReady(worker.info, source.name)))
     SchedulerLoop(scheduler, inbox, outbox).run()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..mem.radix_cache import TreeNode
 from ..sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class Req:
     output_top_logprobs: list[list] = field(default_factory=list)
     sent_logprobs: int = 0
     prompt_logprobs_done: bool = False
+    grammar: Any = None  # an xgrammar matcher when the request asked for structured output
 
     @property
     def fill_ids(self) -> list[int]:

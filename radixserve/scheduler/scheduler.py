@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from ..config import EngineArgs
+from ..constrained import GrammarBackend, GrammarSpec
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.radix_cache import RadixCache
 from ..messages import (WorkerInfo, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
@@ -49,10 +50,11 @@ class Step:
 class Scheduler:
     def __init__(self, args: EngineArgs, executor: Executor,
                  decode_tail: Callable[[list[int]], str] | None = None,
-                 extra_eos_ids: tuple[int, ...] = ()):
+                 extra_eos_ids: tuple[int, ...] = (), grammars: GrammarBackend | None = None):
         info = executor.info
         self.args, self.executor, self.info = args, executor, info
         self.decode_tail = decode_tail
+        self.grammars = grammars
         self.eos_ids = set(info.eos_token_ids) | set(extra_eos_ids)
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
@@ -76,7 +78,16 @@ class Scheduler:
         params.max_new_tokens = min(params.max_new_tokens, self._room_for_output(len(msg.input_ids)))
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num)
+        req.grammar = self._grammar_matcher(params)
         self.waiting.append(req)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        spec = GrammarSpec.from_params(params)
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured output (regex, json_schema, ebnf) needs the model's tokenizer")
+        return self.grammars.matcher(spec)
 
     def _validate(self, msg: GenerateReq, params: SamplingParams) -> None:
         n, info = len(msg.input_ids), self.info
@@ -359,7 +370,13 @@ class Scheduler:
             repetition_penalties=[p.repetition_penalty for p in ps],
             penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
             penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
-            suppressed_ids=[self._suppressed(r) for r in reqs])
+            suppressed_ids=[self._suppressed(r) for r in reqs],
+            token_masks=self._token_masks(reqs))
+
+    def _token_masks(self, reqs: list[Req]) -> list[list[int] | None] | None:
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        return [None if r.grammar is None else self.grammars.token_mask(r.grammar) for r in reqs]
 
     def _suppressed(self, req: Req) -> list[int] | None:
         if len(req.output_ids) >= req.params.min_new_tokens:
@@ -408,11 +425,17 @@ class Scheduler:
         if got is not None:
             req.output_logprobs.append([got.logprobs[0], token])
             req.output_top_logprobs.append(_pairs(got.top[0]) if got.top else None)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            req.finish_reason = {"type": "abort", "message": "no token satisfies both the grammar and the "
+                                 "other sampling constraints (stop_token_ids, min_new_tokens)"}
+            return 1
         req.finish_reason = self._finish_reason(req, token)
         return 1
 
     def _finish_reason(self, req: Req, token: int) -> dict | None:
         p, out = req.params, req.output_ids
+        if req.grammar is not None and req.grammar.is_terminated():
+            return {"type": "stop", "matched": token}
         if len(out) >= p.min_new_tokens:
             if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
                 return {"type": "stop", "matched": token}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class GenerateRequest(BaseModel):
@@ -30,6 +30,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+    def grammar(self) -> dict[str, Any]:
+        if self.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return {}
+
+
 class _OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -52,6 +80,9 @@ class _OpenAIBase(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -62,8 +93,10 @@ class _OpenAIBase(BaseModel):
                     "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                     "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
-                    "stop_token_ids": self.stop_token_ids}
+                    "stop_token_ids": self.stop_token_ids, "regex": self.regex, "ebnf": self.ebnf}
         params.update({k: v for k, v in optional.items() if v is not None})
+        if self.response_format is not None:
+            params.update(self.response_format.grammar())
         return params
 
 

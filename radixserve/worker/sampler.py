@@ -13,6 +13,7 @@ from ..messages import SamplingBatch
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits `[B, V]` float32 -> token ids `[B]`."""
     logits = logits.clone()
+    apply_token_masks(logits, sb.token_masks)
     _apply_penalties(logits, sb)
     _apply_suppression(logits, sb)
     temps = torch.tensor(sb.temperatures, dtype=torch.float32)
@@ -24,6 +25,19 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     probs = _filtered_probs(logits[rows] / temps[rows].unsqueeze(1), sb, rows.tolist())
     tokens[rows] = _draw(probs, [sb.seeds[r] for r in rows.tolist()], [sb.steps[r] for r in rows.tolist()])
     return tokens
+
+
+def apply_token_masks(logits: torch.Tensor, masks: list[list[int] | None] | None) -> None:
+    """Forbid (-inf) every token whose bit is clear in its row's grammar bitmask; in place."""
+    rows = [b for b, mask in enumerate(masks or []) if mask is not None]
+    if not rows:
+        return
+    words = torch.tensor([masks[b] for b in rows], dtype=torch.int32)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+    width = min(logits.shape[-1], bits.shape[1] * 32)
+    allowed[:, :width] = bits.flatten(1)[:, :width].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
