@@ -27,7 +27,8 @@ ENGINE_FLAGS = [
                                  help="auto: flashinfer on CUDA if importable, else triton, else torch_native")),
     ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
-    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (1 for now)")),
+    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: one worker process each, torch.distributed "
+                                                      "(gloo on CPU, NCCL on GPU); must divide the head counts")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],

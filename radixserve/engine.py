@@ -31,6 +31,9 @@ _STOP = object()
 class Engine:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.args = EngineArgs(model=model, **kwargs)
+        if self.args.tp_size != 1:
+            raise ValueError("the offline Engine runs one process; serve with `radixserve serve --tp-size N` "
+                             "for tensor parallelism")
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)

@@ -103,6 +103,15 @@ class Endpoints:
     def worker_out(self) -> str:
         return self._addr("worker_out")
 
+    def worker_follower(self, rank: int) -> str:
+        """Where TP rank 0 forwards each step to rank `rank` > 0."""
+        return self._addr(f"worker_tp{rank}")
+
+    @property
+    def tp_init_file(self) -> str:
+        """The file torch.distributed's workers rendezvous through."""
+        return str(Path(self.folder) / "tp_init")
+
 
 def push_socket(ctx: zmq.Context, addr: str, bind: bool = False) -> zmq.Socket:
     sock = ctx.socket(zmq.PUSH)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..config import ModelConfig
+from ..distributed import TPGroup
 from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 # checkpoint name fragment -> (our fused parameter, shard index)
@@ -15,13 +16,19 @@ _FUSED_SHARDS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# tensor parallelism: checkpoint weights split by output rows or by input columns
+_SPLIT_BY_OUTPUT = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+_SPLIT_BY_INPUT = {"o_proj", "down_proj"}
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """`cfg` is this rank's shard of the model (its heads); o_proj's partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
         super().__init__()
         self.layer = layer
         self.cfg = cfg
+        self.tp = tp
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
 
@@ -32,35 +39,38 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return self.o_proj(backend.forward(self.layer, q, k, v))
+        return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        self.cfg = tp.shard_config(cfg)
+        cfg = self.cfg
+        self.model = LlamaModel(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -85,6 +95,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
             module_name, _, kind = name.rpartition(".")
+            tensor = self._tp_slice(module_name, kind, tensor)
             target, shard = self._fused_target(module_name)
             module = modules.get(target)
             if isinstance(module, Linear):
@@ -102,6 +113,14 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"checkpoint is missing {sorted(missing)[:5]}")
+
+    def _tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        leaf = module_name.rpartition(".")[2]
+        if leaf in _SPLIT_BY_OUTPUT:
+            return self.tp.shard(tensor, 0)
+        if leaf in _SPLIT_BY_INPUT and kind == "weight":
+            return self.tp.shard(tensor, 1)
+        return tensor
 
     @staticmethod
     def _fused_target(module_name: str) -> tuple[str, int | None]:

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from ..config import ModelConfig
+from ..distributed import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,12 @@ def iter_checkpoint(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
-                seed: int = 0, quantization: str | None = None):
+                seed: int = 0, quantization: str | None = None, tp: TPGroup = TPGroup()):
+    """This rank's shard of the model (the whole model on one rank)."""
     from .llama import LlamaForCausalLM
 
     with torch.device(device):
-        model = LlamaForCausalLM(source.config, max_positions)
+        model = LlamaForCausalLM(source.config, max_positions, tp)
     if source.weights_dir is None:
         _init_dummy(model, seed)
     else:

@@ -72,12 +72,18 @@ def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir) -> Chi
     procs = {
         "detokenizer": ctx.Process(target=run_detokenizer, args=(tokenizer_dir, endpoints, e.log_level),
                                    name="radixserve-detokenizer"),
-        "worker": ctx.Process(target=run_worker, args=(e, endpoints), name="radixserve-worker-tp0"),
+        **{worker_name(rank, e.tp_size): ctx.Process(target=run_worker, args=(e, endpoints, rank),
+                                                     name=f"radixserve-worker-tp{rank}")
+           for rank in range(e.tp_size)},
         "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints), name="radixserve-scheduler"),
     }
     for proc in procs.values():
         proc.start()
     return Children(procs)
+
+
+def worker_name(rank: int, tp_size: int) -> str:
+    return "worker" if tp_size == 1 else f"worker (tp rank {rank})"
 
 
 def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:

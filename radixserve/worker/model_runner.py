@@ -9,6 +9,7 @@ import torch
 
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
+from ..distributed import TPGroup
 from ..mem.kv_pool import KVPool
 from ..models.loader import ModelSource, build_model, with_max_context
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
@@ -42,18 +43,17 @@ def default_device() -> torch.device:
 
 class ModelRunner:
     def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device | None = None,
-                 graph_cls=None):
+                 graph_cls=None, tp: TPGroup = TPGroup()):
         self.device = device or default_device()
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-        cfg = source.config
-        self.config = cfg
-        self.max_context_len = with_max_context(cfg, args.max_context_len)
+            torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
+        self.max_context_len = with_max_context(source.config, args.max_context_len)
         self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed,
-                                 args.quantization)
+                                 args.quantization, tp)
+        cfg = self.config = self.model.cfg  # this rank's heads
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = self._num_pages(args, per_token)
+        num_pages = tp.min_int(self._num_pages(args, per_token))
         ps = args.page_size
         self.pool = KVPool((num_pages + 1) * ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            self.dtype, self.device)

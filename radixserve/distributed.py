@@ -1,0 +1,62 @@
+"""Tensor parallelism over torch.distributed: gloo on CPU, NCCL on GPU.
+
+Megatron-style sharding of the Llama block: the fused QKV and gate-up projections are split
+by output (each rank owns whole attention heads and a slice of the MLP), o_proj and
+down_proj by input, and their partial outputs are summed with one all-reduce each.
+Embedding, norms and LM head are replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks in place (nothing to do on one rank)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` any rank holds (ranks must agree on pool sizes)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=_collective_device())
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def shard_config(self, cfg: ModelConfig) -> ModelConfig:
+        """This rank's slice of the model: its heads and its part of the MLP."""
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(cfg, name) % self.size:
+                raise ValueError(f"tp_size {self.size} does not divide the model's {name} ({getattr(cfg, name)})")
+        return replace(cfg, num_heads=cfg.num_heads // self.size, num_kv_heads=cfg.num_kv_heads // self.size,
+                       intermediate_size=cfg.intermediate_size // self.size)
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's equal slice of a checkpoint tensor along `dim`."""
+        if self.size == 1:
+            return tensor
+        return tensor.chunk(self.size, dim=dim)[self.rank]
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
+def init_tp_group(rank: int, size: int, init_file: str, device: torch.device) -> TPGroup:
+    """Join the group of `size` worker processes (a no-op for one rank)."""
+    if size == 1:
+        return TPGroup()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size)
+    return TPGroup(rank, size)
