@@ -25,6 +25,9 @@ ENGINE_FLAGS = [
     ("--page-size", dict(type=int, default=1, help="KV slots per page")),
     ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
                                  help="auto: flashinfer on CUDA if importable, else triton, else torch_native")),
+    ("--enable-jump-forward", dict(action="store_true",
+                                   help="structured output: append the text a grammar forces without decoding it "
+                                        "token by token (fewer steps; the forced text is tokenized on its own)")),
     ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: one worker process each, torch.distributed "

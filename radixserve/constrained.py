@@ -1,6 +1,7 @@
 """Structured output: regex, JSON schema and EBNF grammars through xgrammar.
 
-The scheduler keeps one grammar matcher per request. Before each step it fills a bitmask of
+JSON schemas compile to compact JSON (`", "` and `": "` separators, no free whitespace): small
+models otherwise tend to emit runs of whitespace. The scheduler keeps one grammar matcher per request. Before each step it fills a bitmask of
 the tokens the grammar allows next (bit `i % 32` of word `i // 32` set = token i allowed);
 the worker masks the logits with it (`worker/sampler.apply_token_masks`), and the sampled
 token advances the matcher. A request whose grammar is complete ends with its stop token.
@@ -71,11 +72,24 @@ class GrammarBackend:
         try:
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
-            if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.text)
+            if spec.kind == "json_schema":  # compact JSON: no whitespace runs, long forced spans
+                return compiler.compile_json_schema(spec.text, any_whitespace=False)
             return compiler.compile_grammar(spec.text)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
             raise ValueError(f"invalid {spec.kind}: {_clean_message(exc)}") from None
+
+    def forced_tokens(self, matcher, room: int):
+        """Jump-forward: the tokens of the text `matcher` forces next (at most `room`) and the
+        matcher advanced past them, or ([], matcher) when nothing is forced or the text's own
+        tokenization does not fit the grammar."""
+        text = matcher.find_jump_forward_string()
+        if not text or room <= 0:
+            return [], matcher
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:room]
+        advanced = matcher.fork()
+        if all(advanced.accept_token(t) for t in tokens):
+            return tokens, advanced
+        return [], matcher
 
     def token_mask(self, matcher) -> list[int]:
         """The allowed-next-token bitmask of `matcher` as int32 words."""

@@ -168,6 +168,7 @@ class SchedulerStats:
     generation_tokens_total: int = 0
     evicted_tokens_total: int = 0
     retractions_total: int = 0
+    jump_forward_tokens_total: int = 0
     requests_finished: dict = field(default_factory=dict)
     aborted_total: int = 0
     forward_steps: int = 0

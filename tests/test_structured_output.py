@@ -1,4 +1,5 @@
 """Structured output (regex, JSON schema, EBNF through xgrammar) on the bundled model."""
+import copy
 import json
 import re
 
@@ -69,3 +70,27 @@ def test_bad_grammars_are_refused(engine, params, needle):
     with pytest.raises(ValueError, match=needle):
         engine.generate("x", dict(params, max_new_tokens=4))
     engine.check_memory()
+
+
+def test_jump_forward_appends_forced_text_without_decode_steps():
+    from radixserve import Engine
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "city": {"enum": ["Paris", "Lyon", "Nice"]},
+                                               "age": {"type": "integer", "maximum": 120}},
+              "required": ["name", "city", "age"]}
+    params = {"temperature": 0, "max_new_tokens": 60, "json_schema": schema}
+    with Engine(dtype="float32", max_total_tokens=2048, max_running_requests=4, enable_jump_forward=True) as eng:
+        before = copy.copy(eng.get_stats())
+        out = eng.generate("A French person as JSON:", params)
+        after = copy.copy(eng.get_stats())
+        person = json.loads(out["text"])
+        assert set(person) == {"name", "city", "age"} and person["city"] in ("Paris", "Lyon", "Nice")
+        assert out["text"].startswith('{"name": "')
+        steps = after.forward_steps - before.forward_steps
+        forced = after.jump_forward_tokens_total - before.jump_forward_tokens_total
+        assert forced >= 8 and steps <= out["meta_info"]["completion_tokens"] - forced + 1
+        with_logprobs = eng.generate("A French person as JSON:", params, return_logprob=True)
+        assert len(with_logprobs["meta_info"]["output_token_logprobs"]) == with_logprobs["meta_info"]["completion_tokens"]
+        assert eng.get_stats().jump_forward_tokens_total == after.jump_forward_tokens_total  # none with logprobs
+        eng.check_memory()

@@ -430,7 +430,21 @@ class Scheduler:
                                  "other sampling constraints (stop_token_ids, min_new_tokens)"}
             return 1
         req.finish_reason = self._finish_reason(req, token)
+        if req.grammar is not None and not req.finished and self.args.enable_jump_forward:
+            return 1 + self._jump_forward(req)
         return 1
+
+    def _jump_forward(self, req: Req) -> int:
+        """Append the tokens the grammar forces; the next step feeds them as one extend chunk.
+        Skipped with logprobs, which only sampled tokens have."""
+        if req.return_logprob:
+            return 0
+        tokens, req.grammar = self.grammars.forced_tokens(req.grammar, req.params.max_new_tokens - len(req.output_ids))
+        req.output_ids += tokens
+        self.stats.jump_forward_tokens_total += len(tokens)
+        if tokens and len(req.output_ids) >= req.params.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+        return len(tokens)
 
     def _finish_reason(self, req: Req, token: int) -> dict | None:
         p, out = req.params, req.output_ids

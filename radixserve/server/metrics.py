@@ -126,6 +126,8 @@ class _SchedulerCollector:
         ("generation_tokens", "Generated tokens", "generation_tokens_total"),
         ("evicted_tokens", "Tokens evicted from the radix cache", "evicted_tokens_total"),
         ("retractions", "Requests retracted for lack of KV memory", "retractions_total"),
+        ("jump_forward_tokens", "Output tokens a grammar forced, added without decode steps",
+         "jump_forward_tokens_total"),
         ("aborted_requests", "Aborted requests", "aborted_total"),
     ]
 
