@@ -77,6 +77,26 @@ def test_stream_sse(client):
     assert chunks[-1]["text"] == full["text"]
 
 
+def test_stream_several_prompts(client):
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    body = {"text": [PROMPTS[0], PROMPTS[1]], "stream": True, "sampling_params": params}
+    with client.stream("POST", "/generate", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    last = {}
+    for line in lines[:-1]:
+        chunk = json.loads(line[6:])
+        last[chunk["index"]] = chunk
+    full = client.post("/generate", json=dict(body, stream=False)).json()
+    assert [last[i]["text"] for i in (0, 1)] == [f["text"] for f in full]
+    long = {"text": [LONG, LONG + " again"], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with client.stream("POST", "/generate", json=long) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # hang up while both are running
+    wait_idle(client)
+
+
 def test_logprobs_and_select_style_request(client, tokenizer):
     choices = [PROMPTS[3] + " 100", PROMPTS[3] + " banana"]
     r = client.post("/generate", json={"text": choices, "sampling_params": {"max_new_tokens": 0},

@@ -173,9 +173,9 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
         body = await parse_body(request, GenerateRequest)
         reqs, single = build_generate(tm, body)
         if body.stream:
-            if len(reqs) != 1:
-                raise RequestError("stream takes a single prompt with n=1")
-            return sse(_stream_generate(tm, reqs[0], body))
+            if single:
+                return sse(_stream_generate(tm, reqs[0], body))
+            return sse(_stream_generate_many(tm, reqs, body))
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
         results = [generate_result(tm, s, body, r.return_logprob) for s, r in zip(states, reqs)]
         return json_response(results[0] if single else results)
@@ -235,6 +235,33 @@ async def _stream_generate(tm: TokenizerManager, req: GenerateReq, body: Generat
         yield {"error": {"message": str(exc), "code": exc.status}}
     finally:
         await stream.aclose()
+
+
+async def _stream_generate_many(tm: TokenizerManager, reqs: list[GenerateReq], body: GenerateRequest):
+    """Several prompts (or n > 1) in one stream: chunks interleave as they come, each with the
+    `index` of its request; closing the stream aborts whatever is still running."""
+    updates: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, req: GenerateReq) -> None:
+        try:
+            async for chunk in _stream_generate(tm, req, body):
+                await updates.put(dict(chunk, index=index))
+        finally:
+            await updates.put(None)
+
+    tasks = [asyncio.create_task(pump(i, req)) for i, req in enumerate(reqs)]
+    try:
+        running = len(tasks)
+        while running:
+            chunk = await updates.get()
+            if chunk is None:
+                running -= 1
+            else:
+                yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def served_name(tm: TokenizerManager, args: ServerArgs) -> str:
