@@ -33,6 +33,7 @@ class SamplingBatch:
     penalty_prompts: list[list[int] | None]
     suppressed_ids: list[list[int] | None]
     token_masks: list[list[int] | None] | None = None  # grammar bitmasks, int32 words (constrained.py)
+    logit_biases: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

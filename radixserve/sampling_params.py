@@ -8,7 +8,7 @@ from .constrained import GRAMMAR_KEYS, json_schema_text
 
 MAX_TOP_K = 1 << 20
 # SGLang parameters we accept only when unset.
-UNSUPPORTED_WHEN_SET = ("stop_regex", "structural_tag", "logit_bias",
+UNSUPPORTED_WHEN_SET = ("stop_regex", "structural_tag",
                         "custom_params", "dtype", "no_stop_trim", "stream_interval")
 
 
@@ -35,6 +35,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, like OpenAI) -> added to its logit
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -110,9 +111,17 @@ class SamplingParams:
         for key in grammars:
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 yield f"{key} must be a non-empty string"
+        if self.logit_bias is not None and not _valid_logit_bias(self.logit_bias):
+            yield "logit_bias must map token ids to numbers in [-100, 100]"
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 yield f"{flag} must be a boolean"
+
+
+def _valid_logit_bias(bias: Any) -> bool:
+    if not isinstance(bias, dict):
+        return False
+    return all(str(k).isdigit() and _is_kind(v, float) and -100 <= v <= 100 for k, v in bias.items())
 
 
 def _is_kind(value: Any, kind: type) -> bool:

@@ -131,3 +131,18 @@ def test_bad_inputs_raise(engine):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.generate(input_ids=[1, 10**7])
     engine.check_memory()
+
+
+def test_logit_bias_steers_and_bans_tokens(engine, tokenizer):
+    prompt = "The capital of France is"
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1})
+    first = free["output_ids"][0]
+    banned = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1, "logit_bias": {str(first): -100}})
+    assert banned["output_ids"][0] != first
+    target = tokenizer.encode(" London")[0]
+    forced = engine.generate(prompt, {"temperature": 0.7, "max_new_tokens": 3, "logit_bias": {str(target): 100},
+                                      "seed": 3})
+    assert forced["output_ids"] == [target] * 3
+    for bad in ({"abc": 1}, {"5": 300}, [1, 2], {str(10**7): 1}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            engine.generate(prompt, {"max_new_tokens": 1, "logit_bias": bad})

@@ -172,6 +172,15 @@ def test_structured_output_over_http(server, client):
     wait_idle(client)
 
 
+def test_openai_logit_bias(client, tokenizer):
+    target = tokenizer.encode(" London")[0]
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2,
+                                             "temperature": 0, "logit_bias": {str(target): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " London London"
+    r = client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 500}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["message"]
+
+
 def test_disconnect_mid_stream_aborts_and_frees(client):
     params = {"max_new_tokens": 2000, "ignore_eos": True}
     with client.stream("POST", "/generate", json={"text": LONG, "stream": True, "sampling_params": params}) as r:

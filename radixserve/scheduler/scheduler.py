@@ -101,6 +101,9 @@ class Scheduler:
         bad = [t for t in msg.input_ids if not 0 <= t < info.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
+        too_big = [k for k in (params.logit_bias or {}) if int(k) >= info.vocab_size]
+        if too_big:
+            raise ValueError(f"logit_bias token id {too_big[0]} is outside the vocabulary [0, {info.vocab_size})")
         if msg.top_logprobs_num < 0 or msg.top_logprobs_num > 100:
             raise ValueError("top_logprobs_num must be in [0, 100]")
 
@@ -371,7 +374,7 @@ class Scheduler:
             penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
             penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
             suppressed_ids=[self._suppressed(r) for r in reqs],
-            token_masks=self._token_masks(reqs))
+            token_masks=self._token_masks(reqs), logit_biases=_logit_biases(ps))
 
     def _token_masks(self, reqs: list[Req]) -> list[list[int] | None] | None:
         if not any(r.grammar is not None for r in reqs):
@@ -539,6 +542,12 @@ class Scheduler:
             return 0.0
         span = max(now - recent[0][0], 1e-6)
         return sum(n for _, n in recent) / span
+
+
+def _logit_biases(ps: list[SamplingParams]) -> list[list[tuple[int, float]] | None] | None:
+    if not any(p.logit_bias for p in ps):
+        return None
+    return [[(int(k), v) for k, v in p.logit_bias.items()] if p.logit_bias else None for p in ps]
 
 
 def _pairs(top: list[tuple[int, float]]) -> list[list]:

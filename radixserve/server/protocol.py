@@ -83,6 +83,7 @@ class _OpenAIBase(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -93,7 +94,8 @@ class _OpenAIBase(BaseModel):
                     "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                     "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
-                    "stop_token_ids": self.stop_token_ids, "regex": self.regex, "ebnf": self.ebnf}
+                    "stop_token_ids": self.stop_token_ids, "regex": self.regex, "ebnf": self.ebnf,
+                    "logit_bias": self.logit_bias}
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.response_format is not None:
             params.update(self.response_format.grammar())

@@ -13,6 +13,7 @@ from ..messages import SamplingBatch
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits `[B, V]` float32 -> token ids `[B]`."""
     logits = logits.clone()
+    _apply_logit_biases(logits, sb.logit_biases)
     apply_token_masks(logits, sb.token_masks)
     _apply_penalties(logits, sb)
     _apply_suppression(logits, sb)
@@ -38,6 +39,13 @@ def apply_token_masks(logits: torch.Tensor, masks: list[list[int] | None] | None
     width = min(logits.shape[-1], bits.shape[1] * 32)
     allowed[:, :width] = bits.flatten(1)[:, :width].bool()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_logit_biases(logits: torch.Tensor, biases: list[list[tuple[int, float]] | None] | None) -> None:
+    for b, pairs in enumerate(biases or []):
+        if pairs:
+            ids, values = zip(*pairs)
+            logits[b, torch.tensor(ids, dtype=torch.long)] += torch.tensor(values, dtype=logits.dtype)
 
 
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
