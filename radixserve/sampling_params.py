@@ -1,6 +1,7 @@
 """Sampling parameters of one request, validated at the boundary."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, asdict
 from typing import Any
 
@@ -8,7 +9,7 @@ from .constrained import GRAMMAR_KEYS, json_schema_text
 
 MAX_TOP_K = 1 << 20
 # SGLang parameters we accept only when unset.
-UNSUPPORTED_WHEN_SET = ("stop_regex", "structural_tag",
+UNSUPPORTED_WHEN_SET = ("structural_tag",
                         "custom_params", "dtype", "no_stop_trim", "stream_interval")
 
 
@@ -27,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -54,6 +56,8 @@ class SamplingParams:
             data["stop"] = [data["stop"]]
         if isinstance(data.get("stop"), tuple):
             data["stop"] = list(data["stop"])
+        if isinstance(data.get("stop_regex"), str):
+            data["stop_regex"] = [data["stop_regex"]]
         if "json_schema" in data:
             data["json_schema"] = json_schema_text(data["json_schema"])
         params = cls(**data)
@@ -103,6 +107,7 @@ class SamplingParams:
             yield f"seed must be an integer, got {self.seed!r}"
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             yield "stop must be a non-empty string or a list of non-empty strings"
+        yield from _stop_regex_problems(self.stop_regex)
         if not isinstance(self.stop_token_ids, list) or not all(_is_kind(t, int) and t >= 0 for t in self.stop_token_ids):
             yield "stop_token_ids must be a list of non-negative integers"
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
@@ -116,6 +121,17 @@ class SamplingParams:
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 yield f"{flag} must be a boolean"
+
+
+def _stop_regex_problems(patterns: Any):
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        yield "stop_regex must be a non-empty string or a list of them"
+        return
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            yield f"stop_regex {pattern!r} does not compile: {exc}"
 
 
 def _valid_logit_bias(bias: Any) -> bool:

@@ -146,3 +146,14 @@ def test_logit_bias_steers_and_bans_tokens(engine, tokenizer):
     for bad in ({"abc": 1}, {"5": 300}, [1, 2], {str(10**7): 1}):
         with pytest.raises(ValueError, match="logit_bias"):
             engine.generate(prompt, {"max_new_tokens": 1, "logit_bias": bad})
+
+
+def test_stop_regex(engine):
+    prompt = "Count from one: 1, 2, 3,"
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16})
+    assert " 5" in free["text"], free["text"]
+    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "stop_regex": r"\b[5-9]\b"})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["text"] == free["text"][: free["text"].index("5")]
+    with pytest.raises(ValueError, match="stop_regex"):
+        engine.generate(prompt, {"max_new_tokens": 1, "stop_regex": "(unclosed"})

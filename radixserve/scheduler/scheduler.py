@@ -7,6 +7,7 @@ an `Executor`, so it runs (and is tested) without one.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .req import Req
 log = logging.getLogger(__name__)
 
 IN_BATCH_SHARE_MIN = 32
+STOP_REGEX_WINDOW = 32  # output tokens a stop regex is matched against, counted from the end
 DECODE_LOG_INTERVAL = 40
 RATIO_DECAY_STEPS = 600
 RETRACT_RATIO_STEP = 0.15
@@ -464,11 +466,18 @@ class Scheduler:
         return None
 
     def _matched_stop_string(self, req: Req) -> str | None:
-        if not req.params.stop or self.decode_tail is None:
+        """The stop string, or the text a stop regex matched, at the end of the output."""
+        p = req.params
+        if not (p.stop or p.stop_regex) or self.decode_tail is None:
             return None
-        window = max(len(s) for s in req.params.stop) + 4
+        window = max([len(s) + 4 for s in p.stop] + [STOP_REGEX_WINDOW if p.stop_regex else 0])
         tail = self.decode_tail(req.output_ids[-window:])
-        return next((s for s in req.params.stop if s in tail), None)
+        matched = next((s for s in p.stop if s in tail), None)
+        for pattern in p.stop_regex if matched is None else []:
+            found = re.search(pattern, tail)
+            if found and found.group(0):
+                return found.group(0)
+        return matched
 
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.sent_len:]
