@@ -89,7 +89,7 @@ def test_stream_several_prompts(client):
         last[chunk["index"]] = chunk
     full = client.post("/generate", json=dict(body, stream=False)).json()
     assert [last[i]["text"] for i in (0, 1)] == [f["text"] for f in full]
-    long = {"text": [LONG, LONG + " again"], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    long = {"text": ["First: " + LONG, "Second: " + LONG], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
     with client.stream("POST", "/generate", json=long) as r:
         for i, line in enumerate(r.iter_lines()):
             if i >= 6:
