@@ -70,10 +70,11 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
-                         disable_cuda_graph=a.disable_cuda_graph)
+                         disable_cuda_graph=a.disable_cuda_graph, enable_torch_compile=a.enable_torch_compile)
     rows = []
     for b in a.batch:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000

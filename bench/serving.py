@@ -52,6 +52,8 @@ def start(system: str, log_dir: Path, concurrency: int, kv_tokens: int, model_di
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, radix=False)
     if system == "radixserve-int8":
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=["--quantization", "int8"])
+    if system == "radixserve-compile":
+        return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=["--enable-torch-compile"])
     if system == "vllm":
         return servers.vllm(port, log_dir, concurrency, kv_tokens, model_dir, compute_dtype())
     if system == "llama":
@@ -243,6 +245,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the result files (keeps earlier runs of the day)")
     args = ap.parse_args()
     from radixserve.models.loader import bundled_model_dir, find_bundled_gguf
 
@@ -259,7 +262,7 @@ def main() -> None:
     if not args.no_sweep:
         results["sweep"] = sweep_hit_rate(args, log_dir)
     out_dir = BENCH / "results"
-    stem = out_dir / f"{results['date']}-{results['machine']}"
+    stem = out_dir / f"{results['date']}-{results['machine']}{'-' + args.tag if args.tag else ''}"
     results["plots"] = plot(results, stem)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     print("\n| workload | peer | radixserve output throughput / peer | radixserve TTFT p95 / peer |")

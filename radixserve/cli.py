@@ -28,6 +28,9 @@ ENGINE_FLAGS = [
     ("--enable-jump-forward", dict(action="store_true",
                                    help="structured output: append the text a grammar forces without decoding it "
                                         "token by token (fewer steps; the forced text is tokenized on its own)")),
+    ("--enable-torch-compile", dict(action="store_true",
+                                    help="torch.compile the decode step (faster CPU decode; adds 1-2 min to start-up, "
+                                         "less once inductor's cache is warm)")),
     ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: one worker process each, torch.distributed "

@@ -107,6 +107,7 @@ class EngineArgs:
     enable_mixed_chunk: bool = True
     disable_cuda_graph: bool = False
     enable_jump_forward: bool = False
+    enable_torch_compile: bool = False
     cuda_graph_max_bs: int = 64
 
     def __post_init__(self) -> None:
