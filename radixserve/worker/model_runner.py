@@ -15,6 +15,7 @@ from ..models.loader import ModelSource, build_model, with_max_context
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample
+from .torch_compile import compile_decode
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class ModelRunner:
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                       device=self.device)
         self.graphs = self._capture_graphs(args, graph_cls)
-        self.compiled_decode = self._compile_decode() if args.enable_torch_compile else None
+        self.compiled_decode = compile_decode(self.model, self.backend, self.req_to_token) \
+            if args.enable_torch_compile else None
         self.info = WorkerInfo(num_pages, ps, self.max_context_len, args.max_running_requests,
                                cfg.vocab_size, cfg.eos_token_ids, str(self.dtype).removeprefix("torch."),
                                str(self.device), backend, per_token)
@@ -92,30 +94,6 @@ class ModelRunner:
                                      sizes, graph_cls)
         log.info("captured decode graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
         return graphs
-
-    def _compile_decode(self):
-        """torch.compile of the model for decode steps (dynamic shapes: one graph serves every batch
-        size and context length; measured 1.75x faster bf16 decode at batch 8 on CPU). Compiled at
-        start-up for batches of 3 and of 1 (torch always specializes a size of 1)."""
-        compiled = torch.compile(self.model.forward, dynamic=True)
-        start = time.perf_counter()
-        for bs in (3, 1):
-            self._warm_up_decode(compiled, bs)
-        log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
-        return compiled
-
-    @torch.inference_mode()
-    def _warm_up_decode(self, compiled, bs: int, seq_len: int = 7) -> None:
-        """A decode step of `bs` requests over `seq_len` tokens of the reserved slot 0 (page 0 is
-        never allocated). Sizes are distinct and above 1, so that no dimension is specialized or
-        tied to another that a real step would set apart."""
-        def fresh(value: int = 0) -> torch.Tensor:  # a new tensor each time: dynamo guards on aliasing
-            return torch.full((bs,), value, dtype=torch.long, device=self.device)
-
-        self.backend.plan(AttentionInputs(is_decode=True, out_cache_loc=fresh(), rows=fresh(), seq_lens=fresh(seq_len),
-                                          extend_lens=fresh(1), req_to_token=self.req_to_token, max_seq_len=seq_len,
-                                          max_extend_len=1))
-        compiled(fresh(), fresh(seq_len - 1), self.backend)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
