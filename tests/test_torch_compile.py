@@ -29,8 +29,10 @@ def run(runner, prompts, max_new_tokens=10):
     return tokens, logprobs
 
 
-def test_compiled_decode_matches_eager_without_recompiling():
+def test_compiled_decode_matches_eager_without_recompiling(tmp_path, monkeypatch):
     counters = pytest.importorskip("torch._dynamo.utils").counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold cache, as on a fresh machine
+    torch._dynamo.reset()
     source = resolve_model(ARGS.model)
     rng = random.Random(1)
     prompts = [[rng.randrange(500) for _ in range(3 + 9 * i)] for i in range(5)]

@@ -1,8 +1,10 @@
 """torch.compile of the decode step (`--enable-torch-compile`), for CPU serving.
 
-Dynamic shapes let one compiled graph serve every batch size and context length; a size of
-1 is always specialized, so batches of 1 get a second graph. Both are compiled at start-up,
-so that serving never stops for a recompile. Measured (interleaved A/B, bench/decode_step.py
+Dynamic shapes let one compiled graph serve every batch size and context length, with two
+catches: a size of 1 is always specialized, and a size that equals a fixed model dimension
+(3 KV heads in SmolLM2) gets tied to it. So start-up runs decode steps of 7, 5 and 1
+requests: if 7 is tied, 5 recompiles a general graph, and 1 gets its own; serving then never
+stops for a recompile (tests/test_torch_compile.py checks this from a cold compile cache). Measured (interleaved A/B, bench/decode_step.py
 shapes): 1.20-1.22x per decode step in bf16 and 1.28-1.38x in fp32 at batch 1/8/32.
 """
 from __future__ import annotations
@@ -18,20 +20,19 @@ log = logging.getLogger(__name__)
 
 
 def compile_decode(model, backend: AttentionBackend, req_to_token: torch.Tensor):
-    """The compiled `model.forward`, warmed up for batches of 3 and of 1."""
+    """The compiled `model.forward`, warmed up for every batch shape serving will see."""
     compiled = torch.compile(model.forward, dynamic=True)
     start = time.perf_counter()
-    for bs in (3, 1):
-        warm_up(compiled, backend, req_to_token, bs)
+    for bs, seq_len in ((7, 13), (5, 11), (1, 13)):
+        warm_up(compiled, backend, req_to_token, bs, seq_len)
     log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
     return compiled
 
 
 @torch.inference_mode()
-def warm_up(compiled, backend: AttentionBackend, req_to_token: torch.Tensor, bs: int, seq_len: int = 7) -> None:
+def warm_up(compiled, backend: AttentionBackend, req_to_token: torch.Tensor, bs: int, seq_len: int) -> None:
     """A decode step of `bs` requests over `seq_len` tokens of the reserved slot 0 (page 0 is
-    never allocated). Sizes are distinct and above 1, so that no dimension is specialized or
-    tied to another that a real step would set apart."""
+    never allocated)."""
     def fresh(value: int = 0) -> torch.Tensor:  # a new tensor each time: dynamo guards on aliasing
         return torch.full((bs,), value, dtype=torch.long, device=req_to_token.device)
 
