@@ -161,14 +161,15 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights drawn on the model's own device (8B of them on one CPU core take minutes)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                values = torch.randn(param.shape, generator=generator) * 0.02
-                param.copy_(values.to(param.device))
+                param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
 
 
 def with_max_context(cfg: ModelConfig, max_context: int | None) -> int:
