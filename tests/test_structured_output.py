@@ -94,3 +94,28 @@ def test_jump_forward_appends_forced_text_without_decode_steps():
         assert len(with_logprobs["meta_info"]["output_token_logprobs"]) == with_logprobs["meta_info"]["completion_tokens"]
         assert eng.get_stats().jump_forward_tokens_total == after.jump_forward_tokens_total  # none with logprobs
         eng.check_memory()
+
+
+def test_grammars_survive_retraction_with_jump_forward():
+    """A pool too small for every request: some are retracted mid-output and re-prefilled with
+    their forced tokens; every output still follows its grammar and no KV slot leaks."""
+    from radixserve import Engine
+
+    schema = {"type": "object", "required": ["name", "tags"],
+              "properties": {"name": {"type": "string", "maxLength": 30},
+                             "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4}}}
+    pattern = r"(cat|dog)( (cat|dog)){3,8}"
+    prompts = [f"Record {i}: describe a product with tags as JSON. " * 3 for i in range(12)]
+    params = [dict(temperature=0.8, seed=i, max_new_tokens=80, json_schema=schema) if i % 3 else
+              dict(temperature=0, max_new_tokens=60, regex=pattern) for i in range(12)]
+    with Engine(dtype="float32", max_total_tokens=360, max_running_requests=12, chunked_prefill_size=64,
+                enable_jump_forward=True, new_token_ratio=0.01, min_new_token_ratio=0.0) as eng:
+        outs = eng.generate(prompts, params)
+        assert eng.get_stats().retractions_total > 0
+        eng.check_memory()
+    for i, out in enumerate(outs):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        if i % 3:
+            assert set(json.loads(out["text"])) == {"name", "tags"}
+        else:
+            assert re.fullmatch(pattern, out["text"])
