@@ -472,12 +472,14 @@ class Scheduler:
             return None
         window = max([len(s) + 4 for s in p.stop] + [STOP_REGEX_WINDOW if p.stop_regex else 0])
         tail = self.decode_tail(req.output_ids[-window:])
-        matched = next((s for s in p.stop if s in tail), None)
-        for pattern in p.stop_regex if matched is None else []:
+        for stop in p.stop:
+            if stop in tail:
+                return stop
+        for pattern in p.stop_regex:
             found = re.search(pattern, tail)
             if found and found.group(0):
                 return found.group(0)
-        return matched
+        return None
 
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.sent_len:]
