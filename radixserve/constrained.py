@@ -1,11 +1,12 @@
 """Structured output: regex, JSON schema and EBNF grammars through xgrammar.
 
-JSON schemas compile to compact JSON (`", "` and `": "` separators, no free whitespace): small
-models otherwise tend to emit runs of whitespace. The scheduler keeps one grammar matcher per request. Before each step it fills a bitmask of
+The scheduler keeps one grammar matcher per request. Before each step it fills a bitmask of
 the tokens the grammar allows next (bit `i % 32` of word `i // 32` set = token i allowed);
 the worker masks the logits with it (`worker/sampler.apply_token_masks`), and the sampled
 token advances the matcher. A request whose grammar is complete ends with its stop token.
-Compiled grammars are cached per spec, so repeated schemas compile once.
+Compiled grammars are cached per spec, so repeated schemas compile once. JSON schemas
+compile to compact JSON (`", "` and `": "` separators, no free whitespace): small models
+otherwise tend to emit runs of whitespace.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+from .tokenizer import eos_ids
 
 GRAMMAR_KEYS = ("regex", "json_schema", "ebnf")
 
@@ -110,5 +113,4 @@ def grammar_backend(tokenizer, info) -> GrammarBackend | None:
     """The grammar backend for a worker's vocabulary (`WorkerInfo`); None without a tokenizer."""
     if tokenizer is None:
         return None
-    stop_ids = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    return GrammarBackend(tokenizer, info.vocab_size, tuple(stop_ids))
+    return GrammarBackend(tokenizer, info.vocab_size, tuple(set(info.eos_token_ids) | set(eos_ids(tokenizer))))

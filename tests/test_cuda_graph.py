@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from radixserve.config import EngineArgs
-from radixserve.messages import ForwardMode, GenerateReq
+from radixserve.messages import ForwardBatch, ForwardMode
 from radixserve.models.loader import resolve_model
-from radixserve.scheduler.scheduler import Scheduler
 from radixserve.worker.cuda_graph import PAD_SLOT, EagerGraph, capture_batch_sizes
 from radixserve.worker.model_runner import ModelRunner
+from scheduler_runs import greedy_run
 
 ARGS = EngineArgs(model="dummy:tiny", dtype="float32", attention_backend="triton", max_total_tokens=2048,
                   max_running_requests=8, cuda_graph_max_bs=8, chunked_prefill_size=64, max_context_len=512)
@@ -30,20 +30,6 @@ def runners():
     return ModelRunner(source, ARGS), ModelRunner(source, ARGS, graph_cls=EagerGraph)
 
 
-def run_to_completion(runner, prompts, max_new_tokens):
-    sched = Scheduler(ARGS, runner)
-    for i, prompt in enumerate(prompts):
-        sched.add_request(GenerateReq(str(i), prompt, dict(max_new_tokens=max_new_tokens, temperature=0,
-                                                           ignore_eos=True), return_logprob=True))
-    tokens, logprobs = {}, {}
-    while sched.has_work():
-        for out in sched.step():
-            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
-            logprobs.setdefault(out.rid, []).extend(lp[0] for lp in out.output_logprobs or [])
-        sched.check_memory()
-    return tokens, logprobs
-
-
 def test_no_graphs_on_cpu_unless_asked(runners):
     eager, _ = runners
     assert eager.graphs is None
@@ -60,9 +46,9 @@ def test_padded_graph_replay_matches_eager_decoding(runners):
     rng = random.Random(0)
     shared = [rng.randrange(500) for _ in range(30)]
     prompts = [shared + [rng.randrange(500) for _ in range(5 + 7 * i)] for i in range(5)]
-    expected_tokens, expected_lp = run_to_completion(eager, prompts, 12)
+    expected_tokens, expected_lp = greedy_run(ARGS, eager, prompts, [12] * len(prompts))
     before = graphed.graphs.replays
-    tokens, lps = run_to_completion(graphed, prompts, 12)
+    tokens, lps = greedy_run(ARGS, graphed, prompts, [12] * len(prompts))
     assert graphed.graphs.replays - before >= 10
     assert tokens == expected_tokens
     for rid in expected_lp:
@@ -94,6 +80,4 @@ def test_mixed_and_prefill_steps_stay_eager(runners):
 
 
 def _batch(mode, n):
-    from radixserve.messages import ForwardBatch
-
     return ForwardBatch(mode, [1] * n, [0] * n, [1] * n, list(range(n)), [1] * n, [1] * n, [], None, [None] * n)

@@ -4,8 +4,9 @@ Dynamic shapes let one compiled graph serve every batch size and context length,
 catches: a size of 1 is always specialized, and a size that equals a fixed model dimension
 (3 KV heads in SmolLM2) gets tied to it. So start-up runs decode steps of 7, 5 and 1
 requests: if 7 is tied, 5 recompiles a general graph, and 1 gets its own; serving then never
-stops for a recompile (tests/test_torch_compile.py checks this from a cold compile cache). Measured (interleaved A/B, bench/decode_step.py
-shapes): 1.20-1.22x per decode step in bf16 and 1.28-1.38x in fp32 at batch 1/8/32.
+stops for a recompile (tests/test_torch_compile.py checks this from a cold compile cache).
+Measured (interleaved A/B, bench/decode_step.py shapes): 1.20-1.22x per decode step in bf16
+and 1.28-1.38x in fp32 at batch 1/8/32.
 """
 from __future__ import annotations
 
