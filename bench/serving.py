@@ -40,7 +40,8 @@ def scaled(name: str, scale: float, seed: int) -> list[Session]:
     sizes = {"shared_prefix": dict(num_groups=4, per_group=max(2, int(8 * scale))),
              "multi_turn": dict(conversations=max(2, int(8 * scale))),
              "agent_tree": dict(trees=max(1, int(4 * scale))),
-             "no_sharing": dict(num=max(4, int(32 * scale)))}[name]
+             "no_sharing": dict(num=max(4, int(32 * scale))),
+             "prefill_heavy": dict(num_groups=2, per_group=max(2, int(12 * scale)))}[name]
     return WORKLOADS[name](**sizes, seed=seed)
 
 
@@ -263,6 +264,7 @@ def main() -> None:
         results["sweep"] = sweep_hit_rate(args, log_dir)
     out_dir = BENCH / "results"
     stem = out_dir / f"{results['date']}-{results['machine']}{'-' + args.tag if args.tag else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))  # kept even if plotting fails
     results["plots"] = plot(results, stem)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     print("\n| workload | peer | radixserve output throughput / peer | radixserve TTFT p95 / peer |")

@@ -57,6 +57,23 @@ def shared_prefix_sessions(num_groups: int = 4, per_group: int = 8, system_words
     return sessions
 
 
+def prefill_heavy_sessions(num_groups: int = 2, per_group: int = 12, prefix_words: int = 900,
+                           question_words: int = 12, output_len: int = 4, seed: int = 0):
+    """Few-shot prompting: a long shared prefix (~1200 tokens of worked examples), a short
+    question and a few output tokens. Prompt work dominates, so reusing the prefix is what counts."""
+    from loadgen import Session, Stage
+
+    rng = random.Random(seed)
+    sessions = []
+    for g in range(num_groups):
+        shots = "\n".join(f"Example {i}: {_words(rng, prefix_words // 6)}\nAnswer: {rng.choice(WORDS)}"
+                          for i in range(6))
+        sessions += [Session([Stage([f"Task {g}.\n{shots}\nQuestion: {_words(rng, question_words)}\nAnswer:"],
+                                    output_len)]) for _ in range(per_group)]
+    rng.shuffle(sessions)
+    return sessions
+
+
 def random_sessions(num: int = 32, words: int = 320, output_len: int = 32, seed: int = 0):
     """The control: nothing shared between requests."""
     from loadgen import Session, Stage
@@ -100,4 +117,5 @@ WORKLOADS = {
     "multi_turn": multi_turn_sessions,
     "agent_tree": agent_tree_sessions,
     "no_sharing": random_sessions,
+    "prefill_heavy": prefill_heavy_sessions,
 }

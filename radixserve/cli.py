@@ -29,11 +29,11 @@ ENGINE_FLAGS = [
                                    help="structured output: append the text a grammar forces without decoding it "
                                         "token by token (fewer steps; the forced text is tokenized on its own)")),
     ("--enable-torch-compile", dict(action="store_true",
-                                    help="torch.compile the decode step (faster CPU decode; adds 1-2 min to start-up, "
-                                         "less once inductor's cache is warm)")),
+                                    help="torch.compile the whole forward, attention kept opaque (adds minutes to the first start-up, "
+                                         "less once inductor's on-disk cache is warm)")),
     ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
-    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: one worker process each, torch.distributed "
+    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: rank 0 in the scheduler, one worker process per other rank, torch.distributed "
                                                       "(gloo on CPU, NCCL on GPU); must divide the head counts")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),

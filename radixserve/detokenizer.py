@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import BatchOut, ReqOutput
+from .messages import BatchOut, FinishReason, ReqOutput
 from .tokenizer import decode_ids
 
 
@@ -56,9 +56,9 @@ class Detokenizer:
         s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
         return after[len(before):]
 
-    def _visible(self, s: DecodeState, finished: bool, reason: dict | None) -> str:
+    def _visible(self, s: DecodeState, finished: bool, reason: FinishReason | None) -> str:
         if finished:
-            matched = (reason or {}).get("matched")
+            matched = None if reason is None else reason.matched
             if isinstance(matched, str) and matched in s.text:
                 return s.text[: s.text.index(matched)]
             return s.text

@@ -8,6 +8,7 @@ Embedding, norms and LM head are replicated.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 
@@ -33,6 +34,20 @@ class TPGroup:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
         return int(tensor.item())
 
+    def send_step(self, packed: torch.Tensor) -> None:
+        """Rank 0: broadcast one step's packed model inputs (its size first)."""
+        size = torch.tensor([packed.numel()], dtype=torch.long, device=packed.device)
+        torch.distributed.broadcast(size, src=0)
+        torch.distributed.broadcast(packed, src=0)
+
+    def receive_step(self, device: torch.device) -> torch.Tensor:
+        """Ranks > 0: wait for rank 0's next step."""
+        size = torch.empty(1, dtype=torch.long, device=device)
+        torch.distributed.broadcast(size, src=0)
+        packed = torch.empty(int(size.item()), dtype=torch.long, device=device)
+        torch.distributed.broadcast(packed, src=0)
+        return packed
+
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
         """This rank's slice of the model: its heads and its part of the MLP."""
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
@@ -53,10 +68,14 @@ def _collective_device() -> torch.device:
         else torch.device("cpu")
 
 
+IDLE_TIMEOUT = timedelta(days=365)  # ranks > 0 wait in a broadcast for as long as the server idles
+
+
 def init_tp_group(rank: int, size: int, init_file: str, device: torch.device) -> TPGroup:
-    """Join the group of `size` worker processes (a no-op for one rank)."""
+    """Join the group of `size` model workers (a no-op for one rank)."""
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size)
+    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
+                                         timeout=IDLE_TIMEOUT)
     return TPGroup(rank, size)

@@ -21,6 +21,7 @@ from .responses import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
 from .tokenizer import eos_ids, load_tokenizer_or_none
+from .validation import check_generate
 from .worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call("flush")
 
-    def get_stats(self, top_prefixes: int = 0):
-        return self._call("stats", top_prefixes)
+    def get_stats(self):
+        return self._call("stats")
 
     def check_memory(self) -> None:
         self._call("check")
@@ -129,11 +130,11 @@ class Engine:
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, raw in zip(id_lists, params_list):
-            params = SamplingParams.from_dict(raw)
-            params.validate(self.args.max_n)
-            for sample in params.per_sample():
-                reqs.append(GenerateReq(uuid.uuid4().hex, list(ids), sample, return_logprob,
-                                        logprob_start_len, top_logprobs_num))
+            for sample in SamplingParams.from_dict(raw, self.args.max_n).per_sample():
+                req = GenerateReq(uuid.uuid4().hex, list(ids), sample, return_logprob, logprob_start_len,
+                                  top_logprobs_num)
+                check_generate(req, self.runner.info)
+                reqs.append(req)
         return reqs, single
 
     def _submit(self, req: GenerateReq) -> queue.Queue:
@@ -215,7 +216,7 @@ class Engine:
         if kind == "flush":
             return self.scheduler.flush_cache()
         if kind == "stats":
-            return self.scheduler.snapshot(*args)
+            return self.scheduler.snapshot()
         if kind == "check":
             return self.scheduler.check_memory()
         raise ValueError(kind)

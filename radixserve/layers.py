@@ -65,25 +65,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays packed weights out for; any count works
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored transposed, `[in, out]`.
 
     On CPU a small-batch matmul against a contiguous `[in, out]` matrix runs about
     twice as fast as F.linear against `[out, in]` (measured: bench/decode_step.py).
     Checkpoint tensors arrive as `[out, in]`; `load` transposes them into place.
+    After loading, a float32 CPU model packs its weights into oneDNN's blocked layout
+    (`pack_onednn`), which is faster still at every row count.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_buffer("weight_onednn", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight_onednn, self.bias, "none", [], "")
         if self.weight_t is None:
             return self._forward_int8(x)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight_t)
         return torch.mm(x, self.weight_t)
+
+    @torch.no_grad()
+    def pack_onednn(self) -> None:
+        """Replace the weight by oneDNN's prepacked copy (float32 on CPU).
+
+        Measured on a 2-core AVX2 EPYC (bench/README.md): 1.5-2x faster than `torch.mm` at
+        1 to 512 rows; a decode step at batch 8 went from 161 to 89 ms.
+        """
+        weight = self.weight_t.t().contiguous()
+        self.register_buffer("weight_onednn", torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT))
+        self.weight_t = None
 
     @torch.no_grad()
     def quantize_int8(self) -> None:

@@ -1,15 +1,18 @@
-"""Every message that crosses a process boundary, as plain dataclasses.
+"""The typed messages between the parts of the server, as plain dataclasses.
 
-api -> scheduler: GenerateReq, AbortReq, FlushCacheReq, StatsReq
-scheduler -> worker: ForwardBatch; worker -> scheduler: ForwardResult
-scheduler -> detokenizer -> api: ReqOutput batches (BatchOut), then with text
-Fields hold only plain values (ints, floats, strings, lists, dicts) so that the
-codec in `ipc` can move them without pickle.
+Across processes (ZeroMQ, msgpack through `ipc`):
+  api -> scheduler: GenerateReq (with SamplingParams validated once, in the api), AbortReq, ControlReq
+  scheduler -> detokenizer -> api: BatchOut of ReqOutput (text added by the detokenizer), ControlReply
+Inside the scheduler process, scheduler -> model runner: ForwardBatch in, ForwardResult out
+(TP ranks > 0 receive the batch's model inputs as one packed tensor, `worker/step_inputs.py`).
+Fields hold only plain values, so nothing is ever pickled.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+from .sampling_params import SamplingParams
 
 
 class ForwardMode(IntEnum):
@@ -114,7 +117,7 @@ class WorkerInfo:
 class GenerateReq:
     rid: str
     input_ids: list[int]
-    sampling_params: dict
+    sampling_params: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -127,20 +130,45 @@ class AbortReq:
 
 
 @dataclass
+class FinishReason:
+    """Why a request ended, in SGLang's terms: `stop` (on `matched`, a token id or a stop
+    string), `length` (after `length` tokens) or `abort` (with a `message`). A request the
+    scheduler refused (a grammar that does not compile, say) is `rejected`: the api answers
+    it with a 400 instead of a result."""
+
+    kind: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    rejected: bool = False
+
+    def to_json(self) -> dict:
+        """The `finish_reason` object of SGLang's responses."""
+        out: dict = {"type": self.kind}
+        if self.kind == "stop":
+            out["matched"] = self.matched
+        elif self.kind == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
 class ReqOutput:
     """One request's progress in one scheduler step (token ids; text is added later)."""
 
     rid: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: dict | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_logprobs: list[list] | None = None
-    output_top_logprobs: list[list] | None = None
+    output_logprobs: list[list] | None = None  # [logprob, token id] per token
+    output_top_logprobs: list[list | None] | None = None  # per token: [[logprob, token id], ...] or None
     input_logprobs: list[list] | None = None
-    input_top_logprobs: list[list] | None = None
+    input_top_logprobs: list[list | None] | None = None
     text: str = ""
     queue_time: float = 0.0
     stop: list[str] | None = None
@@ -175,7 +203,6 @@ class SchedulerStats:
     forward_steps: int = 0
     recent_hit_rate: float = 0.0
     gen_throughput: float = 0.0
-    top_prefixes: list = field(default_factory=list)
     queue_times: list = field(default_factory=list)
 
     @property

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .messages import ReqOutput
+from .messages import FinishReason, ReqOutput
 
 
 @dataclass
@@ -15,7 +15,7 @@ class RequestState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -59,7 +59,7 @@ class RequestState:
                 token_text: Callable[[int], str] | None = None) -> dict:
         meta = {
             "id": self.rid,
-            "finish_reason": self.finish_reason,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields, asdict
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .constrained import GRAMMAR_KEYS, json_schema_text
@@ -40,8 +40,9 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None  # token id (as a string, like OpenAI) -> added to its logit
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a JSON dict; unknown keys and wrong types raise ValueError."""
+    def from_dict(cls, data: dict[str, Any] | None, max_n: int = 128) -> "SamplingParams":
+        """Build from a JSON dict and validate (at most `max_n` samples); unknown keys, wrong
+        types and values out of range raise ValueError."""
         if data is not None and not isinstance(data, dict):
             raise ValueError("sampling_params must be an object")
         data = {k: v for k, v in (data or {}).items() if v is not None}
@@ -61,16 +62,12 @@ class SamplingParams:
         if "json_schema" in data:
             data["json_schema"] = json_schema_text(data["json_schema"])
         params = cls(**data)
-        params.validate()
+        params.validate(max_n)
         return params
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def per_sample(self) -> list[dict[str, Any]]:
+    def per_sample(self) -> list["SamplingParams"]:
         """n samples become n single-sample parameter sets; sample i draws with seed + i."""
-        return [dict(self.to_dict(), n=1, seed=None if self.seed is None else self.seed + i)
-                for i in range(self.n)]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
     def is_greedy(self) -> bool:

@@ -1,6 +1,7 @@
 """Drive a real Scheduler over a model runner in-process and collect what every request produced."""
 from radixserve.config import EngineArgs
 from radixserve.messages import GenerateReq
+from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 
 
@@ -9,8 +10,8 @@ def greedy_run(args: EngineArgs, runner, prompts: list[list[int]], max_new_token
     checked after every step."""
     sched = Scheduler(args, runner)
     for i, (prompt, n) in enumerate(zip(prompts, max_new_tokens)):
-        sched.add_request(GenerateReq(str(i), prompt, dict(max_new_tokens=n, temperature=0, ignore_eos=True),
-                                      return_logprob=True))
+        params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+        sched.add_request(GenerateReq(str(i), prompt, params, return_logprob=True))
     tokens, logprobs = {}, {}
     while sched.has_work():
         for out in sched.step():

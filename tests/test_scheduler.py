@@ -4,8 +4,10 @@ import random
 import pytest
 
 from radixserve.config import EngineArgs
-from radixserve.messages import ForwardMode, GenerateReq
+from radixserve.messages import FinishReason, ForwardMode, GenerateReq
+from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.validation import check_generate
 
 from fake_executor import EOS, FakeExecutor, reference
 
@@ -17,9 +19,15 @@ def make(num_pages=4096, page_size=1, max_running=8, **kw):
     return Scheduler(args, ex), ex
 
 
+def request(rid, prompt, params: dict) -> GenerateReq:
+    return GenerateReq(rid, prompt, SamplingParams.from_dict(params))
+
+
 def submit(sched, rid, prompt, max_new=8, **params):
-    sched.add_request(GenerateReq(rid, prompt, dict(max_new_tokens=max_new, temperature=0,
-                                                    ignore_eos=True, **params)))
+    """Validate as the api does, then queue."""
+    req = request(rid, prompt, dict(dict(max_new_tokens=max_new, temperature=0, ignore_eos=True), **params))
+    check_generate(req, sched.info)
+    sched.add_request(req)
 
 
 def run(sched, max_steps=10_000):
@@ -52,7 +60,7 @@ def test_outputs_match_reference(page_size, policy, mixed):
     res = run(sched)
     for i, p in enumerate(ps):
         assert res[str(i)]["ids"] == reference(p, 10)
-        assert res[str(i)]["out"].finish_reason == {"type": "length", "length": 10}
+        assert res[str(i)]["out"].finish_reason == FinishReason("length", length=10)
 
 
 def test_shared_prefix_is_computed_once_in_a_burst():
@@ -128,8 +136,8 @@ def test_abort_waiting_and_running_frees_everything():
     sched.abort("run")
     sched.abort("wait")
     res = run(sched)
-    assert res["run"]["out"].finish_reason["type"] == "abort"
-    assert res["wait"]["out"].finish_reason["type"] == "abort"
+    assert res["run"]["out"].finish_reason.kind == "abort"
+    assert res["wait"]["out"].finish_reason.kind == "abort"
     assert not sched.running and sched.rows.available() == sched.rows.num_rows
 
 
@@ -138,10 +146,10 @@ def test_stop_tokens_eos_and_min_new_tokens():
     p = prompts(1, 10, seed=7)[0]
     ref = reference(p, 12)
     submit(sched, "stop", p, max_new=12, stop_token_ids=[ref[3]])
-    sched.add_request(GenerateReq("eos", p, dict(max_new_tokens=5, temperature=0, min_new_tokens=2)))
+    sched.add_request(request("eos", p, dict(max_new_tokens=5, temperature=0, min_new_tokens=2)))
     res = run(sched)
     assert res["stop"]["ids"] == ref[:4]
-    assert res["stop"]["out"].finish_reason == {"type": "stop", "matched": ref[3]}
+    assert res["stop"]["out"].finish_reason == FinishReason("stop", matched=ref[3])
     eos_batch = [b for b in ex.batches if len(b.rows) and b.sampling.suppressed_ids[0] is not None]
     assert eos_batch and EOS in eos_batch[0].sampling.suppressed_ids[0]
 
@@ -154,10 +162,12 @@ def test_bad_requests_raise_clear_errors():
         submit(sched, "long", [1] * 600)
     with pytest.raises(ValueError, match="vocabulary"):
         submit(sched, "v", [1, 5000])
+    with pytest.raises(ValueError, match="stop_token_ids: token id 4096 is outside"):
+        submit(sched, "s", [1], stop_token_ids=[4096])
     with pytest.raises(ValueError, match="temperature"):
-        sched.add_request(GenerateReq("t", [1], {"temperature": -1}))
+        submit(sched, "t", [1], temperature=-1)
     with pytest.raises(ValueError, match="unknown"):
-        sched.add_request(GenerateReq("u", [1], {"temprature": 1}))
+        submit(sched, "u", [1], temprature=1)
     assert not sched.has_work()
 
 
@@ -167,4 +177,4 @@ def test_max_new_tokens_clamped_to_context():
     submit(sched, "c", p, max_new=100)
     res = run(sched)
     assert len(res["c"]["ids"]) == 12
-    assert res["c"]["out"].finish_reason["type"] == "length"
+    assert res["c"]["out"].finish_reason.kind == "length"

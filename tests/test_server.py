@@ -256,14 +256,14 @@ def test_child_crash_is_detected(tmp_path):
     kids = srv.children()
     try:
         with srv.client() as c:
-            worker = c.get("/get_server_info").json()["processes"]["worker"]
-        assert worker in kids
-        os.kill(worker, signal.SIGKILL)
+            scheduler = c.get("/get_server_info").json()["processes"]["scheduler"]  # it hosts the model
+        assert scheduler in kids
+        os.kill(scheduler, signal.SIGKILL)
         rc = srv.proc.wait(timeout=30)
     finally:
         srv.proc.kill()
     assert rc == 1
-    assert "the worker process died" in srv.log()
+    assert "the scheduler process died" in srv.log()
     deadline = time.time() + 10
     while any(alive(k) for k in kids) and time.time() < deadline:
         time.sleep(0.1)

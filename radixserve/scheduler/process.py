@@ -1,8 +1,10 @@
-"""The scheduler process: requests in from the api, steps out to the detokenizer."""
+"""The scheduler process: requests in from the api, steps through the model, outputs to the detokenizer.
+
+It hosts TP rank 0's model runner and calls it directly (SGLang's process model).
+"""
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import zmq
@@ -10,11 +12,11 @@ import zmq
 from ..config import EngineArgs
 from ..constrained import grammar_backend
 from ..ipc import Endpoints, exit_with_parent, pull_socket, push_socket, recv_all, encode
-from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, ReqOutput,
+from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, FinishReason, GenerateReq, ReqOutput,
                         SchedulerReady)
 from ..models.loader import resolve_model
 from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
-from ..worker.process import RemoteWorker
+from ..worker.process import start_rank0
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -24,22 +26,16 @@ IDLE_POLL_MS = 500
 def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler: %(message)s")
-    torch_threads_off()
     source = resolve_model(args.model)
+    runner = start_rank0(args, endpoints, source)
     tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
     decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)
-    worker = RemoteWorker(ctx, endpoints)
-    scheduler = Scheduler(args, worker, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, worker.info))
-    outbox.send(encode(SchedulerReady(worker.info, source.name)))
+    scheduler = Scheduler(args, runner, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, runner.info))
+    outbox.send(encode(SchedulerReady(runner.info, source.name)))
     SchedulerLoop(scheduler, inbox, outbox).run()
-
-
-def torch_threads_off() -> None:
-    """The scheduler does no math: leave the cores to the worker."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 class SchedulerLoop:
@@ -68,7 +64,7 @@ class SchedulerLoop:
         try:
             self.scheduler.add_request(msg)
         except ValueError as exc:
-            reason = {"type": "abort", "message": str(exc), "status_code": 400}
+            reason = FinishReason("abort", message=str(exc), rejected=True)
             out = ReqOutput(msg.rid, [], True, reason, len(msg.input_ids), 0, 0)
             self.outbox.send(encode(BatchOut([out])))
 
@@ -76,8 +72,10 @@ class SchedulerLoop:
         if msg.kind == "flush_cache":
             return {"success": self.scheduler.flush_cache()}
         if msg.kind == "stats":
-            stats = self.scheduler.snapshot(top_prefixes=msg.arg)
+            stats = self.scheduler.snapshot()
             return dict(vars(stats), cache_hit_rate=stats.cache_hit_rate)
+        if msg.kind == "top_prefixes":
+            return {"top_prefixes": [vars(p) for p in self.scheduler.cache.top_prefixes(msg.arg)]}
         if msg.kind == "check_memory":
             try:
                 self.scheduler.check_memory()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..mem.radix_cache import TreeNode
+from ..messages import FinishReason
 from ..sampling_params import SamplingParams
 
 
@@ -31,8 +32,7 @@ class Req:
     cached_tokens: int = 0
     admitted: bool = False
     queue_time: float = 0.0
-    finish_reason: dict | None = None
-    to_abort: bool = False
+    finish_reason: FinishReason | None = None
     sent_len: int = 0
     input_logprobs: list[list] = field(default_factory=list)
     input_top_logprobs: list[list] = field(default_factory=list)

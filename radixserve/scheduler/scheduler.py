@@ -10,15 +10,15 @@ import logging
 import re
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from ..config import EngineArgs
 from ..constrained import GrammarBackend, GrammarSpec
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.radix_cache import RadixCache
-from ..messages import (WorkerInfo, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
-                        ReqOutput, SamplingBatch, SchedulerStats)
+from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
+                        ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
 from ..sampling_params import SamplingParams
 from .policy import order_waiting
 from .req import Req
@@ -74,10 +74,10 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
-        """Queue a request; raises ValueError when it can never run."""
-        params = SamplingParams.from_dict(msg.sampling_params)
-        self._validate(msg, params)
-        params.max_new_tokens = min(params.max_new_tokens, self._room_for_output(len(msg.input_ids)))
+        """Queue a request already checked by `validation.check_generate`; raises ValueError
+        when its grammar does not compile."""
+        params = msg.sampling_params
+        params = replace(params, max_new_tokens=min(params.max_new_tokens, self._room_for_output(len(msg.input_ids))))
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num)
         req.grammar = self._grammar_matcher(params)
@@ -90,24 +90,6 @@ class Scheduler:
         if self.grammars is None:
             raise ValueError("structured output (regex, json_schema, ebnf) needs the model's tokenizer")
         return self.grammars.matcher(spec)
-
-    def _validate(self, msg: GenerateReq, params: SamplingParams) -> None:
-        n, info = len(msg.input_ids), self.info
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= info.max_context_len:
-            raise ValueError(f"the prompt has {n} tokens but the context holds {info.max_context_len} "
-                             "(prompt plus at least one new token)")
-        if n + 1 > self.allocator.num_slots:
-            raise ValueError(f"the prompt has {n} tokens but the KV pool holds {self.allocator.num_slots}")
-        bad = [t for t in msg.input_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
-        too_big = [k for k in (params.logit_bias or {}) if int(k) >= info.vocab_size]
-        if too_big:
-            raise ValueError(f"logit_bias token id {too_big[0]} is outside the vocabulary [0, {info.vocab_size})")
-        if msg.top_logprobs_num < 0 or msg.top_logprobs_num > 100:
-            raise ValueError("top_logprobs_num must be in [0, 100]")
 
     def _room_for_output(self, prompt_len: int) -> int:
         return min(self.info.max_context_len, self.allocator.num_slots) - prompt_len
@@ -422,7 +404,7 @@ class Scheduler:
 
     def _take_token(self, req: Req, result: ForwardResult, b: int) -> int:
         if req.params.max_new_tokens == 0:
-            req.finish_reason = {"type": "length", "length": 0}
+            req.finish_reason = FinishReason("length", length=0)
             return 0
         token = result.next_token_ids[b]
         req.output_ids.append(token)
@@ -431,8 +413,8 @@ class Scheduler:
             req.output_logprobs.append([got.logprobs[0], token])
             req.output_top_logprobs.append(_pairs(got.top[0]) if got.top else None)
         if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish_reason = {"type": "abort", "message": "no token satisfies both the grammar and the "
-                                 "other sampling constraints (stop_token_ids, min_new_tokens)"}
+            req.finish_reason = FinishReason("abort", message="no token satisfies both the grammar and the "
+                                 "other sampling constraints (stop_token_ids, min_new_tokens)")
             return 1
         req.finish_reason = self._finish_reason(req, token)
         if req.grammar is not None and not req.finished and self.args.enable_jump_forward:
@@ -448,21 +430,21 @@ class Scheduler:
         req.output_ids += tokens
         self.stats.jump_forward_tokens_total += len(tokens)
         if tokens and len(req.output_ids) >= req.params.max_new_tokens:
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            req.finish_reason = FinishReason("length", length=len(req.output_ids))
         return len(tokens)
 
-    def _finish_reason(self, req: Req, token: int) -> dict | None:
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         p, out = req.params, req.output_ids
         if req.grammar is not None and req.grammar.is_terminated():
-            return {"type": "stop", "matched": token}
+            return FinishReason("stop", matched=token)
         if len(out) >= p.min_new_tokens:
             if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-                return {"type": "stop", "matched": token}
+                return FinishReason("stop", matched=token)
             matched = self._matched_stop_string(req)
             if matched is not None:
-                return {"type": "stop", "matched": matched}
+                return FinishReason("stop", matched=matched)
         if len(out) >= p.max_new_tokens:
-            return {"type": "length", "length": len(out)}
+            return FinishReason("length", length=len(out))
         return None
 
     def _matched_stop_string(self, req: Req) -> str | None:
@@ -498,8 +480,8 @@ class Scheduler:
             if req.finished or len(req.output_ids) == len(new):
                 out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
         if req.finished:
-            self.stats.requests_finished[req.finish_reason["type"]] = \
-                self.stats.requests_finished.get(req.finish_reason["type"], 0) + 1
+            kind = req.finish_reason.kind
+            self.stats.requests_finished[kind] = self.stats.requests_finished.get(kind, 0) + 1
         self.outputs.append(out)
 
     # ---- aborts ----------------------------------------------------------
@@ -507,7 +489,7 @@ class Scheduler:
         if not self.pending_aborts:
             return
         for req in [r for r in self.waiting + self.running if r.rid in self.pending_aborts]:
-            req.finish_reason = {"type": "abort", "message": "aborted"}
+            req.finish_reason = FinishReason("abort", message="aborted")
             if req in self.running:
                 self._release(req)
             else:
@@ -529,7 +511,7 @@ class Scheduler:
             log.info("decode: %d reqs, token usage %.2f, gen throughput %.1f tok/s, queued %d",
                      len(step.reqs), usage, self._throughput(), len(self.waiting))
 
-    def snapshot(self, top_prefixes: int = 0) -> SchedulerStats:
+    def snapshot(self) -> SchedulerStats:
         s = self.stats
         s.num_running, s.num_queued = len(self.running), len(self.waiting)
         s.free_slots = self.allocator.available()
@@ -542,8 +524,6 @@ class Scheduler:
         s.gen_throughput = self._throughput()
         s.queue_times = list(self._queue_times)
         self._queue_times.clear()
-        if top_prefixes:
-            s.top_prefixes = [vars(p) for p in self.cache.top_prefixes(top_prefixes)]
         return s
 
     def _throughput(self, window: float = 10.0) -> float:

@@ -96,9 +96,7 @@ def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
 
     @app.get("/dashboard/data")
     async def dashboard_data():
-        if not metrics.history:
-            await metrics.refresh()
-        return json_response(metrics.dashboard_data())
+        return json_response(await metrics.dashboard_data())
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -154,8 +152,7 @@ def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[Ge
     tops = _per_prompt(body.top_logprobs_num or 0, n, "top_logprobs_num")
     reqs = []
     for i in range(n):
-        req, sp = tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i])
-        reqs += tm.expand_n(req, sp)
+        reqs += tm.expand_n(tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i]))
     return reqs, single and len(reqs) == 1
 
 
@@ -190,8 +187,8 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     async def health_generate():
         if not health.healthy:
             return error_response(f"unhealthy: {health.reason}", 503)
-        req, _ = tm.make_request([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
-                                 {"max_new_tokens": 1, "temperature": 0})
+        req = tm.make_request([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
+                              {"max_new_tokens": 1, "temperature": 0})
         await asyncio.wait_for(tm.run_to_end(req), timeout=60)
         return Response(status_code=200)
 

@@ -1,4 +1,4 @@
-"""Starts the processes (worker, scheduler, detokenizer), serves HTTP, and cleans up."""
+"""Starts the processes (scheduler with TP rank 0, ranks > 0, detokenizer), serves HTTP, and cleans up."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,7 @@ from ..messages import SchedulerReady
 from ..models.loader import resolve_model
 from ..scheduler.process import run_scheduler
 from ..tokenizer import load_tokenizer_or_none
-from ..worker.process import run_worker
+from ..worker.process import run_follower
 from .api import Health, create_app
 from .tokenizer_manager import TokenizerManager, api_inbox
 
@@ -72,18 +72,14 @@ def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir) -> Chi
     procs = {
         "detokenizer": ctx.Process(target=run_detokenizer, args=(tokenizer_dir, endpoints, e.log_level),
                                    name="radixserve-detokenizer"),
-        **{worker_name(rank, e.tp_size): ctx.Process(target=run_worker, args=(e, endpoints, rank),
-                                                     name=f"radixserve-worker-tp{rank}")
-           for rank in range(e.tp_size)},
+        **{f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(e, endpoints, rank),
+                                                   name=f"radixserve-worker-tp{rank}")
+           for rank in range(1, e.tp_size)},
         "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints), name="radixserve-scheduler"),
     }
     for proc in procs.values():
         proc.start()
     return Children(procs)
-
-
-def worker_name(rank: int, tp_size: int) -> str:
-    return "worker" if tp_size == 1 else f"worker (tp rank {rank})"
 
 
 def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:

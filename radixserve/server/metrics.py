@@ -51,7 +51,8 @@ class Metrics:
         self.queue.observe(state.queue_time)
 
     async def refresh(self) -> dict:
-        self.snapshot = await self.tm.control("stats", TOP_PREFIXES)
+        """Scheduler figures for metrics and the dashboard's history (cheap counters only)."""
+        self.snapshot = await self.tm.control("stats")
         self.history.append(self._point(self.snapshot))
         return self.snapshot
 
@@ -75,11 +76,15 @@ class Metrics:
                 "throughput": s["gen_throughput"], "running": s["num_running"], "queued": s["num_queued"],
                 "kv_running": s["running_slots"], "kv_cached": s["cached_slots"], "kv_free": s["free_slots"]}
 
-    def dashboard_data(self) -> dict:
-        s = self.snapshot
-        return {"model": self.tm.model_name, "now": time.time(), "current": s,
+    async def dashboard_data(self) -> dict:
+        """The dashboard's payload; the radix-tree walk for the top prefixes runs only here,
+        when someone is looking."""
+        if not self.history:
+            await self.refresh()
+        prefixes = (await self.tm.control("top_prefixes", TOP_PREFIXES))["top_prefixes"]
+        return {"model": self.tm.model_name, "now": time.time(), "current": self.snapshot,
                 "ttft": _percentiles(self.recent_ttft), "history": list(self.history),
-                "top_prefixes": [self._prefix_row(p) for p in s.get("top_prefixes", [])]}
+                "top_prefixes": [self._prefix_row(p) for p in prefixes]}
 
     def _prefix_row(self, p: dict) -> dict:
         return {"tokens": p["num_tokens"], "hits": p["hit_count"], "idle_s": p["idle_seconds"],

@@ -72,15 +72,17 @@ def _requests(tm: TokenizerManager, prompts: list[list[int]], params: dict, n: i
     params = dict(params, max_new_tokens=max(min(params["max_new_tokens"], room), 0), n=n)
     reqs = []
     for ids in prompts:
-        req, sp = tm.make_request(ids, params, return_logprob=logprobs is not None,
-                                  top_logprobs_num=logprobs or 0)
-        reqs += tm.expand_n(req, sp)
+        reqs += tm.expand_n(tm.make_request(ids, params, return_logprob=logprobs is not None,
+                                            top_logprobs_num=logprobs or 0))
     return reqs
 
 
 def _finish_reason(state: RequestState) -> str | None:
-    reason = (state.finish_reason or {}).get("type")
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, reason)
+    return None if state.finish_reason is None else state.finish_reason.kind
+
+
+def _matched_stop(state: RequestState) -> int | str | None:
+    return None if state.finish_reason is None else state.finish_reason.matched
 
 
 def _usage(states: list[RequestState], prompts_seen: set | None = None) -> dict:
@@ -160,7 +162,7 @@ class _Completion(_Adapter):
 
     def choice(self, i: int, state: RequestState) -> dict:
         return {"index": i, "text": state.text, "logprobs": self.completion_logprobs(state),
-                "finish_reason": _finish_reason(state), "matched_stop": (state.finish_reason or {}).get("matched")}
+                "finish_reason": _finish_reason(state), "matched_stop": _matched_stop(state)}
 
     def completion_logprobs(self, state: RequestState, start: int = 0) -> dict | None:
         if self.body.logprobs is None:
@@ -185,7 +187,7 @@ class _Chat(_Adapter):
     def choice(self, i: int, state: RequestState) -> dict:
         return {"index": i, "message": {"role": "assistant", "content": state.text},
                 "logprobs": self.chat_logprobs(state), "finish_reason": _finish_reason(state),
-                "matched_stop": (state.finish_reason or {}).get("matched")}
+                "matched_stop": _matched_stop(state)}
 
     def chat_logprobs(self, state: RequestState) -> dict | None:
         if not self.body.logprobs:

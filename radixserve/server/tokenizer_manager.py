@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 import zmq
@@ -15,6 +15,7 @@ from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, decode_ids
+from ..validation import check_generate
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
@@ -70,38 +71,27 @@ class TokenizerManager:
 
     def make_request(self, input_ids: list[int], params: dict | None, rid: str | None = None,
                      return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0) -> tuple[GenerateReq, SamplingParams]:
-        """Validate everything the scheduler would refuse, so it never sees bad input."""
+                     top_logprobs_num: int = 0) -> GenerateReq:
+        """A validated request: the scheduler never sees bad input."""
         try:
-            sp = SamplingParams.from_dict(params)
-            sp.validate(self.max_n)
+            sp = SamplingParams.from_dict(params, self.max_n)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"invalid sampling_params: {exc}") from exc
-        self._check_prompt(input_ids)
-        if not 0 <= top_logprobs_num <= 100:
-            raise RequestError("top_logprobs_num must be in [0, 100]")
-        if logprob_start_len < -1:
-            raise RequestError("logprob_start_len must be >= -1")
-        req = GenerateReq(rid or uuid.uuid4().hex, input_ids, sp.to_dict(), return_logprob,
-                          logprob_start_len, top_logprobs_num)
-        return req, sp
+        req = GenerateReq(rid or uuid.uuid4().hex, input_ids, sp, return_logprob, logprob_start_len,
+                          top_logprobs_num)
+        try:
+            check_generate(req, self.info)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        return req
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        limit = min(self.info.max_context_len, self.info.num_slots)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1}")
-        if any(not isinstance(t, int) or not 0 <= t < self.info.vocab_size for t in ids):
-            raise RequestError(f"input_ids must be integers in [0, {self.info.vocab_size})")
-
-    def expand_n(self, req: GenerateReq, sp: SamplingParams) -> list[GenerateReq]:
+    @staticmethod
+    def expand_n(req: GenerateReq) -> list[GenerateReq]:
         """n samples become n requests; the shared prompt is computed once through the radix cache."""
-        if sp.n == 1:
+        if req.sampling_params.n == 1:
             return [req]
-        return [GenerateReq(f"{req.rid}-{i}", req.input_ids, sample, req.return_logprob,
-                            req.logprob_start_len, req.top_logprobs_num)
-                for i, sample in enumerate(sp.per_sample())]
+        return [replace(req, rid=f"{req.rid}-{i}", sampling_params=sample)
+                for i, sample in enumerate(req.sampling_params.per_sample())]
 
     # ---- running ----------------------------------------------------------
     async def run(self, req: GenerateReq) -> AsyncIterator[RequestState]:
@@ -147,9 +137,9 @@ class TokenizerManager:
             await self.abort(rid)
 
     def _finish(self, pending: _Pending) -> RequestState:
-        reason = pending.state.finish_reason or {}
-        if reason.get("status_code"):
-            raise RequestError(reason.get("message", "bad request"), reason["status_code"])
+        reason = pending.state.finish_reason
+        if reason is not None and reason.rejected:
+            raise RequestError(reason.message or "bad request")
         for observe in self.observers:
             observe(pending.state)
         return pending.state

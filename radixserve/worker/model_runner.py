@@ -15,7 +15,8 @@ from ..models.loader import ModelSource, build_model, with_max_context
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample
-from .torch_compile import compile_decode
+from .step_inputs import StepInputs
+from .torch_compile import CompiledForward
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
         self.max_context_len = with_max_context(source.config, args.max_context_len)
+        self.tp = tp
         self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed,
                                  args.quantization, tp)
         cfg = self.config = self.model.cfg  # this rank's heads
@@ -65,7 +67,7 @@ class ModelRunner:
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                       device=self.device)
         self.graphs = self._capture_graphs(args, graph_cls)
-        self.compiled_decode = compile_decode(self.model, self.backend, self.req_to_token) \
+        self.compiled = CompiledForward(self.model, self.backend, self.req_to_token) \
             if args.enable_torch_compile else None
         self.info = WorkerInfo(num_pages, ps, self.max_context_len, args.max_running_requests,
                                cfg.vocab_size, cfg.eos_token_ids, str(self.dtype).removeprefix("torch."),
@@ -97,32 +99,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
-        dev = self.device
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=dev)  # noqa: E731
-        for row, start, slots in fb.row_writes:
-            self.req_to_token[row, start:start + len(slots)] = as_long(slots)
-        extend_lens = as_long(fb.extend_lens)
-        rows, positions, out_loc = as_long(fb.rows), as_long(fb.positions), as_long(fb.out_cache_loc)
-        self.req_to_token[torch.repeat_interleave(rows, extend_lens), positions] = out_loc
-        if self._fits_graph(fb):
-            logits = self.graphs.replay(as_long(fb.input_ids), positions, out_loc, rows, as_long(fb.seq_lens)).cpu()
-            next_ids = sample(logits, fb.sampling)
-            return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb),
-                                 [None] * fb.batch_size)
-        self.backend.plan(AttentionInputs(
-            is_decode=fb.mode == ForwardMode.DECODE, out_cache_loc=out_loc, rows=rows,
-            seq_lens=as_long(fb.seq_lens), extend_lens=extend_lens, req_to_token=self.req_to_token,
-            max_seq_len=max(fb.seq_lens), max_extend_len=max(fb.extend_lens)))
-        model = self.compiled_decode if fb.mode == ForwardMode.DECODE and self.compiled_decode else self.model
-        hidden = model(as_long(fb.input_ids), positions, self.backend)
-        ends = torch.cumsum(extend_lens, 0)
-        logits = self.model.compute_logits(hidden[ends - 1]).cpu()
+        """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
+        Logits stay on the model's device: only token ids and asked-for logprobs come back."""
+        inputs = StepInputs.from_batch(fb, self.device)
+        if self.tp.size > 1:
+            self.tp.send_step(inputs.pack())
+        logits, hidden = self.run_model(inputs)
         next_ids = sample(logits, fb.sampling)
-        return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb),
-                             self._prompt_logprobs(hidden, (ends - extend_lens).tolist(), fb))
+        prompt_logprobs = ([None] * fb.batch_size if hidden is None
+                           else self._prompt_logprobs(hidden, inputs.extend_lens, fb))
+        return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb), prompt_logprobs)
 
-    def _fits_graph(self, fb: ForwardBatch) -> bool:
-        return self.graphs is not None and fb.mode == ForwardMode.DECODE and fb.batch_size <= self.graphs.max_bs
+    def follow(self) -> None:
+        """TP ranks > 0: run every step rank 0 sends; its results are rank 0's to report."""
+        with torch.inference_mode():
+            while True:
+                self.run_model(StepInputs.unpack(self.tp.receive_step(self.device)))
+
+    def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of each request's last token, and the hidden states of every token of the step
+        (None when a CUDA graph ran it: graphed decode steps never need them)."""
+        self.req_to_token[inputs.table_rows, inputs.table_cols] = inputs.table_slots
+        if self._fits_graph(inputs):
+            return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.rows,
+                                      inputs.seq_lens), None
+        is_decode = inputs.mode == ForwardMode.DECODE
+        self.backend.plan(AttentionInputs(
+            is_decode=is_decode, out_cache_loc=inputs.out_cache_loc, rows=inputs.rows, seq_lens=inputs.seq_lens,
+            extend_lens=inputs.extend_lens, req_to_token=self.req_to_token, max_seq_len=inputs.max_seq_len,
+            max_extend_len=inputs.max_extend_len))
+        hidden = (self.compiled or self.model)(inputs.input_ids, inputs.positions, self.backend)
+        last = torch.cumsum(inputs.extend_lens, 0) - 1
+        return self.model.compute_logits(hidden[last]), hidden
+
+    def _fits_graph(self, inputs: StepInputs) -> bool:
+        return (self.graphs is not None and inputs.mode == ForwardMode.DECODE
+                and inputs.batch_size <= self.graphs.max_bs)
 
     def _output_logprobs(self, logits, next_ids, fb: ForwardBatch) -> list[TokenLogprobs | None]:
         wanted = [b for b, lp in enumerate(fb.logprobs) if lp is not None and lp.want_output]
@@ -134,15 +146,19 @@ class ModelRunner:
             out[b] = _token_logprobs(logprobs[i:i + 1], next_ids[b:b + 1], fb.logprobs[b].top_k)
         return out
 
-    def _prompt_logprobs(self, hidden, starts: list[int], fb: ForwardBatch) -> list[TokenLogprobs | None]:
+    def _prompt_logprobs(self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * fb.batch_size
+        if all(lp is None or lp.prompt_start < 0 or not lp.prompt_targets for lp in fb.logprobs):
+            return out
+        starts = (torch.cumsum(extend_lens, 0) - extend_lens).tolist()
         for b, lp in enumerate(fb.logprobs):
             if lp is None or lp.prompt_start < 0 or not lp.prompt_targets:
                 continue
             first = starts[b] + lp.prompt_start
             states = hidden[first:first + len(lp.prompt_targets)]
-            logprobs = torch.log_softmax(self.model.compute_logits(states).cpu(), dim=-1)
-            out[b] = _token_logprobs(logprobs, torch.tensor(lp.prompt_targets), lp.top_k)
+            logprobs = torch.log_softmax(self.model.compute_logits(states), dim=-1)
+            targets = torch.tensor(lp.prompt_targets, device=logprobs.device)
+            out[b] = _token_logprobs(logprobs, targets, lp.top_k)
         return out
 
 

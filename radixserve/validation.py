@@ -1,0 +1,38 @@
+"""The checks a generate request passes before it is queued, in one place.
+
+The api process (TokenizerManager) and the offline Engine run them; the scheduler trusts what
+it receives. Sampling parameters are checked on their own by `SamplingParams.from_dict`; what
+is checked here needs the model's limits (`WorkerInfo`). Each message names the field.
+"""
+from __future__ import annotations
+
+from .messages import GenerateReq, WorkerInfo
+
+MAX_TOP_LOGPROBS = 100
+
+
+def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
+    """Raise ValueError if `req` can never run on this model and pool."""
+    _check_prompt(req.input_ids, info)
+    params = req.sampling_params
+    outside = [t for t in params.stop_token_ids if t >= info.vocab_size]
+    if outside:
+        raise ValueError(f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})")
+    outside = [k for k in (params.logit_bias or {}) if int(k) >= info.vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})")
+    if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+    if req.logprob_start_len < -1:
+        raise ValueError("logprob_start_len must be >= -1")
+
+
+def _check_prompt(ids: list[int], info: WorkerInfo) -> None:
+    limit = min(info.max_context_len, info.num_slots)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) >= limit:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1} "
+                         "(the context and the KV pool must hold the prompt and one new token)")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size for t in ids):
+        raise ValueError(f"input_ids must be integers in the vocabulary [0, {info.vocab_size})")
