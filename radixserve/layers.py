@@ -68,6 +68,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays packed weights out for; any count works
 
 
+@torch.library.custom_op("radixserve::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ W^T + b through oneDNN's prepacked W. An op of our own, so that torch.compile keeps
+    it as one opaque call (inductor's own lowering of the oneDNN op expects weights it froze)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored transposed, `[in, out]`.
 
@@ -82,11 +95,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.out_features = out_features
         self.register_buffer("weight_onednn", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight_onednn, self.bias, "none", [], "")
+            return onednn_linear(x, self.weight_onednn, self.bias, self.out_features)
         if self.weight_t is None:
             return self._forward_int8(x)
         if self.bias is not None:

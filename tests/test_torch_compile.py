@@ -1,5 +1,6 @@
-"""`enable_torch_compile`: decode steps through torch.compile give the eager tokens, and the
-start-up warm-up compiles every shape serving needs (no recompiles mid-run)."""
+"""`enable_torch_compile`: the whole forward through torch.compile (extend, mixed and decode steps,
+attention as an opaque op) gives the eager tokens, and the start-up warm-up compiles every shape
+serving needs (no recompiles mid-run)."""
 import random
 
 import pytest
@@ -14,7 +15,7 @@ ARGS = EngineArgs(model="dummy:tiny", dtype="float32", attention_backend="torch_
                   max_running_requests=8, chunked_prefill_size=64, max_context_len=512)
 
 
-def test_compiled_decode_matches_eager_without_recompiling(tmp_path, monkeypatch):
+def test_compiled_forward_matches_eager_without_recompiling(tmp_path, monkeypatch):
     counters = pytest.importorskip("torch._dynamo.utils").counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold cache, as on a fresh machine
     torch._dynamo.reset()
@@ -27,7 +28,7 @@ def test_compiled_decode_matches_eager_without_recompiling(tmp_path, monkeypatch
     compiled = ModelRunner(source, ARGS.with_(enable_torch_compile=True))
     graphs_at_start = counters["stats"]["unique_graphs"]
     assert graphs_at_start >= 1
-    tokens, lps = greedy_run(ARGS, compiled, prompts, lengths)  # decode batches of 5 down to 1 over contexts of 4 to 50 tokens
+    tokens, lps = greedy_run(ARGS, compiled, prompts, lengths)  # chunked prompts, mixed steps, decode batches 5..1
     assert counters["stats"]["unique_graphs"] == graphs_at_start
     assert tokens == expected_tokens
     for rid in expected_lps:
