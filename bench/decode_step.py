@@ -1,6 +1,10 @@
 """Decode step time of the model runner vs batch size, against the weight-streaming floor.
 
     python bench/decode_step.py [--model MODEL] [--batch 1 8 32] [--context 256]
+
+The floor is measured on the machine: the bytes of weights a decode step must read (every
+linear layer and the LM head; the embedding is only indexed) over the memory read bandwidth
+of a large sum.
 """
 from __future__ import annotations
 
@@ -56,8 +60,23 @@ def sync(runner: ModelRunner) -> None:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
+    """Bytes a decode step streams: the weights of every linear layer, LM head included."""
+    from radixserve.layers import Linear
+
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    tensors = [t for m in linears for t in list(m.parameters()) + list(m.buffers())]
     return sum(t.numel() * t.element_size() for t in tensors if t.dim() > 1)
+
+
+def read_bandwidth(device: torch.device, mb: int = 512) -> float:
+    """Bytes per second of a sum over a buffer far larger than the caches (best of 5)."""
+    data = torch.ones(mb * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
 
 
 def main() -> None:
@@ -75,14 +94,19 @@ def main() -> None:
     a = ap.parse_args()
     runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
                          disable_cuda_graph=a.disable_cuda_graph, enable_torch_compile=a.enable_torch_compile)
+    bandwidth = read_bandwidth(runner.device)
+    floor_ms = weight_bytes(runner) / bandwidth * 1000
+    print(f"weights streamed per step: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype}); read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; floor {floor_ms:.1f} ms")
     rows = []
     for b in a.batch:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000
-        rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1)})
-        print(f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s")
-    print(f"weights: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype})")
+        rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1),
+                     "floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
+        print(f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s  "
+              f"{ms / floor_ms:4.2f}x the floor")
     if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=2))
+        Path(a.out).write_text(json.dumps({"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

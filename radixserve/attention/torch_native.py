@@ -1,8 +1,11 @@
-"""Pure-torch attention over the paged KV pool: one padded, masked SDPA per request group.
+"""Attention over the paged KV pool on CPU (and any device, in pure torch).
 
 A step's requests are split into a decode group (one new token each) and an extend group
 (several new tokens), so that a mixed step does not pad every decode query to the longest
-prompt chunk.
+prompt chunk. The extend group gathers its K/V and runs one padded, masked SDPA. On CPU the
+decode group runs the paged decode kernel (`radixserve_kernels/cpu_decode_attention.cpp`),
+which reads K/V straight from the pool; elsewhere, or without a compiler, it too gathers and
+runs SDPA.
 """
 from __future__ import annotations
 
@@ -20,13 +23,15 @@ class _Group:
     """Requests attended together: their tokens, gathered slots, mask and padding map."""
 
     tokens: torch.Tensor
-    kv_indices: torch.Tensor
+    kv_indices: torch.Tensor | None
     kv_shape: tuple[int, int]
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     pad_req: torch.Tensor | None = None
     pad_pos: torch.Tensor | None = None
     max_q: int = 1
     causal: bool = False  # no cached prefix: plain causal attention, no mask (the fast kernel path)
+    rows: torch.Tensor | None = None  # decode group through the paged kernel: rows and lengths
+    seq_lens: torch.Tensor | None = None
 
 
 def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
@@ -47,17 +52,25 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal)
 
 
+def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+    return _Group(token_starts[members], None, (len(members), 0), None,
+                  rows=inputs.rows[members], seq_lens=inputs.seq_lens[members])
+
+
 class TorchNativeBackend:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
         self.scale = head_dim ** -0.5
+        self.decode_kernel = _cpu_decode_kernel() if pool.k[0].device.type == "cpu" else None
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
         single = inputs.extend_lens == 1
-        self.groups = [_plan_group(inputs, members, token_starts)
-                       for members in (single.nonzero().flatten(), (~single).nonzero().flatten()) if len(members)]
+        decode, extend = single.nonzero().flatten(), (~single).nonzero().flatten()
+        plan_decode = _plan_paged_decode if self.decode_kernel is not None else _plan_group
+        self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + \
+                      ([_plan_group(inputs, extend, token_starts)] if len(extend) else [])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.inputs.out_cache_loc, k, v)
@@ -69,6 +82,10 @@ class TorchNativeBackend:
         return out.flatten(1)
 
     def _attend(self, group: _Group, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if group.rows is not None:
+            return self.decode_kernel.paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer],
+                                                             self.inputs.req_to_token, group.rows, group.seq_lens,
+                                                             self.scale)
         keys = self._gather(group, self.pool.k[layer])
         values = self._gather(group, self.pool.v[layer])
         queries = self._pad(group, q).transpose(1, 2)
@@ -89,3 +106,9 @@ class TorchNativeBackend:
         padded = q.new_zeros(group.kv_shape[0], group.max_q, *q.shape[1:])
         padded[group.pad_req, group.pad_pos] = q
         return padded
+
+
+def _cpu_decode_kernel():
+    from radixserve_kernels.cpu_attention import load
+
+    return load()
