@@ -1,4 +1,9 @@
-"""Reusable decoder layers: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Reusable decoder layers: RMSNorm, rotary embedding, SwiGLU MLP.
+
+On CPU, `use_cpu_ops` hands the modules radixserve's compiled kernels (`radixserve_kernels.cpu_ops`):
+RMSNorm, the SwiGLU activation and the rotary embedding then run as one fused op each instead
+of a chain of small torch ops. Under torch.compile they keep the torch code, which inductor fuses.
+"""
 from __future__ import annotations
 
 import math
@@ -8,13 +13,21 @@ from torch import nn
 import torch.nn.functional as F
 
 
+def fused(cpu_ops):
+    """The CPU kernels to call now: None while torch.compile traces (it fuses the torch code)."""
+    return None if cpu_ops is None or torch.compiler.is_compiling() else cpu_ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.cpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := fused(self.cpu_ops)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
@@ -59,8 +72,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: `[T, heads, head_dim]`."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=None) -> torch.Tensor:
+    """x: `[T, heads, head_dim]`; with the CPU kernels, rotated in place."""
+    if (ops := fused(cpu_ops)) is not None:
+        return ops.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -152,7 +167,17 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.cpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := fused(self.cpu_ops)) is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def use_cpu_ops(model: nn.Module, cpu_ops) -> None:
+    """Give every module that has fused CPU kernels the compiled ones (`cpu_ops.load()`)."""
+    for module in model.modules():
+        if hasattr(module, "cpu_ops"):
+            module.cpu_ops = cpu_ops

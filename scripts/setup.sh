@@ -21,7 +21,7 @@ fi
 if [ -z "${RADIXSERVE_SKIP_SGLANG:-}" ]; then
   bash scripts/install_sglang_frontend.sh || echo "could not install the sglang frontend; its test will skip"
 fi
-# Build the CPU decode-attention kernel once (~45 s; later starts load it from the cache).
-"$PY" -c "from radixserve_kernels.cpu_attention import load; print('cpu decode kernel:', 'ready' if load() else 'unavailable')"
+# Build the CPU kernels once (~1 min; later starts load them from the cache).
+"$PY" -c "from radixserve_kernels.cpu_ops import load; print('cpu kernels:', 'ready' if load() else 'unavailable')"
 # Convert the bundled GGUF into a cached HF-style directory once (~30 s), then ~1 s reloads.
 "$PY" -c "from radixserve.models.loader import bundled_model_dir; print('model:', bundled_model_dir())"

@@ -1,9 +1,11 @@
-"""The CPU paged decode-attention kernel against gathering K/V and running SDPA."""
+"""The CPU kernels against their torch references: paged decode attention (against gathering
+K/V and running SDPA) and the fused RMSNorm, SwiGLU activation and rotary embedding."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve_kernels.cpu_attention import load
+from radixserve.layers import apply_rotary
+from radixserve_kernels.cpu_ops import load
 
 kernel = load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler to build the CPU kernel")
@@ -38,3 +40,29 @@ def test_decode_kernel_matches_sdpa_over_scattered_slots(dtype, tol, heads, kv_h
     expected = reference(q, k_cache, v_cache, table, rows, seq_lens, dim ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_ops_match_torch(dtype, tol):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype)
+    expected = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), expected, atol=tol, rtol=tol)
+    gate_up = torch.randn(37, 2 * 96, generator=gen).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(kernel.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rotary_rotates_a_strided_view_in_place(dtype, tol):
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(11, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    q = qkv[:, :9 * 64].view(11, 9, 64)  # a view into the fused projection, as in the model
+    angles = torch.rand(11, 1, 32, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    expected = apply_rotary(q.float(), cos, sin)
+    rest = qkv[:, 9 * 64:].clone()
+    kernel.rotary_(q, cos, sin)
+    torch.testing.assert_close(qkv[:, :9 * 64].view(11, 9, 64).float(), expected, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, 9 * 64:], rest)  # k and v untouched

@@ -109,6 +109,6 @@ class TorchNativeBackend:
 
 
 def _cpu_decode_kernel():
-    from radixserve_kernels.cpu_attention import load
+    from radixserve_kernels.cpu_ops import load
 
     return load()

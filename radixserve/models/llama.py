@@ -31,13 +31,14 @@ class Attention(nn.Module):
         self.tp = tp
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.cpu_ops = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin, self.cpu_ops)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin, self.cpu_ops)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v)))
 

@@ -152,7 +152,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
     else:
         model.load_weights(iter_checkpoint(source.weights_dir))
     model = model.to(dtype=dtype).eval().requires_grad_(False)
-    from ..layers import Linear
+    from ..layers import Linear, use_cpu_ops
+    if device.type == "cpu":
+        from radixserve_kernels.cpu_ops import load
+        use_cpu_ops(model, load())
     pack = "int8" if quantization == "int8" else ("onednn" if uses_onednn_weights(device, dtype) else None)
     for module in model.modules():
         if isinstance(module, Linear) and pack == "int8":

@@ -1,0 +1,109 @@
+// Fused elementwise ops for the CPU forward: each replaces a chain of small torch ops (and
+// their per-op dispatch cost) with one pass over the rows. float32 math for every dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kGrainElements = 16384;  // rows per task: small steps stay on one thread
+
+int64_t grain(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * width;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < width; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float inv = 1.f / std::sqrt(squares / width + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i)
+        op[r * width + i] = static_cast<T>(static_cast<float>(row[i]) * inv * static_cast<float>(wp[i]));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), width = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gp + r * 2 * width;
+      const T* up = gate + width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        op[r * width + i] = static_cast<T>(g / (1.f + expf(-g)) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, grain(heads * half * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* first = xp + t * token_stride + h * head_stride;
+        T* second = first + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(first[i]), b = static_cast<float>(second[i]);
+          first[i] = static_cast<T>(a * c[i] - b * s[i]);
+          second[i] = static_cast<T>(b * c[i] + a * s[i]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, H] -> x / rms(x) * weight
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: x [T, H], weight [H]");
+  x = x.contiguous();
+  weight = weight.to(x.scalar_type()).contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_rows<scalar_t>(x, weight, out, eps); });
+  return out;
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I]
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up [T, 2I]");
+  gate_up = gate_up.contiguous();
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul",
+                                  [&] { silu_mul_rows<scalar_t>(gate_up, out); });
+  return out;
+}
+
+// x [T, heads, D] (a strided view is fine: head dims contiguous), rotated in place by the
+// rotate-half rule with per-token tables cos, sin [T, D/2] (float32).
+torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x [T, heads, D] with contiguous head dims");
+  cos = cos.to(torch::kFloat).contiguous().view({x.size(0), -1});
+  sin = sin.to(torch::kFloat).contiguous().view({x.size(0), -1});
+  TORCH_CHECK(cos.size(1) * 2 == x.size(2), "rotary_: tables must hold D/2 values per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_",
+                                  [&] { rotate_rows<scalar_t>(x, cos, sin); });
+  return x;
+}
