@@ -45,10 +45,15 @@ def scaled(name: str, scale: float, seed: int) -> list[Session]:
     return WORKLOADS[name](**sizes, seed=seed)
 
 
-def start(system: str, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path, gguf: Path):
+def start(system: str, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path, gguf: Path,
+          baseline: str | None = None):
     port = free_port()
     if system == "radixserve":
         return servers.radixserve(port, log_dir, concurrency, kv_tokens)
+    if system == "radixserve-baseline":
+        if not baseline:
+            raise FileNotFoundError("radixserve-baseline needs --baseline-tree (e.g. a `git worktree` of the old commit)")
+        return servers.radixserve(port, log_dir, concurrency, kv_tokens, tree=baseline)
     if system == "radixserve-nocache":
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, radix=False)
     if system == "radixserve-int8":
@@ -72,7 +77,7 @@ def compute_dtype() -> str:
 
 def bench_server(system: str, workloads: list[str], args, log_dir: Path, model_dir: Path, gguf: Path) -> list[dict]:
     try:
-        running = start(system, log_dir, args.concurrency, args.kv_tokens, model_dir, gguf)
+        running = start(system, log_dir, args.concurrency, args.kv_tokens, model_dir, gguf, args.baseline_tree)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
         print(f"  {system}: skipped ({exc})")
         return [{"system": system, "skipped": str(exc)}]
@@ -247,6 +252,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the result files (keeps earlier runs of the day)")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="source tree of an earlier radixserve (`git worktree add DIR <commit>`), run as the "
+                         "radixserve-baseline system for before/after figures in one run")
     args = ap.parse_args()
     from radixserve.models.loader import bundled_model_dir, find_bundled_gguf
 

@@ -67,7 +67,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, max_extend: int, scale: float, page_size: int = 1,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """q `[T, H, D]` (requests' new tokens back to back); returns `[T, H, D]`."""
+    """q `[T, H, D]` (requests' new tokens back to back; any view, such as a slice of a fused QKV
+    projection, is made contiguous: the kernel writes `out` with q's strides); returns `[T, H, D]`."""
+    q = q.contiguous()
     tokens, heads, dim = q.shape
     out = out if out is not None else torch.empty_like(q)
     if tokens == 0:

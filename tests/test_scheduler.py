@@ -63,6 +63,21 @@ def test_outputs_match_reference(page_size, policy, mixed):
         assert res[str(i)]["out"].finish_reason == FinishReason("length", length=10)
 
 
+def test_requests_arriving_during_a_chunked_prefix_wait_for_it():
+    """A long shared prompt is prefilled in chunks over several steps; requests sharing it that
+    arrive meanwhile wait for it to be cached instead of computing its rest again."""
+    sched, ex = make(chunk=64)
+    ps = prompts(4, 8, shared=300)
+    submit(sched, "0", ps[0], max_new=2)
+    sched.step()  # the first 64-token chunk of the leader
+    for i, p in enumerate(ps[1:], 1):
+        submit(sched, str(i), p, max_new=2)
+    res = run(sched)
+    prompt_work = sum(len(b.input_ids) for b in ex.batches) - 4 * 1  # minus one decode step each
+    assert prompt_work == 300 + 4 * 8
+    assert sorted(res[str(i)]["out"].cached_tokens for i in range(4)) == [0, 300, 300, 300]
+
+
 def test_shared_prefix_is_computed_once_in_a_burst():
     sched, ex = make(chunk=512)
     ps = prompts(5, 8, shared=64)

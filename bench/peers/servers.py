@@ -61,8 +61,11 @@ def _launch(cmd: list[str], target: Target, log_dir: Path, env: dict | None = No
 
 
 def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix: bool = True,
-               extra: list[str] | None = None) -> Running:
+               extra: list[str] | None = None, tree: str | None = None) -> Running:
+    """radixserve from this checkout, or from another source `tree` (a baseline commit's worktree)."""
     name = "radixserve" if radix else "radixserve (no radix cache)"
+    if tree:
+        name += " (baseline)"
     if extra:
         name += " (" + " ".join(a.lstrip("-") for a in extra) + ")"
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning",
@@ -70,7 +73,8 @@ def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix
     if not radix:
         cmd.append("--disable-radix-cache")
     cmd += extra or []
-    return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir)
+    env = {"PYTHONPATH": str(Path(tree).resolve())} if tree else None
+    return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir, env)
 
 
 def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path,

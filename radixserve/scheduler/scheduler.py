@@ -66,6 +66,7 @@ class Scheduler:
         self.outputs: list[ReqOutput] = []
         self.pending_aborts: set[str] = set()
         self.new_token_ratio = args.new_token_ratio
+        self.prefill_budget = args.prefill_budget(info.device)
         self.last_was_prefill = False
         self.stats = SchedulerStats(num_slots=self.allocator.num_slots)
         self._recent_admissions: deque[tuple[int, int]] = deque(maxlen=200)
@@ -154,23 +155,26 @@ class Scheduler:
     # ---- prefill ---------------------------------------------------------
     def _prepare_prefill(self, batch_started: bool) -> tuple[list[Req], list[int], int]:
         """Continue chunked prompts, then admit waiting requests; allocates their slots."""
-        budget = self.args.max_prefill_tokens
+        budget = self.prefill_budget
         reqs, lens, reused = [], [], 0
-        for req in [r for r in self.running if r.is_prefilling]:
+        prefilling = [r for r in self.running if r.is_prefilling]
+        for req in prefilling:
             n = min(req.pending, self.args.chunked_prefill_size, budget)
             if n <= 0 or not self._alloc(req, n):
                 break
             reqs.append(req), lens.append(n)
             budget -= n
-        for req, n in self._admit(budget, batch_started or bool(reqs)):
+        for req, n in self._admit(budget, batch_started or bool(reqs), prefilling):
             reqs.append(req), lens.append(n)
             reused += req.cached_len
         return reqs, lens, reused
 
-    def _admit(self, budget: int, batch_started: bool):
+    def _admit(self, budget: int, batch_started: bool, prefilling: list[Req]):
         if not self.waiting:
             return
-        shared = RadixCache(self.info.page_size)
+        shared = RadixCache(self.info.page_size)  # prompt parts being computed now: later sharers wait
+        for req in prefilling:
+            self._mark_shared(shared, req.fill_ids[req.cached_len:])
         reserved = self._reserved_decode_slots()
         ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache,
                                 lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]))
@@ -193,16 +197,20 @@ class Scheduler:
             if not self._alloc(req, n):
                 self._retract(req)
                 break
-            shared.insert(uncached[: len(uncached) - len(uncached) % self.info.page_size],
-                          [0] * (len(uncached) - len(uncached) % self.info.page_size))
+            self._mark_shared(shared, uncached)
             reserved += growth
             budget -= n
             batch_started = True
             yield req, n
 
+    def _mark_shared(self, shared: RadixCache, tokens: list[int]) -> None:
+        aligned = len(tokens) - len(tokens) % self.info.page_size
+        shared.insert(tokens[:aligned], [0] * aligned)
+
     def _share_later(self, shared: RadixCache, uncached: list[int], batch_started: bool) -> bool:
-        """Defer a request whose uncached part starts like one admitted in this batch:
-        next step it finds that prefix in the cache instead of computing it twice."""
+        """Defer a request whose uncached part starts like one being computed (admitted in this
+        batch, or a chunked prompt still in progress): once that is cached, it finds the prefix
+        there instead of computing it twice."""
         if self.cache.disable or not batch_started:
             return False
         matched = len(shared.match_prefix(uncached)[0])
