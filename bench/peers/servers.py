@@ -37,10 +37,10 @@ class Running:
 
 
 def _launch(cmd: list[str], target: Target, log_dir: Path, env: dict | None = None,
-            timeout: float = 900) -> Running:
+            timeout: float = 900, cwd: str | None = None) -> Running:
     log_path = log_dir / f"{target.name.replace(' ', '_')}.log"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=cwd,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     running = Running(proc, target, 0.0, log_path)
     deadline = time.time() + timeout
@@ -73,8 +73,10 @@ def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix
     if not radix:
         cmd.append("--disable-radix-cache")
     cmd += extra or []
-    env = {"PYTHONPATH": str(Path(tree).resolve())} if tree else None
-    return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir, env)
+    # `-m` puts the working directory first on sys.path: run from the tree so its package is imported
+    tree = str(Path(tree).resolve()) if tree else None
+    env = {"PYTHONPATH": tree} if tree else None
+    return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir, env, cwd=tree)
 
 
 def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
@@ -27,8 +28,10 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler: %(message)s")
     source = resolve_model(args.model)
-    runner = start_rank0(args, endpoints, source)
-    tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer (~3 s, mostly imports) loads while the model does
+        tokenizer_loading = pool.submit(load_tokenizer_or_none, source.tokenizer_dir)
+        runner = start_rank0(args, endpoints, source)
+        tokenizer = tokenizer_loading.result()
     decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
