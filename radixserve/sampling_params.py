@@ -8,6 +8,8 @@ from typing import Any
 from .constrained import GRAMMAR_KEYS, json_schema_text
 
 MAX_TOP_K = 1 << 20
+GREEDY_BELOW = 1e-5  # a smaller temperature samples like greedy; dividing by it overflows float32
+MAX_SEED = (1 << 63) - 1
 # SGLang parameters we accept only when unset.
 UNSUPPORTED_WHEN_SET = ("structural_tag",
                         "custom_params", "dtype", "no_stop_trim", "stream_interval")
@@ -70,10 +72,6 @@ class SamplingParams:
         return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
     def has_penalties(self) -> bool:
         return (self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.repetition_penalty != 1.0)
@@ -100,8 +98,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_kind(value, kind) or not ok(value):
                 yield f"{name} {message}, got {value!r}"
-        if self.seed is not None and not _is_kind(self.seed, int):
-            yield f"seed must be an integer, got {self.seed!r}"
+        if self.seed is not None and not (_is_kind(self.seed, int) and 0 <= self.seed <= MAX_SEED - max_n):
+            yield f"seed must be an integer in [0, {MAX_SEED - max_n}] (sample i of n uses seed + i), got {self.seed!r}"
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             yield "stop must be a non-empty string or a list of non-empty strings"
         yield from _stop_regex_problems(self.stop_regex)

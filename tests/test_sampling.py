@@ -41,6 +41,12 @@ def test_sampler_penalties_and_suppression():
     assert sample(logits, batch(1, temperatures=[0.0], suppressed_ids=[[0, 1]])).item() == 2
 
 
+def test_a_vanishing_temperature_samples_greedily(engine):
+    greedy = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6})
+    tiny = engine.generate(PROMPT, {"temperature": 1e-39, "max_new_tokens": 6})  # 1/T overflows float32
+    assert tiny["output_ids"] == greedy["output_ids"]
+
+
 def test_seeded_sampling_is_reproducible(engine):
     params = {"temperature": 1.0, "max_new_tokens": 12, "seed": 1234}
     a = engine.generate(PROMPT, params)
@@ -115,6 +121,7 @@ def test_streaming_yields_growing_text(engine):
     ({"max_new_tokens": -1}, "max_new_tokens"), ({"n": 0}, "n "), ({"stop": [""]}, "stop"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"frequency_penalty": 5}, "frequency_penalty"),
     ({"min_p": 2}, "min_p"), ({"max_new_tokens": "ten"}, "max_new_tokens"), ({"bogus": 1}, "unknown"),
+    ({"seed": 2**64 - 1, "n": 2}, "seed"), ({"seed": -1}, "seed"),
 ])
 def test_bad_parameters_raise(engine, bad, msg):
     with pytest.raises(ValueError, match=msg):
