@@ -91,7 +91,7 @@ class EngineArgs:
     max_running_requests: int = 64
     max_context_len: int | None = None
     chunked_prefill_size: int = 512
-    max_prefill_tokens: int | None = None  # None: `default_prefill_budget` for the device
+    max_prefill_tokens: int | None = None  # None: `prefill_budget` picks it for the device
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     page_size: int = 1

@@ -114,9 +114,10 @@ class Linear(nn.Module):
         self.register_buffer("weight_onednn", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_onednn is not None and torch.compiler.is_compiling():
-            return onednn_linear(x, self.weight_onednn, self.bias, self.out_features)
-        if self.weight_onednn is not None:  # eagerly, straight to oneDNN: the custom op's dispatch costs ~40 us
+        if self.weight_onednn is not None:
+            if torch.compiler.is_compiling():
+                return onednn_linear(x, self.weight_onednn, self.bias, self.out_features)
+            # eagerly, straight to oneDNN: the custom op's dispatch costs ~40 us a call
             return torch.ops.mkldnn._linear_pointwise(x, self.weight_onednn, self.bias, "none", [], "")
         if self.weight_t is None:
             return self._forward_int8(x)
@@ -129,7 +130,7 @@ class Linear(nn.Module):
         """Replace the weight by oneDNN's prepacked copy (float32 on CPU).
 
         Measured on a 2-core AVX2 EPYC (bench/README.md): 1.5-2x faster than `torch.mm` at
-        1 to 512 rows; a decode step at batch 8 went from 161 to 89 ms.
+        1 to 512 rows; a decode step at batch 8 went from 161 to 84 ms.
         """
         weight = self.weight_t.t().contiguous()
         self.register_buffer("weight_onednn", torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT))

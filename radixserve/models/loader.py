@@ -156,12 +156,12 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
     if device.type == "cpu":
         from radixserve_kernels.cpu_ops import load
         use_cpu_ops(model, load())
-    pack = "int8" if quantization == "int8" else ("onednn" if uses_onednn_weights(device, dtype) else None)
-    for module in model.modules():
-        if isinstance(module, Linear) and pack == "int8":
-            module.quantize_int8()
-        elif isinstance(module, Linear) and pack == "onednn":
-            module.pack_onednn()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for linear in linears:
+        if quantization == "int8":
+            linear.quantize_int8()
+        elif uses_onednn_weights(device, dtype):
+            linear.pack_onednn()
     return model
 
 

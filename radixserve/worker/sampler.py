@@ -14,7 +14,8 @@ from ..sampling_params import GREEDY_BELOW
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits `[B, V]` float32 -> token ids `[B]`."""
-    if all(t < GREEDY_BELOW or k == 1 for t, k in zip(sb.temperatures, sb.top_ks)) and not _edits_logits(sb):
+    rows = [b for b, (t, k) in enumerate(zip(sb.temperatures, sb.top_ks)) if t >= GREEDY_BELOW and k != 1]
+    if not rows and not _edits_logits(sb):  # all greedy, nothing to mask or bias
         return logits.argmax(dim=-1)
     logits = logits.clone()
     _apply_logit_biases(logits, sb.logit_biases)
@@ -22,7 +23,6 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     _apply_penalties(logits, sb)
     _apply_suppression(logits, sb)
     tokens = logits.argmax(dim=-1)
-    rows = [b for b, (t, k) in enumerate(zip(sb.temperatures, sb.top_ks)) if t >= GREEDY_BELOW and k != 1]
     if not rows:
         return tokens
     temps = torch.tensor([sb.temperatures[r] for r in rows], dtype=torch.float32, device=logits.device)
