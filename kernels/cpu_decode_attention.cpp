@@ -102,10 +102,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cpp
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
+  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
+  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
 }

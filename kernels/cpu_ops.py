@@ -1,6 +1,6 @@
 """radixserve's CPU kernels, built on first use: paged decode attention
-(`cpu_decode_attention.cpp`) and fused RMSNorm, SwiGLU activation and rotary embedding
-(`cpu_fused_ops.cpp`).
+(`cpu_decode_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
+(`cpu_fused_ops.cpp`) and the float32 GEMM against packed weights (`cpu_linear.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
@@ -18,13 +18,13 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp")]
 
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled module (`paged_decode_attention`, `rms_norm`, `silu_and_mul`, `rotary_`), or
-    None if it cannot be built."""
+    """The compiled module (`paged_decode_attention`, `rms_norm`, `silu_and_mul`, `rotary_`,
+    `pack_linear_weight`, `packed_linear`), or None if it cannot be built."""
     from torch.utils import cpp_extension
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv's ninja

@@ -80,18 +80,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays packed weights out for; any count works
+@torch.library.custom_op("radixserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ W^T + b through radixserve's CPU kernel and its packed W. An op of our own, so that
+    torch.compile keeps it as one opaque call."""
+    from radixserve_kernels.cpu_ops import load
+    return load().packed_linear(x, packed, bias, out_features)
 
 
-@torch.library.custom_op("radixserve::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x @ W^T + b through oneDNN's prepacked W. An op of our own, so that torch.compile keeps
-    it as one opaque call (inductor's own lowering of the oneDNN op expects weights it froze)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@onednn_linear.register_fake
-def _onednn_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
@@ -102,8 +100,8 @@ class Linear(nn.Module):
     On CPU a small-batch matmul against a contiguous `[in, out]` matrix runs about
     twice as fast as F.linear against `[out, in]` (measured: bench/decode_step.py).
     Checkpoint tensors arrive as `[out, in]`; `load` transposes them into place.
-    After loading, a float32 CPU model packs its weights into oneDNN's blocked layout
-    (`pack_onednn`), which is faster still at every row count.
+    After loading, a float32 CPU model packs its weights for radixserve's CPU kernel
+    (`pack_for_cpu`), which is faster still at every row count.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -111,14 +109,15 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.out_features = out_features
-        self.register_buffer("weight_onednn", None)
+        self.register_buffer("weight_packed", None)
+        self.cpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_onednn is not None:
+        if self.weight_packed is not None:
             if torch.compiler.is_compiling():
-                return onednn_linear(x, self.weight_onednn, self.bias, self.out_features)
-            # eagerly, straight to oneDNN: the custom op's dispatch costs ~40 us a call
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight_onednn, self.bias, "none", [], "")
+                return packed_linear(x, self.weight_packed, self.bias, self.out_features)
+            # eagerly, straight to the kernel: the custom op's dispatch costs ~40 us a call
+            return self.cpu_ops.packed_linear(x, self.weight_packed, self.bias, self.out_features)
         if self.weight_t is None:
             return self._forward_int8(x)
         if self.bias is not None:
@@ -126,14 +125,15 @@ class Linear(nn.Module):
         return torch.mm(x, self.weight_t)
 
     @torch.no_grad()
-    def pack_onednn(self) -> None:
-        """Replace the weight by oneDNN's prepacked copy (float32 on CPU).
+    def pack_for_cpu(self) -> None:
+        """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 on CPU).
 
-        Measured on a 2-core AVX2 EPYC (bench/README.md): 1.5-2x faster than `torch.mm` at
-        1 to 512 rows; a decode step at batch 8 went from 161 to 84 ms.
+        Measured on a 2-core AVX2 EPYC (bench/README.md): against oneDNN's prepacked weights, a
+        decode step at batch 8 went from 78 to 64 ms and at batch 1 from 40 to 29 ms; a
+        2048-token prefill is level (4.8-5.1 s both).
         """
-        weight = self.weight_t.t().contiguous()
-        self.register_buffer("weight_onednn", torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT))
+        packed = self.cpu_ops.pack_linear_weight(self.weight_t.t().contiguous())
+        self.register_buffer("weight_packed", packed)
         self.weight_t = None
 
     @torch.no_grad()

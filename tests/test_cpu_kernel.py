@@ -66,3 +66,19 @@ def test_rotary_rotates_a_strided_view_in_place(dtype, tol):
     kernel.rotary_(q, cos, sin)
     torch.testing.assert_close(qkv[:, :9 * 64].view(11, 9, 64).float(), expected, atol=tol, rtol=tol)
     assert torch.equal(qkv[:, 9 * 64:], rest)  # k and v untouched
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 13, 97, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 100), (1, 5)])
+def test_packed_linear_matches_float64_reference(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = kernel.pack_linear_weight(weight)
+    for b in (None, bias):
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
+        torch.testing.assert_close(kernel.packed_linear(x, packed, b, out_features), expected, atol=1e-4, rtol=1e-4)
+    strided = torch.randn(rows, 2 * in_features, generator=gen)[:, ::2]  # a non-contiguous view
+    torch.testing.assert_close(kernel.packed_linear(strided, packed, None, out_features),
+                               F.linear(strided.double(), weight.double()).float(), atol=1e-4, rtol=1e-4)

@@ -153,22 +153,18 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
         model.load_weights(iter_checkpoint(source.weights_dir))
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     from ..layers import Linear, use_cpu_ops
+    cpu_ops = None
     if device.type == "cpu":
         from radixserve_kernels.cpu_ops import load
-        use_cpu_ops(model, load())
+        cpu_ops = load()
+        use_cpu_ops(model, cpu_ops)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for linear in linears:
         if quantization == "int8":
             linear.quantize_int8()
-        elif uses_onednn_weights(device, dtype):
-            linear.pack_onednn()
+        elif cpu_ops is not None and dtype == torch.float32:
+            linear.pack_for_cpu()
     return model
-
-
-def uses_onednn_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """float32 on CPU runs its linear layers through oneDNN's prepacked weights (measured faster
-    at every batch size); bf16 on AMX measured level with torch.mm, so it keeps plain weights."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
