@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -26,6 +28,82 @@ inline void axpy(float a, const T* v, float* out, int64_t d) {
   for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
 }
 
+void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * len;
+    const float top = *std::max_element(s, s + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {  // vectorized expf (libmvec) under -ffast-math
+      s[t] = expf(s[t] - top);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
+// The fast path for float32 with head_dim = 8 * Vecs: each key row is Vecs vector loads shared by
+// the group's query heads, each value row is accumulated in registers, one query head at a time.
+typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
+
+inline Vec8 load8(const float* p) { Vec8 v; std::memcpy(&v, p, sizeof(Vec8)); return v; }
+
+inline float hsum8(Vec8 v) {
+  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+template <int Vecs>
+void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const int64_t* slots,
+                  int64_t len, int64_t slot_stride, int64_t head_offset, float* scores, float* out,
+                  int64_t out_head_stride) {
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + head_offset);
+    const float* key = kp + slots[t] * slot_stride + head_offset;
+    Vec8 k[Vecs];
+    for (int v = 0; v < Vecs; ++v) k[v] = load8(key + 8 * v);
+    for (int64_t g = 0; g < group; ++g) {
+      Vec8 even = Vec8{}, odd = Vec8{};  // two chains hide the FMA latency
+      for (int v = 0; v + 1 < Vecs; v += 2) {
+        even += load8(qf + g * Vecs * 8 + 8 * v) * k[v];
+        odd += load8(qf + g * Vecs * 8 + 8 * v + 8) * k[v + 1];
+      }
+      if (Vecs % 2) even += load8(qf + g * Vecs * 8 + 8 * (Vecs - 1)) * k[Vecs - 1];
+      scores[g * len + t] = hsum8(even + odd);
+    }
+  }
+  softmax_rows(scores, group, len);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* weights = scores + g * len;
+    Vec8 acc[Vecs];
+    for (int v = 0; v < Vecs; ++v) acc[v] = Vec8{};
+    for (int64_t t = 0; t < len; ++t) {
+      if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + head_offset);
+      const float* value = vp + slots[t] * slot_stride + head_offset;
+      const float w = weights[t];
+      for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
+    }
+    for (int v = 0; v < Vecs; ++v) std::memcpy(out + g * out_head_stride + 8 * v, &acc[v], sizeof(Vec8));
+  }
+}
+
+using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
+                             int64_t, float*, float*, int64_t);
+
+// The fast path for this head_dim, or nullptr (head_dim not a multiple of 8 up to 128).
+AttendFloat attend_float_for(int64_t dim) {
+  switch (dim) {
+    case 32: return attend_float<4>;
+    case 64: return attend_float<8>;
+    case 80: return attend_float<10>;
+    case 96: return attend_float<12>;
+    case 128: return attend_float<16>;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& req_to_token, const torch::Tensor& rows, const torch::Tensor& seq_lens,
@@ -40,6 +118,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t* len_of = seq_lens.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const AttendFloat fast = std::is_same_v<T, float> ? attend_float_for(dim) : nullptr;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * dim), acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
@@ -49,24 +128,17 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = static_cast<float>(qp[(b * heads + kh * group + g) * dim + i]) * static_cast<float>(scale);
+      if (fast != nullptr) {
+        fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp), slots, len,
+             slot_stride, kh * head_stride, scores.data(), reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
+        continue;
+      }
       for (int64_t t = 0; t < len; ++t) {
         if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
         const T* key = kp + slots[t] * slot_stride + kh * head_stride;
         for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * dim, key, dim);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float top = *std::max_element(s, s + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {  // vectorized expf (libmvec) under -ffast-math
-          s[t] = expf(s[t] - top);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
