@@ -75,8 +75,27 @@ def radixserve(port: int, log_dir: Path, concurrency: int, kv_tokens: int, radix
     cmd += extra or []
     # `-m` puts the working directory first on sys.path: run from the tree so its package is imported
     tree = str(Path(tree).resolve()) if tree else None
-    env = {"PYTHONPATH": tree} if tree else None
+    env = _baseline_env(Path(tree)) if tree else None
     return _launch(cmd, Target(name, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"), log_dir, env, cwd=tree)
+
+
+def _baseline_env(tree: Path) -> dict[str, str]:
+    """Imports of `radixserve` and `radixserve_kernels` from the baseline tree (the editable
+    install maps the kernels package to this checkout's `kernels/`), and a cache folder of its
+    own, so that the two trees' CPU kernels (same extension name, different sources) do not
+    rebuild each other at every start; the converted models are linked from this checkout's cache."""
+    from radixserve.models.loader import cache_root
+
+    packages = tree / ".radixserve-path"
+    packages.mkdir(exist_ok=True)
+    if not (packages / "radixserve_kernels").exists():
+        (packages / "radixserve_kernels").symlink_to(tree / "kernels")
+    cache = tree / ".radixserve-cache"
+    cache.mkdir(exist_ok=True)
+    for model in cache_root().iterdir():
+        if model.name != "cpu_kernels" and not (cache / model.name).exists():
+            (cache / model.name).symlink_to(model)
+    return {"PYTHONPATH": f"{tree}{os.pathsep}{packages}", "RADIXSERVE_CACHE_DIR": str(cache)}
 
 
 def vllm(port: int, log_dir: Path, concurrency: int, kv_tokens: int, model_dir: Path,
