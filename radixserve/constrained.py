@@ -32,17 +32,64 @@ class GrammarSpec:
         return cls(*given[0]) if given else None
 
 
+MAX_GRAMMAR_CHARS = 65536
+MAX_NESTING = 64  # xgrammar compiles nested groups and schemas recursively; deeper is refused
+
+
 def json_schema_text(schema: Any) -> str:
     """A JSON schema given as an object or a string, as the string xgrammar compiles."""
     if isinstance(schema, str):
+        if len(schema) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"json_schema is longer than {MAX_GRAMMAR_CHARS} characters")
         try:
-            json.loads(schema)
+            parsed = json.loads(schema)
+        except RecursionError:
+            raise ValueError(f"json_schema is nested deeper than {MAX_NESTING} levels") from None
         except ValueError as exc:
             raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        _check_depth(parsed)
         return schema
     if isinstance(schema, dict):
-        return json.dumps(schema)
+        _check_depth(schema)
+        return json_schema_text(json.dumps(schema))
     raise ValueError("json_schema must be a JSON object or a string holding one")
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse JSON nested deeper than MAX_NESTING (walked without recursion)."""
+    level = [value]
+    for _ in range(MAX_NESTING + 1):
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())]
+        if not level:
+            return
+    raise ValueError(f"json_schema is nested deeper than {MAX_NESTING} levels")
+
+
+def check_grammar_text(key: str, text: str) -> None:
+    """Size and group-nesting limits of a regex or EBNF grammar (json_schema: `json_schema_text`)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{key} is longer than {MAX_GRAMMAR_CHARS} characters")
+    if group_depth(text) > MAX_NESTING:
+        raise ValueError(f"{key} nests groups deeper than {MAX_NESTING} levels")
+
+
+def group_depth(pattern: str) -> int:
+    """The deepest nesting of ( ) groups in a regex or EBNF text, skipping escapes (an upper
+    bound: parentheses inside [...] and quoted strings count too)."""
+    depth = deepest = 0
+    escaped = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 class GrammarBackend:

@@ -37,6 +37,8 @@ class SamplingBatch:
     suppressed_ids: list[list[int] | None]
     token_masks: list[list[int] | None] | None = None  # grammar bitmasks, int32 words (constrained.py)
     logit_biases: list[list[tuple[int, float]] | None] | None = None
+    # the token (EOS) a row takes when masks and suppression forbid every token
+    fallback_ids: list[int] | None = None
 
 
 @dataclass

@@ -1,15 +1,18 @@
 """Sampling parameters of one request, validated at the boundary."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 from typing import Any
 
-from .constrained import GRAMMAR_KEYS, json_schema_text
+import re2
+
+from .constrained import GRAMMAR_KEYS, check_grammar_text, json_schema_text
 
 MAX_TOP_K = 1 << 20
 GREEDY_BELOW = 1e-5  # a smaller temperature samples like greedy; dividing by it overflows float32
 MAX_SEED = (1 << 63) - 1
+MAX_STOP_REGEX_CHARS = 4096
 # SGLang parameters we accept only when unset.
 UNSUPPORTED_WHEN_SET = ("structural_tag",
                         "custom_params", "dtype", "no_stop_trim", "stream_interval")
@@ -111,6 +114,11 @@ class SamplingParams:
         for key in grammars:
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 yield f"{key} must be a non-empty string"
+            elif key != "json_schema":
+                try:
+                    check_grammar_text(key, getattr(self, key))
+                except ValueError as exc:
+                    yield str(exc)
         if self.logit_bias is not None and not _valid_logit_bias(self.logit_bias):
             yield "logit_bias must map token ids to numbers in [-100, 100]"
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
@@ -123,10 +131,24 @@ def _stop_regex_problems(patterns: Any):
         yield "stop_regex must be a non-empty string or a list of them"
         return
     for pattern in patterns:
+        if len(pattern) > MAX_STOP_REGEX_CHARS:
+            yield f"stop_regex is longer than {MAX_STOP_REGEX_CHARS} characters"
+            continue
         try:
-            re.compile(pattern)
-        except re.error as exc:
-            yield f"stop_regex {pattern!r} does not compile: {exc}"
+            compile_stop_regex(pattern)
+        except re2.error as exc:
+            reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+            yield f"stop_regex {pattern[:80]!r} does not compile as RE2 syntax (no lookaround or backreferences): {reason}"
+
+
+@lru_cache(maxsize=256)
+def compile_stop_regex(pattern: str) -> "re2._Regexp":
+    """A stop regex compiled by RE2, which matches in time linear in the text (Python's `re`
+    backtracks: `(a+)+b` over a run of a's froze the scheduler) and bounds its own memory."""
+    options = re2.Options()
+    options.max_mem = 8 << 20
+    options.log_errors = False
+    return re2.compile(pattern, options)
 
 
 def _valid_logit_bias(bias: Any) -> bool:

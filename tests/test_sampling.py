@@ -32,6 +32,16 @@ def test_sampler_filters():
     assert set(draws.tolist()) == {0}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_every_token_forbidden_takes_its_fallback(temperature):
+    logits = torch.tensor([[0.1, 2.0, 0.3, 0.0], [0.1, 2.0, 0.3, 0.0]])
+    mask_only_3 = [0b1000]  # a grammar that allows only token 3 ...
+    draws = sample(logits, batch(2, temperatures=[temperature] * 2, token_masks=[mask_only_3, None],
+                                 suppressed_ids=[[3], None], fallback_ids=[2, 2]))  # ... which min_new_tokens bans
+    assert draws[0].item() == 2  # not NaN probabilities, not a crash
+    assert temperature > 0 or draws[1].item() == 1  # the other row samples as usual
+
+
 def test_sampler_penalties_and_suppression():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     assert sample(logits, batch(1, temperatures=[0.0], frequency_penalties=[1.0], penalty_outputs=[[0]])).item() == 1

@@ -193,3 +193,33 @@ def test_max_new_tokens_clamped_to_context():
     res = run(sched)
     assert len(res["c"]["ids"]) == 12
     assert res["c"]["out"].finish_reason.kind == "length"
+
+
+POISON = 666
+
+
+class FailingExecutor(FakeExecutor):
+    """Raises on any step that carries the poison token, as a worker bug would."""
+
+    def forward(self, fb):
+        if POISON in fb.input_ids:
+            raise RuntimeError("injected worker failure")
+        return super().forward(fb)
+
+
+def test_a_failing_step_aborts_its_requests_and_the_scheduler_goes_on():
+    args = EngineArgs(max_running_requests=8, chunked_prefill_size=64)
+    sched = Scheduler(args, FailingExecutor(4096, 1, 8))
+    healthy = prompts(1, 20, seed=3)[0]
+    submit(sched, "healthy", healthy, max_new=6)
+    sched.step()  # its prefill ran; now it decodes beside the poisoned prompt
+    submit(sched, "poisoned", [1, 2, POISON, 3], max_new=6)
+    res = run(sched)
+    for rid in ("healthy", "poisoned"):
+        reason = res[rid]["out"].finish_reason
+        assert reason.kind == "abort" and "injected worker failure" in reason.message, reason
+    assert sched.cache.total_size() == 20  # the healthy prompt's KV was cached; nothing of the failed step
+    after = prompts(1, 12, seed=4)[0]
+    submit(sched, "after", after, max_new=6)
+    assert run(sched)["after"]["ids"] == reference(after, 6)
+    assert not sched.running and sched.rows.available() == sched.rows.num_rows

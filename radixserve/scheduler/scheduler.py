@@ -7,7 +7,6 @@ an `Executor`, so it runs (and is tested) without one.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -19,7 +18,7 @@ from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.radix_cache import RadixCache
 from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
                         ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, compile_stop_regex
 from .policy import order_waiting
 from .req import Req
 
@@ -58,6 +57,7 @@ class Scheduler:
         self.decode_tail = decode_tail
         self.grammars = grammars
         self.eos_ids = set(info.eos_token_ids) | set(extra_eos_ids)
+        self.fallback_id = min(info.eos_token_ids or self.eos_ids or {0})  # taken when every token is forbidden
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
         self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache)
@@ -115,10 +115,24 @@ class Scheduler:
         self._apply_aborts()
         step = self._next_step()
         if step is not None:
-            result = self.executor.forward(step.batch)
-            self._process(step, result)
+            try:
+                result = self.executor.forward(step.batch)
+                self._process(step, result)
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the server stays up
+                log.exception("a step of %d requests failed; they are aborted", len(step.reqs))
+                self._fail(step.reqs, f"internal error while running this request: {type(exc).__name__}: {exc}")
         outputs, self.outputs = self.outputs, []
         return outputs
+
+    def _fail(self, reqs: list[Req], message: str) -> None:
+        """End the unfinished `reqs` with an abort naming the cause and free their KV."""
+        for req in reqs:
+            if req.finished and req not in self.running:
+                continue  # finished and released before the failure
+            req.finish_reason = FinishReason("abort", message=message)
+            if req in self.running:
+                self._drop(req)  # this step's KV may be half written: none of it enters the tree
+            self._emit(req)
 
     def _next_step(self) -> Step | None:
         """Decoding requests advance every step; prompt chunks join them (mixed) or, with
@@ -308,6 +322,11 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Give back everything the request holds: KV to the tree or allocator, its lock, its row."""
         self._cache_prefix(req)
+        self._drop(req)
+
+    def _drop(self, req: Req) -> None:
+        """Give back what the request holds without caching more of it: its uncached KV to the
+        allocator, its tree lock, its row."""
         self.allocator.free(req.kv_slots[req.cached_len:])
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
@@ -366,7 +385,8 @@ class Scheduler:
             penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
             penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
             suppressed_ids=[self._suppressed(r) for r in reqs],
-            token_masks=self._token_masks(reqs), logit_biases=_logit_biases(ps))
+            token_masks=self._token_masks(reqs), logit_biases=_logit_biases(ps),
+            fallback_ids=[self.fallback_id] * len(reqs))
 
     def _token_masks(self, reqs: list[Req]) -> list[list[int] | None] | None:
         if not any(r.grammar is not None for r in reqs):
@@ -466,7 +486,7 @@ class Scheduler:
             if stop in tail:
                 return stop
         for pattern in p.stop_regex:
-            found = re.search(pattern, tail)
+            found = compile_stop_regex(pattern).search(tail)
             if found and found.group(0):
                 return found.group(0)
         return None

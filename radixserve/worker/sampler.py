@@ -22,6 +22,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     apply_token_masks(logits, sb.token_masks)
     _apply_penalties(logits, sb)
     _apply_suppression(logits, sb)
+    _allow_fallback_where_all_forbidden(logits, sb.fallback_ids)
     tokens = logits.argmax(dim=-1)
     if not rows:
         return tokens
@@ -78,6 +79,18 @@ def _apply_suppression(logits: torch.Tensor, sb: SamplingBatch) -> None:
     for b, banned in enumerate(sb.suppressed_ids):
         if banned:
             logits[b, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+
+
+def _allow_fallback_where_all_forbidden(logits: torch.Tensor, fallback_ids: list[int] | None) -> None:
+    """A row whose every token is forbidden (say a grammar that allows only EOS while
+    min_new_tokens bans it) gets its fallback token back, instead of sampling from NaN
+    probabilities. Without a host sync: rows with an allowed token keep their logit."""
+    if fallback_ids is None:
+        return
+    dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    fallback = torch.tensor(fallback_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    logits.scatter_(1, fallback, torch.where(dead, torch.zeros_like(dead, dtype=logits.dtype),
+                                             logits.gather(1, fallback)))
 
 
 def _filtered_probs(logits: torch.Tensor, sb: SamplingBatch, rows: list[int]) -> torch.Tensor:
