@@ -32,6 +32,8 @@ ENGINE_FLAGS = [
     ("--enable-torch-compile", dict(action="store_true",
                                     help="torch.compile the whole forward, attention kept opaque (adds minutes to the first start-up, "
                                          "less once inductor's on-disk cache is warm)")),
+    ("--watchdog-timeout", dict(type=float, default=300.0,
+                                help="seconds a scheduler step may take before the scheduler exits and the server stops")),
     ("--disable-cuda-graph", dict(action="store_true", help="run GPU decode steps eagerly (no CUDA graphs)")),
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: rank 0 in the scheduler, one worker process per other rank, torch.distributed "
@@ -63,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="port to listen on")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     serve.add_argument("--served-model-name", default=None, help="model name reported by /v1/models")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                       help="largest request body accepted; a larger one is a 413")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="requests allowed to wait beyond --max-running-requests; more are "
+                            "answered 503 with Retry-After (default: no limit)")
     _add_engine_flags(serve)
     gen = sub.add_parser("generate", help="generate offline, in this process",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -83,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.command == "serve":
         from .server.launch import launch_server
-        return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args))
+        return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args,
+                                        ns.max_request_bytes, ns.max_queued_requests))
     return _generate(ns, engine_args)
 
 

@@ -108,6 +108,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     enable_jump_forward: bool = False
     enable_torch_compile: bool = False
+    watchdog_timeout: float = 300.0  # the scheduler exits when a step takes longer (the server then stops)
     cuda_graph_max_bs: int = 64
 
     def __post_init__(self) -> None:
@@ -163,3 +164,5 @@ class ServerArgs:
     api_key: str | None = None
     served_model_name: str | None = None
     engine: EngineArgs = field(default_factory=EngineArgs)
+    max_request_bytes: int = 8 << 20  # a larger body is a 413
+    max_queued_requests: int | None = None  # beyond the running ones; more is a 503 (None: no limit)

@@ -53,7 +53,8 @@ class Engine:
         self._thread.start()
 
     # ---- public API ------------------------------------------------------
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | SamplingParams | list[dict | SamplingParams] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False) -> dict | list[dict]:
@@ -64,7 +65,7 @@ class Engine:
         results = [self._collect(r, s, return_logprob, return_text_in_logprobs) for r, s in zip(reqs, streams)]
         return results[0] if single and len(results) == 1 else results
 
-    def generate_stream(self, prompt: str | None = None, sampling_params: dict | None = None,
+    def generate_stream(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
                         input_ids: list[int] | None = None, return_logprob: bool = False,
                         logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Iterator[dict]:
         """Yields the cumulative result after every step that produced text."""
@@ -130,7 +131,10 @@ class Engine:
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, raw in zip(id_lists, params_list):
-            for sample in SamplingParams.from_dict(raw, self.args.max_n).per_sample():
+            params = raw if isinstance(raw, SamplingParams) else SamplingParams.from_dict(raw, self.args.max_n)
+            if isinstance(raw, SamplingParams):
+                params.validate(self.args.max_n)
+            for sample in params.per_sample():
                 req = GenerateReq(uuid.uuid4().hex, list(ids), sample, return_logprob, logprob_start_len,
                                   top_logprobs_num)
                 check_generate(req, self.runner.info)

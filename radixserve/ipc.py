@@ -12,6 +12,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,23 @@ def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[Any]:
             out.append(decode(sock.recv(zmq.NOBLOCK)))
         except zmq.Again:
             return out
+
+
+class Heartbeat:
+    """The scheduler loop's last turn (wall clock) and whether it had work then, in shared
+    memory: the api's /health and the scheduler's own watchdog read it. Made before the
+    processes start (it travels to the scheduler as a spawn argument)."""
+
+    def __init__(self, ctx: Any):
+        self._cells = ctx.RawArray(ctypes.c_double, 2)
+        self.beat(busy=False)
+
+    def beat(self, busy: bool) -> None:
+        self._cells[0], self._cells[1] = time.time(), float(busy)
+
+    def stalled_for(self) -> float:
+        """Seconds since the last turn if the loop had work then; 0 when it was idle."""
+        return time.time() - self._cells[0] if self._cells[1] else 0.0
 
 
 def exit_with_parent() -> None:

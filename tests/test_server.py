@@ -215,7 +215,7 @@ def test_disconnect_while_waiting_aborts(server, client):
     (b'[1, 2]', "object"),
 ])
 def test_bad_generate_inputs_are_400(client, body, needle):
-    r = client.post("/generate", content=body)
+    r = client.post("/generate", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert needle in r.json()["message"]
 
@@ -245,7 +245,7 @@ def test_info_flush_and_abort_endpoints(client):
     assert info["is_generation"] is True
     server_info = client.get("/get_server_info").json()
     assert server_info["max_total_num_tokens"] == 4096 and "cache_hit_rate" in server_info["stats"]
-    assert client.post("/abort_request", json={"rid": "nope"}).status_code == 200
+    assert client.post("/abort_request", json={"rid": "nope"}).status_code == 404
     wait_idle(client)
     assert client.post("/flush_cache").status_code == 200
     assert stats(client)["cached_slots"] == 0

@@ -4,7 +4,10 @@ It hosts TP rank 0's model runner and calls it directly (SGLang's process model)
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +15,7 @@ import zmq
 
 from ..config import EngineArgs
 from ..constrained import grammar_backend
-from ..ipc import Endpoints, exit_with_parent, pull_socket, push_socket, recv_all, encode
+from ..ipc import Endpoints, Heartbeat, exit_with_parent, pull_socket, push_socket, recv_all, encode
 from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, FinishReason, GenerateReq, ReqOutput,
                         SchedulerReady)
 from ..models.loader import resolve_model
@@ -22,9 +25,10 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
+WATCHDOG_EXIT_CODE = 70
 
 
-def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
+def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) -> None:
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler: %(message)s")
     source = resolve_model(args.model)
@@ -38,19 +42,33 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints) -> None:
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)
     scheduler = Scheduler(args, runner, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, runner.info))
     outbox.send(encode(SchedulerReady(runner.info, source.name)))
-    SchedulerLoop(scheduler, inbox, outbox).run()
+    threading.Thread(target=watch_loop, args=(heartbeat, args.watchdog_timeout), daemon=True,
+                     name="scheduler-watchdog").start()
+    SchedulerLoop(scheduler, inbox, outbox, heartbeat).run()
+
+
+def watch_loop(heartbeat: Heartbeat, timeout: float) -> None:
+    """Exit the process when the loop has not turned for `timeout` seconds with work to do: a
+    stuck scheduler is then a dead child, which the launcher reports and shuts down on."""
+    while True:
+        time.sleep(min(timeout / 4, 5.0))
+        stalled = heartbeat.stalled_for()
+        if stalled > timeout:
+            log.error("the scheduler loop has not turned for %.1f s with work to do; exiting (watchdog)", stalled)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(WATCHDOG_EXIT_CODE)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket):
-        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
-        self.last_log = time.monotonic()
+    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: Heartbeat):
+        self.scheduler, self.inbox, self.outbox, self.heartbeat = scheduler, inbox, outbox, heartbeat
 
     def run(self) -> None:
         while True:
             wait = 0 if self.scheduler.has_work() else IDLE_POLL_MS
             for msg in recv_all(self.inbox, wait):
                 self.handle(msg)
+            self.heartbeat.beat(busy=self.scheduler.has_work())
             outputs = self.scheduler.step()
             if outputs:
                 self.outbox.send(encode(BatchOut(outputs)))

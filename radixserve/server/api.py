@@ -6,38 +6,56 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from ..config import ServerArgs
+from ..ipc import Heartbeat
 from ..messages import GenerateReq
 from ..tokenizer import chat_roles
 from .metrics import Metrics
 from .protocol import AbortRequest, GenerateRequest
 from .tokenizer_manager import RequestError, TokenizerManager
 
-OPEN_PATHS = {"/health", "/dashboard", "/docs", "/openapi.json"}
+OPEN_PATHS = {"/health", "/dashboard"}  # everything else needs the API key when one is set
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
 @dataclass
 class Health:
-    """Set unhealthy by the launcher's watchdog when a child process dies."""
+    """Set unhealthy by the launcher's watchdog when a child process dies; also unhealthy
+    while the scheduler loop has been stuck on a step for `stall_limit` seconds."""
 
     healthy: bool = True
     reason: str = ""
     processes: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    heartbeat: Heartbeat | None = None
+    stall_limit: float = 30.0
+
+    def problem(self) -> str | None:
+        if not self.healthy:
+            return self.reason
+        stalled = self.heartbeat.stalled_for() if self.heartbeat is not None else 0.0
+        if stalled > self.stall_limit:
+            return f"the scheduler loop has not turned for {stalled:.0f} s"
+        return None
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """JSON body as `model`, whatever the content type; malformed or mistyped input is a 400."""
-    raw = await request.body()
+    """The JSON body as `model`: a body that is not `application/json` is a 415, one over
+    --max-request-bytes a 413, malformed or mistyped input a 400 naming the field."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise RequestError(f"Content-Type must be application/json, got {content_type or 'none'!r}", 415)
+    raw = await read_body(request, request.app.state.args.max_request_bytes)
     try:
         data = orjson.loads(raw or b"{}")
     except orjson.JSONDecodeError as exc:
@@ -50,11 +68,30 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise RequestValidationError(exc.errors()) from exc
 
 
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body has {declared} bytes; this server accepts at most {limit}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the request body exceeds {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+def error_body(message: str, status: int) -> dict:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+            404: "NotFoundError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
             499: "ClientClosedRequest", 503: "ServiceUnavailableError"}.get(status, "Error")
-    return JSONResponse({"object": "error", "message": message, "type": kind, "code": status,
-                         "error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return {"object": "error", "message": message, "type": kind, "code": status,
+            "error": {"message": message, "type": kind, "code": status}}
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -62,10 +99,14 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
+    """Server-sent events; a request that fails mid-stream ends with an error event and [DONE]."""
     async def body():
         try:
             async for chunk in chunks:
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except RequestError as exc:
+            yield b"data: " + orjson.dumps(error_body(str(exc), exc.status)) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:  # a disconnected client cancels us here: close the chain so the request aborts
             await chunks.aclose()
@@ -73,7 +114,8 @@ def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
-    app = FastAPI(title="radixserve", version="0.1.0",
+    # FastAPI's own docs routes skip app dependencies: they are added below, behind the key
+    app = FastAPI(title="radixserve", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None,
                   dependencies=[Depends(_auth_dependency(server_args.api_key))])
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
     _install_error_handlers(app)
@@ -82,7 +124,22 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     openai_routes(app, tm, server_args)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
+    _docs_routes(app)
     return app
+
+
+def _docs_routes(app: FastAPI) -> None:
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="radixserve")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title="radixserve")
 
 
 def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
@@ -102,7 +159,7 @@ def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError):
-        return error_response(str(exc), exc.status)
+        return error_response(str(exc), exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError):
@@ -114,8 +171,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _auth_dependency(api_key: str | None):
-    """A global dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects."""
+    """A global dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects.
+    It also refuses requests a web page of another origin sends (a browser names that page in
+    `Origin`): with CORS off they have no business here, and without a key they could drive the
+    server from any site."""
     async def check_key(request: Request) -> None:
+        origin = request.headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+            raise RequestError(f"cross-origin requests are refused (Origin {origin!r})", 403)
         if not api_key or request.url.path in OPEN_PATHS or request.method == "OPTIONS":
             return
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
@@ -131,13 +194,13 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
     return [value] * count
 
 
-def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateReq], bool]:
+async def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateReq], bool]:
     """The batch of scheduler requests a /generate body stands for, and whether it was a single prompt."""
     if (body.text is None) == (body.input_ids is None):
         raise RequestError("send exactly one of 'text' or 'input_ids'")
     if body.text is not None:
         single = isinstance(body.text, str)
-        id_lists = [tm.tokenize(t) for t in ([body.text] if single else body.text)]
+        id_lists = [await tm.tokenize_async(t) for t in ([body.text] if single else body.text)]
     else:
         single = not body.input_ids or isinstance(body.input_ids[0], int)
         id_lists = [body.input_ids] if single else body.input_ids
@@ -168,7 +231,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
-        reqs, single = build_generate(tm, body)
+        reqs, single = await build_generate(tm, body)
         if body.stream:
             if single:
                 return sse(_stream_generate(tm, reqs[0], body))
@@ -179,14 +242,14 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
 
     @app.get("/health")
     async def health_check():
-        if not health.healthy:
-            return error_response(f"unhealthy: {health.reason}", 503)
+        if (problem := health.problem()) is not None:
+            return error_response(f"unhealthy: {problem}", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate():
-        if not health.healthy:
-            return error_response(f"unhealthy: {health.reason}", 503)
+        if (problem := health.problem()) is not None:
+            return error_response(f"unhealthy: {problem}", 503)
         req = tm.make_request([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
                               {"max_new_tokens": 1, "temperature": 0})
         await asyncio.wait_for(tm.run_to_end(req), timeout=60)
@@ -209,7 +272,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     async def chat_template():
         return chat_roles(tm.tokenizer)
 
-    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    @app.post("/flush_cache")
     async def flush_cache():
         reply = await tm.control("flush_cache")
         if not reply.get("success"):
@@ -219,6 +282,8 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
+        if body.rid not in tm.pending:
+            raise RequestError(f"no running request has rid {body.rid!r}", 404)
         await tm.abort(body.rid)
         return Response(status_code=200)
 
@@ -229,7 +294,7 @@ async def _stream_generate(tm: TokenizerManager, req: GenerateReq, body: Generat
         async for state in stream:
             yield generate_result(tm, state, body, req.return_logprob)
     except RequestError as exc:
-        yield {"error": {"message": str(exc), "code": exc.status}}
+        yield error_body(str(exc), exc.status)
     finally:
         await stream.aclose()
 

@@ -10,13 +10,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 import zmq
 
 from ..config import ServerArgs
 from ..detokenizer import run_detokenizer
-from ..ipc import Endpoints, pull_socket, recv_all
+from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
 from ..models.loader import resolve_model
 from ..scheduler.process import run_scheduler
@@ -27,6 +28,8 @@ from .tokenizer_manager import TokenizerManager, api_inbox
 
 log = logging.getLogger("radixserve")
 READY_TIMEOUT_S = 900
+HEALTH_STALL_S = 30.0  # /health turns 503 when the scheduler loop is stuck this long with work
+DEATH_GRACE_S = 0.5  # after a child dies, time for the failed requests' errors to reach their clients
 
 
 class _Server(uvicorn.Server):
@@ -66,7 +69,7 @@ class Children:
                 proc.join(timeout=2)
 
 
-def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir) -> Children:
+def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir, heartbeat: Heartbeat) -> Children:
     ctx = mp.get_context("spawn")
     e = args.engine
     procs = {
@@ -75,7 +78,7 @@ def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir) -> Chi
         **{f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(e, endpoints, rank),
                                                    name=f"radixserve-worker-tp{rank}")
            for rank in range(1, e.tp_size)},
-        "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints), name="radixserve-scheduler"),
+        "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints, heartbeat), name="radixserve-scheduler"),
     }
     for proc in procs.values():
         proc.start()
@@ -100,13 +103,18 @@ def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:
         ctx.term()
 
 
-def watch_children(children: Children, health: Health, server: uvicorn.Server, exit_code: list[int]) -> None:
+def watch_children(children: Children, health: Health, server: uvicorn.Server, exit_code: list[int],
+                   on_death: Callable[[str], None]) -> None:
+    """When a child dies: go unhealthy, fail the requests in flight (`on_death`), give their
+    clients a moment to receive the error, then shut down."""
     while not server.should_exit:
         dead = children.first_dead()
         if dead:
             health.healthy = False
             health.reason = f"the {dead[0]} process died (exit code {dead[1]})"
             log.error("%s; shutting down", health.reason)
+            on_death(health.reason)
+            time.sleep(DEATH_GRACE_S)
             exit_code[0] = 1
             server.should_exit = True
             return
@@ -119,17 +127,22 @@ def launch_server(args: ServerArgs) -> int:
     started = time.time()
     source = resolve_model(args.engine.model)
     endpoints = Endpoints.create()
-    children = start_children(args, endpoints, source.tokenizer_dir)
+    heartbeat = Heartbeat(mp.get_context("spawn"))
+    children = start_children(args, endpoints, source.tokenizer_dir, heartbeat)
     exit_code = [0]
     try:
         tokenizer = load_tokenizer_or_none(source.tokenizer_dir)  # while the children start
         ready = wait_ready(endpoints, children)
-        tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n)
-        health = Health(processes={name: p.pid for name, p in children.procs.items()})
+        tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n, args.max_queued_requests)
+        health = Health(processes={name: p.pid for name, p in children.procs.items()}, heartbeat=heartbeat,
+                        stall_limit=min(HEALTH_STALL_S, args.engine.watchdog_timeout))
         app = create_app(tm, args, health)
+        on_death: list[Callable[[str], None]] = [lambda reason: None]  # set once the event loop runs
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
+            loop = asyncio.get_running_loop()
+            on_death[0] = lambda reason: loop.call_soon_threadsafe(tm.fail_all, reason)
             await tm.start(api_inbox(endpoints))
             sampler = asyncio.create_task(app.state.metrics.sample_forever())
             log_ready(args, ready, time.time() - started)
@@ -140,8 +153,8 @@ def launch_server(args: ServerArgs) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=2)
         server = _Server(config)
-        threading.Thread(target=watch_children, args=(children, health, server, exit_code),
-                         daemon=True, name="child-watch").start()
+        threading.Thread(target=watch_children, daemon=True, name="child-watch",
+                         args=(children, health, server, exit_code, lambda reason: on_death[0](reason))).start()
         server.run()
         if not server.started and exit_code[0] == 0:
             exit_code[0] = 1

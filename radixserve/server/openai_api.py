@@ -28,7 +28,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
-        prompts = _prompt_ids(tm, body.prompt)
+        prompts = await _prompt_ids(tm, body.prompt)
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
         reqs = _requests(tm, prompts, params, body.n, logprobs=body.logprobs)
         adapter = _Completion(tm, served_name(tm, args), body)
@@ -45,7 +45,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        reqs = _requests(tm, [tm.tokenize(prompt)], params, body.n, logprobs=top)
+        reqs = _requests(tm, [await tm.tokenize_async(prompt)], params, body.n, logprobs=top)
         adapter = _Chat(tm, served_name(tm, args), body)
         if body.stream:
             return sse(adapter.stream(reqs))
@@ -53,15 +53,15 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         return json_response(adapter.response(states))
 
 
-def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
+async def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tm.tokenize(prompt)]
+        return [await tm.tokenize_async(prompt)]
     if not prompt:
         raise RequestError("prompt is empty")
     if isinstance(prompt[0], int):
         return [prompt]
     if isinstance(prompt[0], str):
-        return [tm.tokenize(p) for p in prompt]
+        return [await tm.tokenize_async(p) for p in prompt]
     return list(prompt)
 
 

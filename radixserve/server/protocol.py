@@ -1,15 +1,35 @@
-"""Request bodies of the HTTP API, as pydantic models (wrong types become 400s)."""
+"""Request bodies of the HTTP API, as pydantic models in strict mode: wrong types (`"1"` or
+`1.0` for an integer, `"yes"` for a boolean) are 400s naming the field, never coerced. OpenAI
+fields that radixserve does not implement are refused by name, not dropped."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI request fields with no implementation here: refused when set to anything but these
+# values (a client that sends the default loses nothing).
+UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "best_of": (None, 1), "suffix": (None, ""), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "store": (None, False),
+}
+TEXT_PART = "text"
+
+
+def refuse_unsupported(data: Any, fields: dict[str, tuple]) -> Any:
+    if isinstance(data, dict):
+        for name, allowed in fields.items():
+            if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in allowed):
+                raise ValueError(f"{name!r} is not supported by radixserve")
+    return data
 
 
 class GenerateRequest(BaseModel):
     """SGLang's native /generate body."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -23,15 +43,19 @@ class GenerateRequest(BaseModel):
 
 
 class AbortRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     rid: str
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
@@ -40,6 +64,8 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -59,7 +85,12 @@ class ResponseFormat(BaseModel):
 
 
 class _OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return refuse_unsupported(data, UNSUPPORTED_OPENAI_FIELDS)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -109,14 +140,30 @@ class CompletionRequest(_OpenAIBase):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_tool_messages(cls, data: Any) -> Any:
+        return refuse_unsupported(data, {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,)})
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type")
+            if kind != TEXT_PART or not isinstance(part.get("text"), str):
+                raise ValueError(f"content parts must be {{'type': 'text', 'text': str}}; "
+                                 f"parts of type {kind!r} are not supported")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 

@@ -19,14 +19,17 @@ from ..validation import check_generate
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
+THREADED_TOKENIZE_CHARS = 20000  # longer texts are tokenized off the event loop
+RETRY_AFTER_S = 1
 
 
 class RequestError(Exception):
-    """Bad input: becomes an HTTP 4xx with this message."""
+    """A request that cannot be served: becomes an HTTP 4xx (or 503) with this message."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 @dataclass
@@ -36,12 +39,15 @@ class _Pending:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, endpoints: Endpoints, ready: SchedulerReady, max_n: int = 16):
+    def __init__(self, tokenizer: Any, endpoints: Endpoints, ready: SchedulerReady, max_n: int = 16,
+                 max_queued: int | None = None):
         self.tokenizer = tokenizer
         self.endpoints = endpoints
         self.info = ready.info
         self.model_name = ready.model_name
         self.max_n = max_n
+        self.max_in_flight = None if max_queued is None else max_queued + ready.info.max_running_requests
+        self.dead: str | None = None  # why the server can no longer run requests
         self.pending: dict[str, _Pending] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.observers: list[Callable[[RequestState], None]] = []
@@ -58,6 +64,12 @@ class TokenizerManager:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer; send input_ids")
         return self.tokenizer.encode(text)
+
+    async def tokenize_async(self, text: str) -> list[int]:
+        """`tokenize`, in a thread for long texts (5 MB take ~6 s; the event loop keeps serving)."""
+        if len(text) < THREADED_TOKENIZE_CHARS:
+            return self.tokenize(text)
+        return await asyncio.to_thread(self.tokenize, text)
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
@@ -99,7 +111,7 @@ class TokenizerManager:
         pending = await self._send(req)
         try:
             while not pending.state.finished:
-                pending.state.update(await pending.updates.get())
+                pending.state.update(_raise_error(await pending.updates.get()))
                 yield pending.state
         finally:
             await self._close(req.rid, pending)
@@ -113,7 +125,8 @@ class TokenizerManager:
         try:
             while not pending.state.finished:
                 try:
-                    pending.state.update(await asyncio.wait_for(pending.updates.get(), DISCONNECT_POLL_S))
+                    update = await asyncio.wait_for(pending.updates.get(), DISCONNECT_POLL_S)
+                    pending.state.update(_raise_error(update))
                 except asyncio.TimeoutError:
                     pass
                 if disconnected is not None and loop.time() >= next_check:
@@ -125,6 +138,11 @@ class TokenizerManager:
         return self._finish(pending)
 
     async def _send(self, req: GenerateReq) -> _Pending:
+        if self.dead is not None:
+            raise RequestError(f"the server cannot run requests: {self.dead}", 503)
+        if self.max_in_flight is not None and len(self.pending) >= self.max_in_flight:
+            raise RequestError("the request queue is full; retry later", 503,
+                               {"Retry-After": str(RETRY_AFTER_S)})
         if req.rid in self.pending:
             raise RequestError(f"a request with rid {req.rid!r} is already running")
         pending = self.pending[req.rid] = _Pending(RequestState(req.rid))
@@ -146,6 +164,13 @@ class TokenizerManager:
 
     async def abort(self, rid: str) -> None:
         await self.outbox.send(encode(AbortReq(rid)))
+
+    def fail_all(self, reason: str) -> None:
+        """A child process died: every waiting request ends with a 503 naming `reason`, and
+        new ones are refused. Call on the event loop."""
+        self.dead = reason
+        for pending in self.pending.values():
+            pending.updates.put_nowait(RequestError(f"the server cannot finish this request: {reason}", 503))
 
     async def control(self, kind: str, arg: int = 0, timeout: float = 10.0) -> dict:
         token = uuid.uuid4().hex
@@ -171,6 +196,12 @@ class TokenizerManager:
 
     def token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special_tokens=False)
+
+
+def _raise_error(update: Any) -> Any:
+    if isinstance(update, RequestError):
+        raise update
+    return update
 
 
 def api_inbox(endpoints: Endpoints) -> zmq.Socket:
