@@ -97,3 +97,11 @@ def test_bfloat16_stays_close_to_hf(tokenizer, hf_greedy, hf_model):
     got = torch.tensor([lp for lp, _, _ in result["meta_info"]["input_token_logprobs"][1:]])
     expected = torch.tensor([ref[i, ids[i + 1]].item() for i in range(len(ids) - 1)])
     assert (got - expected).abs().max() < 0.35
+
+
+def test_engine_takes_the_sampling_params_it_exports(engine, tokenizer, hf_greedy):
+    from radixserve import SamplingParams
+    result = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert result["output_ids"] == hf_greedy(tokenizer.encode(PROMPTS[0]), 8)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(PROMPTS[0], SamplingParams(temperature=-1.0))

@@ -79,13 +79,20 @@ class SchedulerLoop:
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, ControlReq):
-            self.outbox.send(encode(ControlReply(msg.kind, msg.token, self.control(msg))))
+            try:
+                data = self.control(msg)
+            except Exception as exc:  # noqa: BLE001 - a failed query must not stop the scheduler
+                log.exception("control %r failed", msg.kind)
+                data = {"error": f"{type(exc).__name__}: {exc}"}
+            self.outbox.send(encode(ControlReply(msg.kind, msg.token, data)))
 
     def add(self, msg: GenerateReq) -> None:
         try:
             self.scheduler.add_request(msg)
-        except ValueError as exc:
-            reason = FinishReason("abort", message=str(exc), rejected=True)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot be queued fails alone
+            if not isinstance(exc, ValueError):
+                log.exception("queueing request %s failed", msg.rid)
+            reason = FinishReason("abort", message=str(exc), rejected=isinstance(exc, ValueError))
             out = ReqOutput(msg.rid, [], True, reason, len(msg.input_ids), 0, 0)
             self.outbox.send(encode(BatchOut([out])))
 
