@@ -6,6 +6,7 @@ import json
 import sys
 
 from .config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineArgs, ServerArgs
+from .tool_calls import PARSERS
 
 ENGINE_FLAGS = [
     ("--model", dict(default=None, help="bundled SmolLM2-135M-Instruct when omitted; a local HF "
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="requests allowed to wait beyond --max-running-requests; more are "
                             "answered 503 with Retry-After (default: no limit)")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                       help="format of the model's tool calls (default: detected from the chat template)")
     _add_engine_flags(serve)
     gen = sub.add_parser("generate", help="generate offline, in this process",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "serve":
         from .server.launch import launch_server
         return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args,
-                                        ns.max_request_bytes, ns.max_queued_requests))
+                                        ns.max_request_bytes, ns.max_queued_requests, ns.tool_call_parser))
     return _generate(ns, engine_args)
 
 

@@ -166,3 +166,4 @@ class ServerArgs:
     engine: EngineArgs = field(default_factory=EngineArgs)
     max_request_bytes: int = 8 << 20  # a larger body is a 413
     max_queued_requests: int | None = None  # beyond the running ones; more is a 503 (None: no limit)
+    tool_call_parser: str | None = None  # None: detected from the chat template (tool_calls.detect_parser)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .tool_calls import with_tool_prompt
+
 
 def load_tokenizer(tokenizer_dir: Path | None) -> Any:
     if tokenizer_dir is None:
@@ -33,10 +35,18 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     return (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    if not getattr(tokenizer, "chat_template", None):
+def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> str:
+    """The prompt text; `tools` (OpenAI function dicts) go to the template, or, when it has no
+    tool support, into the default tool prompt (`tool_calls.with_tool_prompt`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ValueError("this model has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if tools and "tools" not in str(template):
+        messages, tools = with_tool_prompt(messages, tools), None
+    wrapped = [{"type": "function", "function": f} for f in tools] if tools else None
+    return tokenizer.apply_chat_template(messages, tools=wrapped, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 SENTINEL = "\u2063RADIXSERVE\u2063"

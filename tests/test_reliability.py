@@ -85,8 +85,9 @@ def test_loose_types_are_refused_by_field(client, body):
     ("/v1/completions", {"prompt": "Hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "seed": 2**64 - 1, "n": 2}, "seed"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/completions", {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "functions": [{"name": "f"}]},
+     "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
 ])

@@ -9,8 +9,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ..config import ServerArgs
+from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
 from ..responses import RequestState
+from ..tool_calls import JsonCallsParser, StreamingToolParser, ToolCall, calls_schema, detect_parser, make_parser
 from .api import json_response, parse_body, served_name, sse
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tokenizer_manager import RequestError, TokenizerManager
@@ -37,16 +39,26 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
         return json_response(adapter.response(states))
 
+    tool_parser = args.tool_call_parser or detect_parser(getattr(tm.tokenizer, "chat_template", None))
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
-        prompt = tm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+        functions = body.offered_functions()
+        prompt = tm.chat_prompt([m.template_dict() for m in body.messages], functions or None)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
+        forced = body.forced_functions()
+        if forced:
+            if any(key in params for key in GRAMMAR_KEYS):
+                raise RequestError("tool_choice 'required' or a named function cannot be combined with "
+                                   "response_format, regex or ebnf")
+            params["json_schema"] = calls_schema(forced, body.parallel_tool_calls)
         top = (body.top_logprobs or 0) if body.logprobs else None
         reqs = _requests(tm, [await tm.tokenize_async(prompt)], params, body.n, logprobs=top)
-        adapter = _Chat(tm, served_name(tm, args), body)
+        parser = (JsonCallsParser() if forced else make_parser(tool_parser)) if functions else None
+        adapter = _Chat(tm, served_name(tm, args), body, parser)
         if body.stream:
             return sse(adapter.stream(reqs))
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
@@ -100,6 +112,7 @@ class _Adapter:
         self.tm, self.model, self.body = tm, model, body
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.sent: dict[int, int] = {}  # characters of each choice's text streamed so far
 
     def envelope(self, choices: list[dict], obj: str, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -116,7 +129,6 @@ class _Adapter:
         finals: dict[int, RequestState] = {}
         tasks = [asyncio.create_task(self._pump(i, r, queue)) for i, r in enumerate(reqs)]
         try:
-            sent = {i: 0 for i in range(len(reqs))}
             yield self.first_chunk(len(reqs))
             while len(finals) < len(reqs):
                 i, state = await queue.get()
@@ -124,10 +136,8 @@ class _Adapter:
                     raise state
                 if i in finals:
                     continue
-                delta = state.text[sent[i]:]
-                sent[i] = len(state.text)
-                if delta or state.finished:
-                    yield self.delta_chunk(i, delta, state)
+                for chunk in self.chunks_for(i, state):
+                    yield chunk
                 if state.finished:
                     finals[i] = state
             if self.body.stream_options and self.body.stream_options.include_usage:
@@ -146,6 +156,12 @@ class _Adapter:
             queue.put_nowait((i, exc))
         finally:
             await stream.aclose()
+
+    def chunks_for(self, i: int, state: RequestState) -> list[dict]:
+        """The chunks a new state of choice `i` streams: the text added since the last one."""
+        delta = state.text[self.sent.get(i, 0):]
+        self.sent[i] = len(state.text)
+        return [self.delta_chunk(i, delta, state)] if delta or state.finished else []
 
     def logprobs_of(self, state: RequestState, start: int = 0) -> list[tuple[str, float, list]]:
         """(token text, logprob, [(text, logprob) of the top alternatives]) per output token."""
@@ -184,10 +200,46 @@ class _Completion(_Adapter):
 class _Chat(_Adapter):
     prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, tm: TokenizerManager, model: str, body, tool_parser=None):
+        super().__init__(tm, model, body)
+        self.tool_parser = tool_parser  # None: no tools offered, the text is all content
+        self.streams: dict[int, StreamingToolParser] = {}
+        self.called: set[int] = set()  # choices that made a call
+
     def choice(self, i: int, state: RequestState) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": state.text},
-                "logprobs": self.chat_logprobs(state), "finish_reason": _finish_reason(state),
+        message: dict = {"role": "assistant", "content": state.text}
+        finish = _finish_reason(state)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(state.text)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": [_tool_call_json(call) for call in parsed.calls]}
+                finish = "tool_calls"
+        return {"index": i, "message": message, "logprobs": self.chat_logprobs(state), "finish_reason": finish,
                 "matched_stop": _matched_stop(state)}
+
+    def chunks_for(self, i: int, state: RequestState) -> list[dict]:
+        """With tools: content as it comes (holding back what may start a call), each call as
+        OpenAI streams one: a delta with its id and name, then one with its arguments."""
+        if self.tool_parser is None:
+            return super().chunks_for(i, state)
+        stream = self.streams.setdefault(i, StreamingToolParser(self.tool_parser))
+        events = stream.feed(state.text) + (stream.finish() if state.finished else [])
+        chunks = []
+        for event in events:
+            if event.call is None:
+                chunks.append(self.delta_chunk_of(i, {"content": event.content}))
+                continue
+            self.called.add(i)
+            call = _tool_call_json(event.call)
+            chunks.append(self.delta_chunk_of(i, {"tool_calls": [{"index": event.call_index, "id": call["id"],
+                          "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+            chunks.append(self.delta_chunk_of(i, {"tool_calls": [{"index": event.call_index, "function": {
+                "arguments": call["function"]["arguments"]}}]}))
+        if state.finished:
+            finish = "tool_calls" if i in self.called else _finish_reason(state)
+            chunks.append(self.delta_chunk_of(i, {}, finish))
+        return chunks
 
     def chat_logprobs(self, state: RequestState) -> dict | None:
         if not self.body.logprobs:
@@ -202,6 +254,14 @@ class _Chat(_Adapter):
                                "logprobs": None, "finish_reason": None} for i in range(n)], self.chunk_object)
 
     def delta_chunk(self, i: int, delta: str, state: RequestState) -> dict:
-        return self.envelope([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": None,
-                               "finish_reason": _finish_reason(state) if state.finished else None}],
+        return self.delta_chunk_of(i, {"content": delta} if delta else {},
+                                   _finish_reason(state) if state.finished else None)
+
+    def delta_chunk_of(self, i: int, delta: dict, finish: str | None = None) -> dict:
+        return self.envelope([{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}],
                              self.chunk_object)
+
+
+def _tool_call_json(call: ToolCall) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

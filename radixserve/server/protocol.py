@@ -3,6 +3,7 @@
 fields that radixserve does not implement are refused by name, not dropped."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,11 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # OpenAI request fields with no implementation here: refused when set to anything but these
 # values (a client that sends the default loses nothing).
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "best_of": (None, 1), "suffix": (None, ""), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,), "store": (None, False),
 }
+TOOL_FIELDS: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}
 TEXT_PART = "text"
 
 
@@ -90,7 +91,11 @@ class _OpenAIBase(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        return refuse_unsupported(data, UNSUPPORTED_OPENAI_FIELDS)
+        return refuse_unsupported(data, cls.unsupported_fields())
+
+    @classmethod
+    def unsupported_fields(cls) -> dict[str, tuple]:
+        return {**UNSUPPORTED_OPENAI_FIELDS, **TOOL_FIELDS}
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -139,17 +144,63 @@ class CompletionRequest(_OpenAIBase):
     echo: bool = False
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_tool_messages(cls, data: Any) -> Any:
-        return refuse_unsupported(data, {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,)})
+    def _refuse_legacy_function_call(cls, data: Any) -> Any:
+        return refuse_unsupported(data, {"function_call": (None,)})
 
     @field_validator("content")
     @classmethod
@@ -166,9 +217,58 @@ class ChatMessage(BaseModel):
             return "".join(part["text"] for part in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls with their arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_object(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @classmethod
+    def unsupported_fields(cls) -> dict[str, tuple]:
+        return UNSUPPORTED_OPENAI_FIELDS
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        return self
+
+    def offered_functions(self) -> list[dict[str, Any]]:
+        """The functions the model may call (none with tool_choice 'none'), as OpenAI dicts."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools]
+
+    def forced_functions(self) -> list[dict[str, Any]]:
+        """The functions decoding must call, constrained to their schemas: all of them with
+        'required', the named one, or none (then the model chooses and output is parsed)."""
+        offered = self.offered_functions()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in offered if f["name"] == self.tool_choice.function.name]
+        return offered if self.tool_choice == "required" else []

@@ -71,11 +71,11 @@ class TokenizerManager:
             return self.tokenize(text)
         return await asyncio.to_thread(self.tokenize, text)
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.tokenizer is None:
             raise RequestError("this model has no chat template")
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, tools=tools)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         except Exception as exc:  # template errors are the caller's input
