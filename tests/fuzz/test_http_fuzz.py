@@ -1,4 +1,4 @@
-"""Property-based HTTP fuzzing of a real server (hypothesis): about 1,100 generated requests
+"""Property-based HTTP fuzzing of a real server (hypothesis): 1,020 generated requests
 to /generate, /v1/completions and /v1/chat/completions, mixing plausible values with arbitrary
 JSON in every field. Each answer must be a 2xx or a 4xx with a message (never a 5xx, never a
 hang); afterwards a greedy request answers as before and the KV invariant holds.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from server_utils import start_server
 
-EXAMPLES = 370  # per route: ~1,100 requests in all
+EXAMPLES = 340  # per route: 1,020 requests in all
 REQUEST_TIMEOUT_S = 120  # a request that takes longer counts as a hang
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
@@ -46,7 +46,9 @@ SAMPLING = {
                                   max_size=2),
     "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
 }
-sampling_params = st.fixed_dictionaries({}, optional={k: either(v) for k, v in SAMPLING.items()})
+# the output length is always drawn (small, or arbitrary JSON): left out, a request would run to the context's end
+sampling_params = st.fixed_dictionaries({"max_new_tokens": either(SAMPLING["max_new_tokens"])},
+                                        optional={k: either(v) for k, v in SAMPLING.items() if k != "max_new_tokens"})
 token_ids = st.lists(st.integers(-5, 50000), max_size=12)
 prompt_text = st.text(max_size=40)
 
@@ -71,15 +73,16 @@ OPENAI = {
     "stream_options": st.just({"include_usage": True}), "tools": st.just([]), "best_of": st.just(1),
 }
 completion_bodies = st.fixed_dictionaries(
-    {"prompt": either(st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=2)))},
-    optional={k: either(v) for k, v in OPENAI.items()})
+    {"prompt": either(st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=2))),
+     "max_tokens": either(OPENAI["max_tokens"])},
+    optional={k: either(v) for k, v in OPENAI.items() if k != "max_tokens"})
 messages = st.lists(st.fixed_dictionaries({
     "role": either(st.sampled_from(["system", "user", "assistant"])),
     "content": either(st.one_of(prompt_text, st.lists(st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "image_url"]), "text": prompt_text}), max_size=2))),
 }), min_size=1, max_size=3)
-chat_bodies = st.fixed_dictionaries({"messages": either(messages)},
-                                    optional={k: either(v) for k, v in OPENAI.items() if k != "best_of"})
+chat_bodies = st.fixed_dictionaries({"messages": either(messages), "max_tokens": either(OPENAI["max_tokens"])},
+                                    optional={k: either(v) for k, v in OPENAI.items() if k not in ("best_of", "max_tokens")})
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
