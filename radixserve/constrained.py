@@ -18,7 +18,7 @@ from typing import Any
 
 from .tokenizer import eos_ids
 
-GRAMMAR_KEYS = ("regex", "json_schema", "ebnf")
+GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -36,26 +36,27 @@ MAX_GRAMMAR_CHARS = 65536
 MAX_NESTING = 64  # xgrammar compiles nested groups and schemas recursively; deeper is refused
 
 
-def json_schema_text(schema: Any) -> str:
-    """A JSON schema given as an object or a string, as the string xgrammar compiles."""
-    if isinstance(schema, str):
-        if len(schema) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"json_schema is longer than {MAX_GRAMMAR_CHARS} characters")
-        try:
-            parsed = json.loads(schema)
-        except RecursionError:
-            raise ValueError(f"json_schema is nested deeper than {MAX_NESTING} levels") from None
-        except ValueError as exc:
-            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-        _check_depth(parsed)
-        return schema
-    if isinstance(schema, dict):
-        _check_depth(schema)
-        return json_schema_text(json.dumps(schema))
-    raise ValueError("json_schema must be a JSON object or a string holding one")
+def json_grammar_text(value: Any, key: str) -> str:
+    """A grammar written as JSON (`json_schema`, or an xgrammar `structural_tag`) given as an
+    object or a string holding one: the string, after size and nesting checks."""
+    if isinstance(value, dict):
+        _check_depth(value, key)
+        return json_grammar_text(json.dumps(value), key)
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a JSON object or a string holding one")
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{key} is longer than {MAX_GRAMMAR_CHARS} characters")
+    try:
+        parsed = json.loads(value)
+    except RecursionError:
+        raise ValueError(f"{key} is nested deeper than {MAX_NESTING} levels") from None
+    except ValueError as exc:
+        raise ValueError(f"{key} is not valid JSON: {exc}") from None
+    _check_depth(parsed, key)
+    return value
 
 
-def _check_depth(value: Any) -> None:
+def _check_depth(value: Any, key: str) -> None:
     """Refuse JSON nested deeper than MAX_NESTING (walked without recursion)."""
     level = [value]
     for _ in range(MAX_NESTING + 1):
@@ -63,11 +64,11 @@ def _check_depth(value: Any) -> None:
                  for child in (item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())]
         if not level:
             return
-    raise ValueError(f"json_schema is nested deeper than {MAX_NESTING} levels")
+    raise ValueError(f"{key} is nested deeper than {MAX_NESTING} levels")
 
 
 def check_grammar_text(key: str, text: str) -> None:
-    """Size and group-nesting limits of a regex or EBNF grammar (json_schema: `json_schema_text`)."""
+    """Size and group-nesting limits of a regex or EBNF grammar (JSON ones: `json_grammar_text`)."""
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"{key} is longer than {MAX_GRAMMAR_CHARS} characters")
     if group_depth(text) > MAX_NESTING:
@@ -124,6 +125,8 @@ class GrammarBackend:
                 return compiler.compile_regex(spec.text)
             if spec.kind == "json_schema":  # compact JSON: no whitespace runs, long forced spans
                 return compiler.compile_json_schema(spec.text, any_whitespace=False)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.text)
             return compiler.compile_grammar(spec.text)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
             raise ValueError(f"invalid {spec.kind}: {_clean_message(exc)}") from None

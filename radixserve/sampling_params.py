@@ -7,15 +7,14 @@ from typing import Any
 
 import re2
 
-from .constrained import GRAMMAR_KEYS, check_grammar_text, json_schema_text
+from .constrained import GRAMMAR_KEYS, check_grammar_text, json_grammar_text
 
 MAX_TOP_K = 1 << 20
 GREEDY_BELOW = 1e-5  # a smaller temperature samples like greedy; dividing by it overflows float32
 MAX_SEED = (1 << 63) - 1
 MAX_STOP_REGEX_CHARS = 4096
 # SGLang parameters we accept only when unset.
-UNSUPPORTED_WHEN_SET = ("structural_tag",
-                        "custom_params", "dtype", "no_stop_trim", "stream_interval")
+UNSUPPORTED_WHEN_SET = ("custom_params", "dtype", "no_stop_trim", "stream_interval")
 
 
 @dataclass
@@ -42,6 +41,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's JSON format: free text with constrained tagged parts
     logit_bias: dict[str, float] | None = None  # token id (as a string, like OpenAI) -> added to its logit
 
     @classmethod
@@ -64,8 +64,9 @@ class SamplingParams:
             data["stop"] = list(data["stop"])
         if isinstance(data.get("stop_regex"), str):
             data["stop_regex"] = [data["stop_regex"]]
-        if "json_schema" in data:
-            data["json_schema"] = json_schema_text(data["json_schema"])
+        for key in ("json_schema", "structural_tag"):
+            if key in data:
+                data[key] = json_grammar_text(data[key], key)
         params = cls(**data)
         params.validate(max_n)
         return params
@@ -110,11 +111,11 @@ class SamplingParams:
             yield "stop_token_ids must be a list of non-negative integers"
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
         if len(grammars) > 1:
-            yield f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"
+            yield f"give at most one of {', '.join(GRAMMAR_KEYS)}, got {', '.join(grammars)}"
         for key in grammars:
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 yield f"{key} must be a non-empty string"
-            elif key != "json_schema":
+            elif key in ("regex", "ebnf"):
                 try:
                     check_grammar_text(key, getattr(self, key))
                 except ValueError as exc:

@@ -152,6 +152,18 @@ def calls_schema(functions: list[dict], parallel: bool) -> dict:
     return {"type": "array", "items": one, "minItems": 1} if parallel else one
 
 
+def calls_structural_tag(parser, functions: list[dict], parallel: bool) -> dict | None:
+    """For `tool_choice: auto`: an xgrammar structural tag that leaves text free but makes
+    whatever follows the parser's start marker a call that validates, closed by its end marker
+    (only one call without `parallel`). None for formats without such markers."""
+    if not isinstance(parser, TaggedParser):
+        return None
+    tag = {"begin": parser.start, "content": {"type": "json_schema", "json_schema": calls_schema(functions, False)},
+           "end": parser.end}
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [parser.start], "tags": [tag],
+                                                 "at_least_one": False, "stop_after_first": not parallel}}
+
+
 def default_tool_prompt(functions: list[dict]) -> str:
     """The system text that offers `functions` to a model whose chat template has no tool
     support, asking for the hermes format."""

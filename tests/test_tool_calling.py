@@ -96,3 +96,36 @@ def test_history_with_calls_and_results_and_tool_choice_none(client):
 def test_bad_tool_requests_are_400(client, body, needle):
     r = client.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert r.status_code == 400 and needle in r.json()["message"], r.text
+
+
+def test_auto_calls_are_well_formed_whenever_the_model_starts_one(client):
+    """`auto` constrains with a structural tag: text is free, but once the model writes
+    `<tool_call>` the rest must be a call that validates, then `</tool_call>`."""
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 40,
+                                                   "temperature": 1.0, "seed": 7, "n": 4})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        if choice["finish_reason"] == "tool_calls":
+            assert_valid(choice["message"]["tool_calls"])
+        else:
+            assert "<tool_call>" not in (choice["message"]["content"] or "")
+
+
+def test_structural_tag_on_generate_forces_a_valid_call_once_triggered(client):
+    """A trigger of `<` and a bias towards `<` (token 44) make the model enter the tag at once
+    (an enum leaves the bias no string to fill)."""
+    zones = {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"],
+             "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "tags": [
+        {"begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"name": {"const": "get_time"}, "arguments": zones},
+            "required": ["name", "arguments"], "additionalProperties": False}}, "end": "</tool_call>"}],
+        "at_least_one": False, "stop_after_first": True}}
+    r = client.post("/generate", json={"text": "Hi", "sampling_params": {
+        "max_new_tokens": 60, "temperature": 0, "logit_bias": {"44": 100}, "structural_tag": tag}})
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+    call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert call["name"] == "get_time"
+    jsonschema.validate(call["arguments"], zones)

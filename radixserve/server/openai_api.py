@@ -12,7 +12,8 @@ from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
 from ..responses import RequestState
-from ..tool_calls import JsonCallsParser, StreamingToolParser, ToolCall, calls_schema, detect_parser, make_parser
+from ..tool_calls import (JsonCallsParser, StreamingToolParser, ToolCall, calls_schema, calls_structural_tag,
+                          detect_parser, make_parser)
 from .api import json_response, parse_body, served_name, sse
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tokenizer_manager import RequestError, TokenizerManager
@@ -50,14 +51,18 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
         forced = body.forced_functions()
+        parser = (JsonCallsParser() if forced else make_parser(tool_parser)) if functions else None
         if forced:
             if any(key in params for key in GRAMMAR_KEYS):
                 raise RequestError("tool_choice 'required' or a named function cannot be combined with "
                                    "response_format, regex or ebnf")
             params["json_schema"] = calls_schema(forced, body.parallel_tool_calls)
+        elif functions and not any(key in params for key in GRAMMAR_KEYS):
+            tag = calls_structural_tag(parser, functions, body.parallel_tool_calls)
+            if tag is not None:  # auto: free text, or calls that validate
+                params["structural_tag"] = tag
         top = (body.top_logprobs or 0) if body.logprobs else None
         reqs = _requests(tm, [await tm.tokenize_async(prompt)], params, body.n, logprobs=top)
-        parser = (JsonCallsParser() if forced else make_parser(tool_parser)) if functions else None
         adapter = _Chat(tm, served_name(tm, args), body, parser)
         if body.stream:
             return sse(adapter.stream(reqs))
