@@ -85,3 +85,17 @@ def start_server(tmp_path, *args: str, api_key: str | None = None, timeout: floa
         time.sleep(0.3)
     proc.kill()
     raise TimeoutError(f"server did not come up:\n{server.log()}")
+
+
+def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
+    """Wait until no request runs or waits, then check the KV invariant (free + cached ==
+    capacity, nothing held by running requests); the scheduler's stats at that point."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = client.get("/get_server_info").json()["stats"]
+        if s["num_running"] == 0 and s["num_queued"] == 0:
+            assert s["free_slots"] + s["cached_slots"] == s["num_slots"], s
+            assert s["running_slots"] == 0, s
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running: {client.get('/get_server_info').json()['stats']}")

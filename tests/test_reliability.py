@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from conftest import PROMPTS
-from server_utils import start_server
+from server_utils import start_server, wait_idle
 
 KEY = "reliability-key"
 MAX_BODY = 7_000_000
@@ -155,14 +155,7 @@ def test_a_full_queue_answers_503_with_retry_after(server, client, reference_tex
 
 
 def test_kv_invariant_holds_when_idle(client):
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        s = client.get("/get_server_info").json()["stats"]
-        if s["num_running"] == 0 and s["num_queued"] == 0:
-            assert s["free_slots"] + s["cached_slots"] == s["num_slots"] and s["running_slots"] == 0, s
-            return
-        time.sleep(0.2)
-    raise AssertionError("requests still running")
+    wait_idle(client)
 
 
 def test_stuck_scheduler_and_dead_child_fail_requests_with_503(tmp_path):

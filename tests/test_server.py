@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from conftest import PROMPTS
-from server_utils import alive, start_server
+from server_utils import alive, start_server, wait_idle
 
 KEY = "test-key"
 LONG = PROMPTS[4] * 2
@@ -30,18 +30,6 @@ def client(server):
 
 def stats(client):
     return client.get("/get_server_info").json()["stats"]
-
-
-def wait_idle(client, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = stats(client)
-        if s["num_running"] == 0 and s["num_queued"] == 0:
-            assert s["free_slots"] + s["cached_slots"] == s["num_slots"], s
-            assert s["running_slots"] == 0
-            return s
-        time.sleep(0.2)
-    raise AssertionError(f"requests still running: {stats(client)}")
 
 
 def test_generate_matches_hf(client, tokenizer, hf_greedy):

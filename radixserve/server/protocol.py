@@ -253,7 +253,7 @@ class ChatCompletionRequest(_OpenAIBase):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
         names = [t.function.name for t in self.tools or []]
-        if self.tool_choice in ("required",) and not names:
+        if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")

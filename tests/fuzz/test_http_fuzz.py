@@ -7,14 +7,13 @@ Deterministic (derandomized) so CI runs the same requests every time; generated 
 kept few (small max_new_tokens, a 96-token context) so the suite stays quick.
 """
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_utils import start_server
+from server_utils import start_server, wait_idle
 
 EXAMPLES = 340  # per route: 1,020 requests in all
 REQUEST_TIMEOUT_S = 120  # a request that takes longer counts as a hang
@@ -157,11 +156,4 @@ def test_fuzz_chat(client, before, body):
 def test_after_fuzzing_the_server_answers_as_before_and_holds_no_kv(client, before, server):
     assert greedy(client) == before
     assert client.get("/health").status_code == 200
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        s = client.get("/get_server_info").json()["stats"]
-        if s["num_running"] == 0 and s["num_queued"] == 0:
-            assert s["free_slots"] + s["cached_slots"] == s["num_slots"] and s["running_slots"] == 0, s
-            return
-        time.sleep(0.2)
-    raise AssertionError("requests still running after the fuzzing")
+    wait_idle(client, timeout=30)
