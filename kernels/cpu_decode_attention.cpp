@@ -48,6 +48,11 @@ void softmax_rows(float* scores, int64_t rows, int64_t len) {
 // the group's query heads, each value row is accumulated in registers, one query head at a time.
 typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
 
+// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several).
+inline void prefetch_row(const float* row, int floats) {
+  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
+}
+
 inline Vec8 load8(const float* p) { Vec8 v; std::memcpy(&v, p, sizeof(Vec8)); return v; }
 
 inline float hsum8(Vec8 v) {
@@ -60,7 +65,7 @@ void attend_float(const float* qf, int64_t group, const float* kp, const float* 
                   int64_t len, int64_t slot_stride, int64_t head_offset, float* scores, float* out,
                   int64_t out_head_stride) {
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + head_offset);
+    if (t + kPrefetch < len) prefetch_row(kp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
     const float* key = kp + slots[t] * slot_stride + head_offset;
     Vec8 k[Vecs];
     for (int v = 0; v < Vecs; ++v) k[v] = load8(key + 8 * v);
@@ -80,7 +85,7 @@ void attend_float(const float* qf, int64_t group, const float* kp, const float* 
     Vec8 acc[Vecs];
     for (int v = 0; v < Vecs; ++v) acc[v] = Vec8{};
     for (int64_t t = 0; t < len; ++t) {
-      if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + head_offset);
+      if (g == 0 && t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
       const float* value = vp + slots[t] * slot_stride + head_offset;
       const float w = weights[t];
       for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
