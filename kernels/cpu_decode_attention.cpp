@@ -9,10 +9,14 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int64_t kPrefetch = 8;  // rows ahead: slots are often scattered, so ask for them early
+constexpr int64_t kPrefetch = 8;
+constexpr int64_t kValueBlock = 32;  // value rows a query group accumulates before the next block (8 KiB at head dim 64)  // rows ahead: slots are often scattered, so ask for them early
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -60,37 +64,70 @@ inline float hsum8(Vec8 v) {
   return a + b;
 }
 
+#if defined(__AVX__)
+// Eight horizontal sums at once, stored as eight floats: a transposing tree of hadds costs less
+// than eight separate reductions.
+inline void store_sums8(const Vec8* s, float* out) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[0]), __m256(s[1])), _mm256_hadd_ps(__m256(s[2]), __m256(s[3])));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[4]), __m256(s[5])), _mm256_hadd_ps(__m256(s[6]), __m256(s[7])));
+  // ab holds the low-half sums of rows 0-3 and then their high-half sums; cd the same for rows 4-7
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31)));
+}
+#else
+inline void store_sums8(const Vec8* s, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = hsum8(s[i]);
+}
+#endif
+
+template <int Vecs>
+inline Vec8 dot_vec(const float* q, const float* key) {
+  Vec8 even = Vec8{}, odd = Vec8{};  // two chains hide the FMA latency
+  for (int v = 0; v + 1 < Vecs; v += 2) {
+    even += load8(q + 8 * v) * load8(key + 8 * v);
+    odd += load8(q + 8 * v + 8) * load8(key + 8 * v + 8);
+  }
+  if (Vecs % 2) even += load8(q + 8 * (Vecs - 1)) * load8(key + 8 * (Vecs - 1));
+  return even + odd;
+}
+
 template <int Vecs>
 void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const int64_t* slots,
                   int64_t len, int64_t slot_stride, int64_t head_offset, float* scores, float* out,
                   int64_t out_head_stride) {
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetch < len) prefetch_row(kp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
-    const float* key = kp + slots[t] * slot_stride + head_offset;
-    Vec8 k[Vecs];
-    for (int v = 0; v < Vecs; ++v) k[v] = load8(key + 8 * v);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {  // keys eight at a time, their scores reduced together
+    const float* keys[8];
+    for (int i = 0; i < 8; ++i) {
+      keys[i] = kp + slots[t + i] * slot_stride + head_offset;
+      if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
+    }
     for (int64_t g = 0; g < group; ++g) {
-      Vec8 even = Vec8{}, odd = Vec8{};  // two chains hide the FMA latency
-      for (int v = 0; v + 1 < Vecs; v += 2) {
-        even += load8(qf + g * Vecs * 8 + 8 * v) * k[v];
-        odd += load8(qf + g * Vecs * 8 + 8 * v + 8) * k[v + 1];
-      }
-      if (Vecs % 2) even += load8(qf + g * Vecs * 8 + 8 * (Vecs - 1)) * k[Vecs - 1];
-      scores[g * len + t] = hsum8(even + odd);
+      Vec8 sums[8];
+      for (int i = 0; i < 8; ++i) sums[i] = dot_vec<Vecs>(qf + g * Vecs * 8, keys[i]);
+      store_sums8(sums, scores + g * len + t);
     }
   }
+  for (; t < len; ++t) {
+    const float* key = kp + slots[t] * slot_stride + head_offset;
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = hsum8(dot_vec<Vecs>(qf + g * Vecs * 8, key));
+  }
   softmax_rows(scores, group, len);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* weights = scores + g * len;
-    Vec8 acc[Vecs];
-    for (int v = 0; v < Vecs; ++v) acc[v] = Vec8{};
-    for (int64_t t = 0; t < len; ++t) {
-      if (g == 0 && t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
-      const float* value = vp + slots[t] * slot_stride + head_offset;
-      const float w = weights[t];
-      for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
+  for (int64_t g = 0; g < group; ++g) std::memset(out + g * out_head_stride, 0, sizeof(Vec8) * Vecs);
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for the group
+    const int64_t t1 = std::min(len, t0 + kValueBlock);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = scores + g * len;
+      float* head_out = out + g * out_head_stride;
+      Vec8 acc[Vecs];
+      for (int v = 0; v < Vecs; ++v) acc[v] = load8(head_out + 8 * v);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (g == 0 && t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
+        const float* value = vp + slots[t] * slot_stride + head_offset;
+        const float w = weights[t];
+        for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
+      }
+      for (int v = 0; v < Vecs; ++v) std::memcpy(head_out + 8 * v, &acc[v], sizeof(Vec8));
     }
-    for (int v = 0; v < Vecs; ++v) std::memcpy(out + g * out_head_stride + 8 * v, &acc[v], sizeof(Vec8));
   }
 }
 
