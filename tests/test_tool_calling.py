@@ -2,10 +2,12 @@
 with tool_choice 'required' or a named function, decoding is constrained to the tools'
 schemas, so every call parses and validates even on a model this small."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import pytest
+from openai import AsyncOpenAI, OpenAI
 
 from server_utils import start_server
 
@@ -23,11 +25,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("tools"), "--max-total-tokens", "4096")
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
-        yield c
+    yield srv
     assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
 
 
 def chat(client, **body):
@@ -132,3 +139,123 @@ def test_structural_tag_on_generate_forces_a_valid_call_once_triggered(client):
     call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
     assert call["name"] == "get_time"
     jsonschema.validate(call["arguments"], zones)
+
+
+CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                    "unit": {"enum": ["C", "F"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "unit", "days"], "additionalProperties": False}}}
+
+
+def test_a_hundred_sampled_required_calls_all_validate(client):
+    """Issue 13's bar: 100 calls sampled at temperature 1.0 with tool_choice 'required', all of
+    them parse and validate (bounded schemas, so no call can be cut off by max_tokens)."""
+    tools = [CITY, TIME]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    bodies = [{"messages": ASK, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+               "temperature": 1.0, "seed": seed, "n": 10, "max_tokens": 96} for seed in range(10)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(lambda b: client.post("/v1/chat/completions", json=b), bodies))
+    calls = []
+    for r in replies:
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "tool_calls", choice
+            calls += choice["message"]["tool_calls"]
+    assert len(calls) == 100
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def weather(city: str, unit: str, days: int = 1) -> str:
+    return json.dumps({"city": city, "forecast": ["sunny"] * days, "temperature": 21 if unit == "C" else 70})
+
+
+def run_call(call) -> str:
+    return weather(**json.loads(call.function.arguments))
+
+
+def streamed_message(stream) -> tuple[dict, str, object]:
+    """An assistant message rebuilt from OpenAI SDK chunks, with the finish reason and usage."""
+    content, calls, finish, usage = "", {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["id"] = part.id or call["id"]
+                call["function"]["name"] += (part.function.name or "") if part.function else ""
+                call["function"]["arguments"] += (part.function.arguments or "") if part.function else ""
+            finish = choice.finish_reason or finish
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_sdk_runs_a_tool_loop(server, stream):
+    """tools -> tool_calls -> tool results -> final answer through the OpenAI Python SDK; the
+    radix cache keeps each turn's history: cached prompt tokens grow turn by turn."""
+    sdk = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    model = sdk.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the weather in Paris, in C, for 2 days?"}]
+    cached = []
+
+    def turn(**extra):
+        kwargs = dict(model=model, messages=messages, tools=[CITY], max_tokens=48, temperature=0, **extra)
+        if stream:
+            message, finish, usage = streamed_message(sdk.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs))
+        else:
+            reply = sdk.chat.completions.create(**kwargs)
+            message = reply.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
+            finish, usage = reply.choices[0].finish_reason, reply.usage
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+        return message, finish
+
+    message, finish = turn(tool_choice="required")
+    assert finish == "tool_calls" and message["tool_calls"]
+    messages.append(message)
+    for call in message["tool_calls"]:
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, CITY["function"]["parameters"])
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": weather(**args)})
+    message, finish = turn(tool_choice="none")
+    assert finish in ("stop", "length") and message["content"] and "tool_calls" not in message
+    messages += [message, {"role": "user", "content": "And in Oslo?"}]
+    message, finish = turn(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert finish == "tool_calls"
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_openai_agents_sdk_runs_an_agent_with_two_tools(server):
+    """The OpenAI Agents SDK, through its chat completions model, runs an agent to completion:
+    its first turn must call a tool (then the SDK resets tool_choice), the tool's result goes
+    back, and the run ends with a final text answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"21 C and sunny in {city}"
+
+    @agents.function_tool
+    def get_time(zone: str) -> str:
+        """Current time in a time zone."""
+        return f"12:00 in {zone}"
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    agent = agents.Agent(
+        name="assistant", instructions="Answer with the tools' help.", tools=[get_weather, get_time],
+        model=agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=6)
+    outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
+    assert outputs, result.new_items
+    assert isinstance(result.final_output, str) and result.final_output.strip()

@@ -46,7 +46,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         functions = body.offered_functions()
-        prompt = tm.chat_prompt([m.template_dict() for m in body.messages], functions or None)
+        prompt = tm.chat_prompt([m.template_dict() for m in body.messages], body.template_functions() or None)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)

@@ -259,11 +259,14 @@ class ChatCompletionRequest(_OpenAIBase):
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
 
+    def template_functions(self) -> list[dict[str, Any]]:
+        """The functions the prompt shows, as OpenAI dicts: every tool, with tool_choice 'none'
+        too, so that an agent loop's prompts keep one prefix (and hit the radix cache)."""
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []]
+
     def offered_functions(self) -> list[dict[str, Any]]:
-        """The functions the model may call (none with tool_choice 'none'), as OpenAI dicts."""
-        if not self.tools or self.tool_choice == "none":
-            return []
-        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools]
+        """The functions the model may call (none with tool_choice 'none')."""
+        return [] if self.tool_choice == "none" else self.template_functions()
 
     def forced_functions(self) -> list[dict[str, Any]]:
         """The functions decoding must call, constrained to their schemas: all of them with
