@@ -6,6 +6,7 @@ import json
 import sys
 
 from .config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineArgs, ServerArgs
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
 ENGINE_FLAGS = [
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "answered 503 with Retry-After (default: no limit)")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                        help="format of the model's tool calls (default: detected from the chat template)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think>...</think> reasoning from the answer into reasoning_content "
+                            "(deepseek-r1 and qwen3-thinking: the output starts inside the reasoning; "
+                            "qwen3: only when it opens <think>)")
     _add_engine_flags(serve)
     gen = sub.add_parser("generate", help="generate offline, in this process",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "serve":
         from .server.launch import launch_server
         return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args,
-                                        ns.max_request_bytes, ns.max_queued_requests, ns.tool_call_parser))
+                                        ns.max_request_bytes, ns.max_queued_requests, ns.tool_call_parser,
+                                        ns.reasoning_parser))
     return _generate(ns, engine_args)
 
 

@@ -167,3 +167,4 @@ class ServerArgs:
     max_request_bytes: int = 8 << 20  # a larger body is a 413
     max_queued_requests: int | None = None  # beyond the running ones; more is a 503 (None: no limit)
     tool_call_parser: str | None = None  # None: detected from the chat template (tool_calls.detect_parser)
+    reasoning_parser: str | None = None  # None: no reasoning is split out (reasoning.PARSERS)

@@ -20,7 +20,7 @@ from .models.loader import resolve_model
 from .responses import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
-from .tokenizer import eos_ids, load_tokenizer_or_none
+from .tokenizer import encode_prompt, eos_ids, load_tokenizer_or_none
 from .validation import check_generate
 from .worker.model_runner import ModelRunner
 
@@ -98,7 +98,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         self._need_tokenizer()
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, text)
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -125,7 +125,7 @@ class Engine:
             id_lists = [input_ids] if single else list(input_ids)
         else:
             self._need_tokenizer()
-            id_lists = [self.tokenizer.encode(p) for p in ([prompt] if single else prompt)]
+            id_lists = [encode_prompt(self.tokenizer, p) for p in ([prompt] if single else prompt)]
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params_list) != len(id_lists):
             raise ValueError("sampling_params list must match the number of prompts")

@@ -36,9 +36,11 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> str:
+                        tools: list[dict] | None = None, continue_final_message: bool = False,
+                        **template_kwargs: Any) -> str:
     """The prompt text; `tools` (OpenAI function dicts) go to the template, or, when it has no
-    tool support, into the default tool prompt (`tool_calls.with_tool_prompt`)."""
+    tool support, into the default tool prompt (`tool_calls.with_tool_prompt`). With
+    `continue_final_message` the last message is left open for the model to continue."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model has no chat template")
@@ -46,7 +48,15 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
         messages, tools = with_tool_prompt(messages, tools), None
     wrapped = [{"type": "function", "function": f} for f in tools] if tools else None
     return tokenizer.apply_chat_template(messages, tools=wrapped, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **template_kwargs)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt; a rendered chat prompt that already starts with the BOS token does
+    not get a second one from the tokenizer."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
 
 SENTINEL = "\u2063RADIXSERVE\u2063"

@@ -26,7 +26,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("tools"), "--max-total-tokens", "4096")
+    srv = start_server(tmp_path_factory.mktemp("tools"), "--max-total-tokens", "4096", "--reasoning-parser", "qwen3")
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -99,6 +99,10 @@ def test_history_with_calls_and_results_and_tool_choice_none(client):
 
 @pytest.mark.parametrize("body,needle", [
     ({"tool_choice": "required"}, "needs tools"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"messages": ASK + [{"role": "assistant", "content": "It"}], "continue_final_message": True,
+      "add_generation_prompt": True}, "cannot both be true"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
@@ -259,3 +263,39 @@ def test_openai_agents_sdk_runs_an_agent_with_two_tools(server):
     outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
     assert outputs, result.new_items
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+THOUGHT = r"<think>[a-z ]{4,24}</think>[A-Z][a-z ]{2,24}"
+
+
+def test_reasoning_comes_apart_from_the_answer(client):
+    """With --reasoning-parser qwen3 an output that opens <think> is split: reasoning_content,
+    then content; streamed, the deltas add up to the same two texts. (A regex makes the 135M
+    model think.)"""
+    raw = chat(client, regex=THOUGHT, max_tokens=60, separate_reasoning=False)["message"]
+    assert "reasoning_content" not in raw and raw["content"].startswith("<think>")
+    message = chat(client, regex=THOUGHT, max_tokens=60)["message"]
+    assert "<think>" + message["reasoning_content"] + "</think>" + message["content"] == raw["content"]
+    body = {"messages": ASK, "max_tokens": 60, "temperature": 0, "regex": THOUGHT, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        deltas = [json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+                  for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    plain = chat(client, max_tokens=8)["message"]  # no <think>: all content, no reasoning field
+    assert "reasoning_content" not in plain and plain["content"]
+
+
+def test_continue_final_message_continues_the_assistants_text(client):
+    """Assistant prefill: the last message stays open and the model writes on from its text,
+    exactly as /generate does from the same rendered prompt."""
+    messages = ASK + [{"role": "assistant", "content": "The weather in Paris is"}]
+    choice = chat(client, messages=messages, continue_final_message=True, max_tokens=8)
+    prompt = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+              "<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+              "The weather in Paris is")
+    native = client.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8,
+                                                                                "temperature": 0}}).json()
+    assert choice["message"]["content"] == native["text"]
+    closed = chat(client, messages=messages, max_tokens=8)  # without it, a new assistant turn
+    assert closed["message"]["content"] != choice["message"]["content"]

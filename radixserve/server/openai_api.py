@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,7 @@ from fastapi import FastAPI, Request
 from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
+from ..reasoning import ReasoningParser, StreamingReasoningParser, make_reasoning_parser
 from ..responses import RequestState
 from ..tool_calls import (JsonCallsParser, StreamingToolParser, ToolCall, calls_schema, calls_structural_tag,
                           detect_parser, make_parser)
@@ -41,12 +43,14 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         return json_response(adapter.response(states))
 
     tool_parser = args.tool_call_parser or detect_parser(getattr(tm.tokenizer, "chat_template", None))
+    reasoning_parser = make_reasoning_parser(args.reasoning_parser)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         functions = body.offered_functions()
-        prompt = tm.chat_prompt([m.template_dict() for m in body.messages], body.template_functions() or None)
+        prompt = tm.chat_prompt([m.template_dict() for m in body.messages], body.template_functions() or None,
+                                **body.template_options())
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
@@ -63,7 +67,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
                 params["structural_tag"] = tag
         top = (body.top_logprobs or 0) if body.logprobs else None
         reqs = _requests(tm, [await tm.tokenize_async(prompt)], params, body.n, logprobs=top)
-        adapter = _Chat(tm, served_name(tm, args), body, parser)
+        adapter = _Chat(tm, served_name(tm, args), body, parser, reasoning_parser if body.separate_reasoning else None)
         if body.stream:
             return sse(adapter.stream(reqs))
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
@@ -205,32 +209,49 @@ class _Completion(_Adapter):
 class _Chat(_Adapter):
     prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tm: TokenizerManager, model: str, body, tool_parser=None):
+    def __init__(self, tm: TokenizerManager, model: str, body, tool_parser=None,
+                 reasoning: ReasoningParser | None = None):
         super().__init__(tm, model, body)
         self.tool_parser = tool_parser  # None: no tools offered, the text is all content
+        self.reasoning = reasoning  # None: no reasoning is split out
         self.streams: dict[int, StreamingToolParser] = {}
+        self.thoughts: dict[int, StreamingReasoningParser] = {}
+        self.contents: dict[int, str] = {}  # each choice's content streamed so far (reasoning split out)
         self.called: set[int] = set()  # choices that made a call
 
     def choice(self, i: int, state: RequestState) -> dict:
-        message: dict = {"role": "assistant", "content": state.text}
+        reasoning, content = self.reasoning.split(state.text) if self.reasoning else (None, state.text)
+        message: dict = {"role": "assistant", "content": content}
         finish = _finish_reason(state)
         if self.tool_parser is not None:
-            parsed = self.tool_parser.parse(state.text)
+            parsed = self.tool_parser.parse(content)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None,
                            "tool_calls": [_tool_call_json(call) for call in parsed.calls]}
                 finish = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {"index": i, "message": message, "logprobs": self.chat_logprobs(state), "finish_reason": finish,
                 "matched_stop": _matched_stop(state)}
 
     def chunks_for(self, i: int, state: RequestState) -> list[dict]:
-        """With tools: content as it comes (holding back what may start a call), each call as
-        OpenAI streams one: a delta with its id and name, then one with its arguments."""
-        if self.tool_parser is None:
+        """Reasoning as `reasoning_content` deltas; content as it comes (holding back what may
+        start a tag); each call as OpenAI streams one: a delta with its id and name, then one
+        with its arguments; then a last delta with the finish reason."""
+        if self.tool_parser is None and self.reasoning is None:
             return super().chunks_for(i, state)
+        chunks, content = [], state.text
+        if self.reasoning is not None:
+            split = self.thoughts.setdefault(i, StreamingReasoningParser(self.reasoning))
+            thought, more = split.feed(state.text, state.finished)
+            if thought:
+                chunks.append(self.delta_chunk_of(i, {"reasoning_content": thought}))
+            content = self.contents[i] = self.contents.get(i, "") + more
+        if self.tool_parser is None:
+            chunks += super().chunks_for(i, replace(state, text=content))
+            return chunks
         stream = self.streams.setdefault(i, StreamingToolParser(self.tool_parser))
-        events = stream.feed(state.text) + (stream.finish() if state.finished else [])
-        chunks = []
+        events = stream.feed(content) + (stream.finish() if state.finished else [])
         for event in events:
             if event.call is None:
                 chunks.append(self.delta_chunk_of(i, {"content": event.content}))

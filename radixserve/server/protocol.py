@@ -17,6 +17,11 @@ UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple] = {
 }
 TOOL_FIELDS: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}
 TEXT_PART = "text"
+# apply_chat_template's own arguments, not template variables
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def refuse_unsupported(data: Any, fields: dict[str, tuple]) -> Any:
@@ -245,10 +250,38 @@ class ChatCompletionRequest(_OpenAIBase):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning in message.reasoning_content
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking)
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_generation_prompt: bool | None = None  # default: True, unless continue_final_message
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {taken}; they are request fields or "
+                             f"radixserve's own")
+        return kwargs
 
     @classmethod
     def unsupported_fields(cls) -> dict[str, tuple]:
         return UNSUPPORTED_OPENAI_FIELDS
+
+    @model_validator(mode="after")
+    def _continued_message_is_the_assistants(self) -> "ChatCompletionRequest":
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of the chat template for this request."""
+        opening = not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": opening,
+                "continue_final_message": self.continue_final_message}
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":

@@ -14,7 +14,7 @@ from ..ipc import Endpoints, decode, encode, pull_socket, push_socket
 from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, SchedulerReady
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
-from ..tokenizer import apply_chat_template, decode_ids
+from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
 from ..validation import check_generate
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer; send input_ids")
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, text)
 
     async def tokenize_async(self, text: str) -> list[int]:
         """`tokenize`, in a thread for long texts (5 MB take ~6 s; the event loop keeps serving)."""
@@ -71,11 +71,12 @@ class TokenizerManager:
             return self.tokenize(text)
         return await asyncio.to_thread(self.tokenize, text)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+        """The rendered prompt; `options` are the template's (`ChatCompletionRequest.template_options`)."""
         if self.tokenizer is None:
             raise RequestError("this model has no chat template")
         try:
-            return apply_chat_template(self.tokenizer, messages, tools=tools)
+            return apply_chat_template(self.tokenizer, messages, tools=tools, **options)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         except Exception as exc:  # template errors are the caller's input
