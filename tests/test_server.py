@@ -133,6 +133,32 @@ def test_openai_client_chat_and_completions(server):
     assert streamed == comp.choices[0].text
 
 
+def test_echo_and_streamed_logprobs(server):
+    """echo puts the prompt before the text (with logprobs, its tokens before the output's, the
+    first without a logprob); streamed chunks carry the logprobs of their tokens, and add up to
+    the unstreamed answer's."""
+    openai = pytest.importorskip("openai")
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    args = dict(model="default", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    plain = oai.completions.create(**args).choices[0]
+    echoed = oai.completions.create(echo=True, **args).choices[0]
+    assert echoed.text == PROMPTS[0] + plain.text
+    prompt_len = len(echoed.logprobs.tokens) - len(plain.logprobs.tokens)
+    assert prompt_len > 1 and echoed.logprobs.token_logprobs[0] is None
+    assert "".join(echoed.logprobs.tokens[:prompt_len]) == PROMPTS[0]
+    assert echoed.logprobs.token_logprobs[prompt_len:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    chunks = [c.choices[0] for c in oai.completions.create(stream=True, echo=True, **args)]
+    assert "".join(c.text for c in chunks) == echoed.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == echoed.logprobs.tokens
+    chat_args = dict(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+                     logprobs=True, top_logprobs=2)
+    whole = oai.chat.completions.create(**chat_args).choices[0].logprobs.content
+    streamed = [e for c in oai.chat.completions.create(stream=True, **chat_args)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole] and len(whole) == 6
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+
 def test_structured_output_over_http(server, client):
     r = client.post("/generate", json={"text": "Is the sky blue? Answer:",
                                        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(yes|no)"}})

@@ -35,8 +35,11 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         body = await parse_body(request, CompletionRequest)
         prompts = await _prompt_ids(tm, body.prompt)
         params = body.sampling_params(DEFAULT_COMPLETION_TOKENS)
-        reqs = _requests(tm, prompts, params, body.n, logprobs=body.logprobs)
-        adapter = _Completion(tm, served_name(tm, args), body)
+        reqs = _requests(tm, prompts, params, body.n, logprobs=body.logprobs,
+                         prompt_logprobs=body.echo and body.logprobs is not None)
+        echoed = [text for text in _prompt_texts(tm, body.prompt, prompts) for _ in range(body.n)] \
+            if body.echo else None
+        adapter = _Completion(tm, served_name(tm, args), body, echoed)
         if body.stream:
             return sse(adapter.stream(reqs))
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
@@ -86,14 +89,24 @@ async def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
     return list(prompt)
 
 
+def _prompt_texts(tm: TokenizerManager, prompt: Any, ids: list[list[int]]) -> list[str]:
+    """Each prompt as text, for echo: as sent, or decoded when sent as token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [tm.text_of(p) for p in ids]
+
+
 def _requests(tm: TokenizerManager, prompts: list[list[int]], params: dict, n: int,
-              logprobs: int | None) -> list[GenerateReq]:
+              logprobs: int | None, prompt_logprobs: bool = False) -> list[GenerateReq]:
     """One scheduler request per (prompt, sample); the room for output is capped by the context."""
     room = tm.info.max_context_len - max(len(p) for p in prompts)
     params = dict(params, max_new_tokens=max(min(params["max_new_tokens"], room), 0), n=n)
     reqs = []
     for ids in prompts:
         reqs += tm.expand_n(tm.make_request(ids, params, return_logprob=logprobs is not None,
+                                            logprob_start_len=0 if prompt_logprobs else -1,
                                             top_logprobs_num=logprobs or 0))
     return reqs
 
@@ -122,6 +135,7 @@ class _Adapter:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent: dict[int, int] = {}  # characters of each choice's text streamed so far
+        self.sent_logprobs: dict[int, int] = {}  # output tokens whose logprobs were streamed
 
     def envelope(self, choices: list[dict], obj: str, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -145,7 +159,7 @@ class _Adapter:
                     raise state
                 if i in finals:
                     continue
-                for chunk in self.chunks_for(i, state):
+                for chunk in self.with_logprobs(i, state, self.chunks_for(i, state)):
                     yield chunk
                 if state.finished:
                     finals[i] = state
@@ -172,6 +186,20 @@ class _Adapter:
         self.sent[i] = len(state.text)
         return [self.delta_chunk(i, delta, state)] if delta or state.finished else []
 
+    def with_logprobs(self, i: int, state: RequestState, chunks: list[dict]) -> list[dict]:
+        """The logprobs of the tokens a choice got since its last chunk ride on the first chunk."""
+        if chunks and self.wants_logprobs():
+            first = i not in self.sent_logprobs
+            entries = self.logprobs_of(state, self.sent_logprobs.get(i, 0))
+            self.sent_logprobs[i] = len(state.output_logprobs)
+            chunks[0]["choices"][0]["logprobs"] = self.format_logprobs(
+                (self.prompt_entries(state) if first else []) + entries)
+        return chunks
+
+    def prompt_entries(self, state: RequestState) -> list:
+        """Logprob entries that come before the output's (none but for an echoed prompt)."""
+        return []
+
     def logprobs_of(self, state: RequestState, start: int = 0) -> list[tuple[str, float, list]]:
         """(token text, logprob, [(text, logprob) of the top alternatives]) per output token."""
         text = self.tm.token_text
@@ -185,16 +213,41 @@ class _Adapter:
 class _Completion(_Adapter):
     prefix, object_name, chunk_object = "cmpl", "text_completion", "text_completion"
 
+    def __init__(self, tm: TokenizerManager, model: str, body, echoed: list[str] | None = None):
+        super().__init__(tm, model, body)
+        self.echoed = echoed  # each choice's prompt text, with echo
+        self.echo_sent: set[int] = set()
+
     def choice(self, i: int, state: RequestState) -> dict:
-        return {"index": i, "text": state.text, "logprobs": self.completion_logprobs(state),
+        text = (self.echoed[i] if self.echoed else "") + state.text
+        logprobs = None
+        if self.wants_logprobs():
+            logprobs = self.format_logprobs(self.prompt_entries(state) + self.logprobs_of(state))
+        return {"index": i, "text": text, "logprobs": logprobs,
                 "finish_reason": _finish_reason(state), "matched_stop": _matched_stop(state)}
 
-    def completion_logprobs(self, state: RequestState, start: int = 0) -> dict | None:
-        if self.body.logprobs is None:
-            return None
-        entries = self.logprobs_of(state, start)
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs is not None
+
+    def prompt_entries(self, state: RequestState) -> list[tuple[str, float | None, list]]:
+        """With echo and logprobs, the prompt's tokens come first (the first has no logprob)."""
+        if not (self.echoed and self.wants_logprobs()):
+            return []
+        text = self.tm.token_text
+        return [(text(tid), lp, [(text(t), v) for v, t in (top or [])])
+                for (lp, tid), top in zip(state.input_logprobs or [], state.input_top_logprobs or [])]
+
+    @staticmethod
+    def format_logprobs(entries: list[tuple[str, float | None, list]]) -> dict:
         return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [dict(alts) for _, _, alts in entries], "text_offset": []}
+
+    def chunks_for(self, i: int, state: RequestState) -> list[dict]:
+        chunks = super().chunks_for(i, state)
+        if self.echoed and chunks and i not in self.echo_sent:  # the prompt leads the first chunk
+            self.echo_sent.add(i)
+            chunks[0]["choices"][0]["text"] = self.echoed[i] + chunks[0]["choices"][0]["text"]
+        return chunks
 
     def first_chunk(self, n: int) -> dict:
         return self.envelope([{"index": i, "text": "", "logprobs": None, "finish_reason": None}
@@ -268,12 +321,17 @@ class _Chat(_Adapter):
         return chunks
 
     def chat_logprobs(self, state: RequestState) -> dict | None:
-        if not self.body.logprobs:
-            return None
+        return self.format_logprobs(self.logprobs_of(state)) if self.wants_logprobs() else None
+
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs
+
+    @staticmethod
+    def format_logprobs(entries: list[tuple[str, float, list]]) -> dict:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())}
                                               for a, v in alts]}
-                            for t, lp, alts in self.logprobs_of(state)]}
+                            for t, lp, alts in entries]}
 
     def first_chunk(self, n: int) -> dict:
         return self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""},

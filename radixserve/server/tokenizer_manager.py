@@ -196,7 +196,11 @@ class TokenizerManager:
                     future.set_result(msg.data)
 
     def token_text(self, token_id: int) -> str:
-        return "" if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special_tokens=False)
+        return self.text_of([token_id])
+
+    def text_of(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included ("" without a tokenizer)."""
+        return "" if self.tokenizer is None else decode_ids(self.tokenizer, token_ids, skip_special_tokens=False)
 
 
 def _raise_error(update: Any) -> Any:
