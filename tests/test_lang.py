@@ -1,8 +1,12 @@
 """radixserve.lang against the in-process engine and against a real server."""
 import pytest
 
+import json
+
+import jsonschema
+
 from radixserve.lang import (EngineBackend, RuntimeEndpoint, assistant, function, gen, select, system,
-                             user, user_begin, user_end)
+                             tool_call, user, user_begin, user_end)
 
 from server_utils import start_server
 
@@ -130,3 +134,52 @@ def test_bad_usage_errors_clearly(engine):
         unbalanced.run(backend=EngineBackend(engine))
     with pytest.raises(ValueError, match="choices"):
         select("x", [])
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Current time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
+                       "required": ["zone"], "additionalProperties": False}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@function
+def tool_agent(s, question, seed):
+    s += system("You help with weather and time.", tools=TOOLS)
+    s += user(question)
+    s += assistant(tool_call("calls", temperature=1.0, seed=seed))
+    call = s["calls"][0]
+    s += user(f"The tool {call['name']} answered: 21 C, sunny. Answer the question.")
+    s += assistant(gen("answer", max_tokens=12, temperature=0))
+    s += user("And the time in Rome?")
+    s += assistant(tool_call("more", parallel=True, temperature=1.0, seed=seed))
+
+
+def test_tool_calls_in_a_program_always_validate(backend):
+    """Sampled calls (temperature 1.0) from the tools given to system(): each parses and
+    validates; a parallel call is a list; the later calls reuse the cached history."""
+    states = tool_agent.run_batch([{"question": "Weather in Paris?", "seed": seed} for seed in range(4)],
+                                  backend=backend)
+    for state in states:
+        assert state.error is None, state.error
+        assert len(state["calls"]) == 1 and state["more"]
+        for call in state["calls"] + state["more"]:
+            jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
+        blocks = state.text().split("<tool_call>")[-2:]  # the calls stay in the text as hermes blocks
+        assert all(b.count("</tool_call>") == 1 for b in blocks)
+        assert json.loads(blocks[0].split("</tool_call>")[0])["name"] == state["calls"][0]["name"]
+        assert state.report.cached_tokens > 0
+
+
+def test_tool_call_without_tools_is_an_error(engine):
+    @function
+    def no_tools(s):
+        s += user("hi")
+        s += assistant(tool_call("calls"))
+
+    state = no_tools.run_batch([{}], backend=EngineBackend(engine))[0]
+    assert isinstance(state.error, ValueError) and "needs tools" in str(state.error)

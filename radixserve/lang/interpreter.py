@@ -6,13 +6,17 @@ share the prefix that `fork` cached on the server first.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..tool_calls import JsonCallsParser, calls_schema, default_tool_prompt
 from .backend import Backend, CallResult, select_by_logprob
-from .ir import Expr, Gen, RoleBegin, RoleEnd, Select, Seq
+from .ir import CallTool, Expr, Gen, OfferTools, RoleBegin, RoleEnd, Select, Seq
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # the hermes block the default tool prompt asks for
 
 _END = object()
 
@@ -42,6 +46,7 @@ class _Snapshot:
     messages: list[dict] = field(default_factory=list)
     role: tuple[str, int] | None = None
     started: bool = False
+    tools: tuple[dict, ...] = ()  # offered with system(tools=...)
 
 
 class ProgramState:
@@ -136,6 +141,11 @@ class ProgramState:
             self._role_begin(expr.role)
         elif isinstance(expr, RoleEnd):
             self._role_end(expr.role)
+        elif isinstance(expr, OfferTools):
+            self._s.tools = expr.functions
+            self._append("\n\n" + default_tool_prompt(list(expr.functions)))
+        elif isinstance(expr, CallTool):
+            self._tool_call(expr)
         else:
             raise TypeError(f"cannot append {type(expr).__name__} to a program state")
 
@@ -169,6 +179,21 @@ class ProgramState:
             self._s.variables[expr.name] = choice
             self._s.variables[f"{expr.name}__scores"] = result.scores
 
+    def _tool_call(self, expr: CallTool) -> None:
+        functions = expr.functions or self._s.tools
+        if not functions:
+            raise ValueError("tool_call needs tools: pass tools= to it or to system()")
+        schema = json.dumps(calls_schema(list(functions), expr.parallel))
+        self._append(CALL_START)
+        result = self.backend.generate(self._s.text, {**expr.params, "json_schema": schema})
+        self.report.add(result.prompt_tokens, result.cached_tokens)
+        self._append(result.text + CALL_END)
+        calls = JsonCallsParser().parse(result.text).calls
+        if not calls:
+            raise ValueError(f"the tool call did not finish within max_tokens: {result.text!r}")
+        if expr.name:
+            self._s.variables[expr.name] = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in calls]
+
     def _role_begin(self, role: str) -> None:
         if self._s.role is not None:
             raise ValueError(f"{role} begins inside an open {self._s.role[0]} block")
@@ -188,7 +213,7 @@ class ProgramState:
 
     def _copy(self) -> _Snapshot:
         s = self._s
-        return _Snapshot(s.text, dict(s.variables), list(s.messages), s.role, s.started)
+        return _Snapshot(s.text, dict(s.variables), list(s.messages), s.role, s.started, s.tools)
 
 
 class ForkGroup:

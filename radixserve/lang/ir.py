@@ -43,13 +43,30 @@ class RoleEnd(_Concat):
 
 
 @dataclass(frozen=True)
+class OfferTools(_Concat):
+    """Lists functions in the prompt (the default tool prompt) and makes them the state's tools."""
+
+    functions: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class CallTool(_Concat):
+    """A call decoded under the tools' schemas, appended as a `<tool_call>` block."""
+
+    name: str | None
+    functions: tuple[dict[str, Any], ...] | None  # None: the tools offered earlier in the program
+    parallel: bool
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Seq(_Concat):
     """Several expressions appended in order (a role with its content)."""
 
     items: tuple["Expr", ...] = field(default_factory=tuple)
 
 
-Expr = Union[str, Gen, Select, RoleBegin, RoleEnd, Seq]
+Expr = Union[str, Gen, Select, RoleBegin, RoleEnd, OfferTools, CallTool, Seq]
 
 _GEN_KEYS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
@@ -82,8 +99,32 @@ def _role(role: str, content: Expr | list[Expr] | None) -> Seq:
     return Seq((RoleBegin(role), *items, RoleEnd(role)))
 
 
-def system(content: Expr | list[Expr] | None = None) -> Seq:
-    return _role("system", content)
+def system(content: Expr | list[Expr] | None = None, tools: list[dict[str, Any]] | None = None) -> Seq:
+    """A system message; `tools` (OpenAI tool or function dicts) are listed after its content
+    and become the program's tools for `tool_call`."""
+    role = _role("system", content)
+    if not tools:
+        return role
+    return Seq((*role.items[:-1], OfferTools(function_dicts(tools)), role.items[-1]))
+
+
+def function_dicts(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """OpenAI function dicts of tools given as `{"type": "function", "function": {...}}` or bare."""
+    functions = tuple(t["function"] if t.get("type") == "function" and "function" in t else t for t in tools)
+    for f in functions:
+        if not isinstance(f.get("name"), str):
+            raise ValueError(f"a tool needs a function name: {f!r}")
+    return functions
+
+
+def tool_call(name: str | None = None, tools: list[dict[str, Any]] | None = None, parallel: bool = False,
+              max_tokens: int = 256, temperature: float | None = None, seed: int | None = None) -> CallTool:
+    """Call one of `tools` (default: those given to `system(tools=...)`), or several with
+    `parallel`. Decoding is constrained to the tools' JSON schemas, so the call always parses
+    and validates; variable `name` gets the calls as `[{"name": ..., "arguments": {...}}]`."""
+    given = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    params = {_GEN_KEYS.get(k, k): v for k, v in given.items() if v is not None}
+    return CallTool(name, function_dicts(tools) if tools else None, parallel, params)
 
 
 def user(content: Expr | list[Expr] | None = None) -> Seq:
