@@ -154,14 +154,28 @@ def calls_schema(functions: list[dict], parallel: bool) -> dict:
 
 def calls_structural_tag(parser, functions: list[dict], parallel: bool) -> dict | None:
     """For `tool_choice: auto`: an xgrammar structural tag that leaves text free but makes
-    whatever follows the parser's start marker a call that validates, closed by its end marker
-    (only one call without `parallel`). None for formats without such markers."""
-    if not isinstance(parser, TaggedParser):
+    whatever follows the format's trigger a call that validates (only one call, or one list of
+    calls, without `parallel`). None for a format with no trigger (constrained calls only)."""
+    if isinstance(parser, TaggedParser):  # hermes: <tool_call>{call}</tool_call>
+        tags = [_tag(parser.start, calls_schema(functions, False), parser.end)]
+        triggers = [parser.start]
+    elif isinstance(parser, MistralParser):  # [TOOL_CALLS] [calls]
+        listed = calls_schema(functions, True) | ({} if parallel else {"maxItems": 1})
+        tags, triggers = [_tag(parser.marker, listed, "")], [parser.marker]
+        parallel = False  # one list holds every call
+    elif isinstance(parser, Llama3Parser):  # {"name": "f", "parameters": {args}}, one tag per function
+        opening = '{"name": '
+        tags = [_tag(f'{opening}"{f["name"]}", "parameters": ', f.get("parameters") or {"type": "object"}, "}")
+                for f in functions]
+        triggers = [opening]
+    else:
         return None
-    tag = {"begin": parser.start, "content": {"type": "json_schema", "json_schema": calls_schema(functions, False)},
-           "end": parser.end}
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [parser.start], "tags": [tag],
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags,
                                                  "at_least_one": False, "stop_after_first": not parallel}}
+
+
+def _tag(begin: str, schema: dict, end: str) -> dict:
+    return {"begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
 
 
 def default_tool_prompt(functions: list[dict]) -> str:

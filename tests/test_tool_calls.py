@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from radixserve.tool_calls import Parsed, StreamingToolParser, ToolCall, detect_parser, make_parser
+from radixserve.tool_calls import (Parsed, StreamingToolParser, ToolCall, calls_structural_tag, detect_parser,
+                                   make_parser)
 
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "C"}))
 TIME = ToolCall("get_time", json.dumps({"zone": "CET"}))
@@ -58,3 +59,53 @@ def test_parser_names_and_detection():
     assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_parser("<|python_tag|>") == "llama3"
     assert detect_parser(None) == "hermes"
+
+
+FUNCTIONS = [{"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}},
+    {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
+                                        "required": ["zone"], "additionalProperties": False}}]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from radixserve.constrained import GrammarBackend
+    from radixserve.models.loader import resolve_model
+    from radixserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(None).tokenizer_dir)
+    return GrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+def accepts(grammars, tag: dict, text: str) -> bool:
+    from radixserve.constrained import GrammarSpec
+
+    return grammars.matcher(GrammarSpec("structural_tag", json.dumps(tag))).accept_string(text)
+
+
+@pytest.mark.parametrize("name,valid,invalid", [
+    ("hermes", 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": {"zone": "EST"}}</tool_call>'),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]',
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}',
+     '{"name": "get_weather", "parameters": {"town": "Oslo"}}'),
+])
+def test_auto_grammar_leaves_text_free_and_makes_every_call_valid(grammars, name, valid, invalid):
+    """`tool_choice: auto` in every format: free text until the format's trigger, then only a
+    call that validates against its function's schema."""
+    parser = make_parser(name)
+    tag = calls_structural_tag(parser, FUNCTIONS, parallel=False)
+    assert accepts(grammars, tag, "Just text, no call.")
+    assert accepts(grammars, tag, valid)
+    assert not accepts(grammars, tag, invalid)
+    assert parser.parse(valid).calls
+
+
+def test_mistral_auto_grammar_takes_one_call_unless_parallel(grammars):
+    two = ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+           '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+    parser = make_parser("mistral")
+    assert not accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=False), two)
+    assert accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=True), two)
