@@ -44,6 +44,8 @@ ENGINE_FLAGS = [
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],
                             help="weight-only int8 (faster CPU decode; outputs differ slightly from fp32)")),
+    ("--kv-events-config", dict(default=None, help="publish KV cache events for KV-aware routers (Dynamo, llm-d) "
+                                "as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}'")),
     ("--log-level", dict(default="info", choices=["debug", "info", "warning", "error"], help="log level")),
 ]
 

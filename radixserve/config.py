@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .kv_events import KVEventsConfig
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -110,6 +112,7 @@ class EngineArgs:
     enable_torch_compile: bool = False
     watchdog_timeout: float = 300.0  # the scheduler exits when a step takes longer (the server then stops)
     cuda_graph_max_bs: int = 64
+    kv_events_config: str | None = None  # JSON (kv_events.KVEventsConfig): publish KV cache events
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -125,6 +128,11 @@ class EngineArgs:
             yield f"dtype must be one of {DTYPES}, got {self.dtype!r}"
         if self.page_size < 1:
             yield "page_size must be >= 1"
+        if self.kv_events_config is not None:
+            try:
+                KVEventsConfig.from_json(self.kv_events_config)
+            except ValueError as exc:
+                yield str(exc)
         if self.chunked_prefill_size < self.page_size:
             yield "chunked_prefill_size must be >= page_size"
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

@@ -35,6 +35,8 @@ class Engine:
         if self.args.tp_size != 1:
             raise ValueError("the offline Engine runs one process; serve with `radixserve serve --tp-size N` "
                              "for tensor parallelism")
+        if self.args.kv_events_config is not None:
+            raise ValueError("KV events are published by the server: `radixserve serve --kv-events-config ...`")
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
+
 
 @dataclass(eq=False)
 class TreeNode:
@@ -25,6 +27,7 @@ class TreeNode:
     lock_ref: int = 0
     last_access: float = 0.0
     hit_count: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # one per page, with KV events on
 
     def __lt__(self, other: "TreeNode") -> bool:
         return self.last_access < other.last_access
@@ -46,13 +49,24 @@ class CachedPrefix:
 
 class RadixCache:
     def __init__(self, page_size: int = 1, free_slots: Callable[[list[int]], None] | None = None,
-                 disable: bool = False):
+                 disable: bool = False, record_events: bool = False):
         self.page_size = page_size
         self.disable = disable
         self.free_slots = free_slots or (lambda slots: None)
+        self.events: list[KVEvent] | None = [] if record_events else None  # taken by `take_events`
+        self.root = TreeNode()
         self.reset()
 
+    def take_events(self) -> list[KVEvent]:
+        """The KV events (stored, removed, cleared pages) since the last call."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
+
     def reset(self) -> None:
+        if self.events is not None and self.root.children:
+            self.events.append(AllBlocksCleared())
         self.root = TreeNode()
         self.root.lock_ref = 1
         self._evictable = 0
@@ -199,9 +213,11 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after `n` tokens; returns the new upper node."""
         parent = child.parent
+        pages = n // self.page_size
         upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
                          lock_ref=child.lock_ref, last_access=child.last_access,
-                         hit_count=child.hit_count)
+                         hit_count=child.hit_count, block_hashes=child.block_hashes[:pages])
+        child.block_hashes = child.block_hashes[pages:]
         parent.children[self._edge(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._edge(child.key)] = child
@@ -211,11 +227,23 @@ class RadixCache:
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int]) -> None:
         leaf = TreeNode(key=list(key), value=list(value), parent=parent)
         leaf.touch()
+        if self.events is not None:
+            self._record_stored(leaf)
         parent.children[self._edge(leaf.key)] = leaf
         self._evictable += len(key)
         self._num_nodes += 1
 
+    def _record_stored(self, leaf: TreeNode) -> None:
+        parent_hash = leaf.parent.block_hashes[-1] if leaf.parent.block_hashes else None
+        previous = parent_hash
+        for start in range(0, len(leaf.key), self.page_size):
+            previous = block_hash(previous, leaf.key[start:start + self.page_size])
+            leaf.block_hashes.append(previous)
+        self.events.append(BlockStored(list(leaf.block_hashes), parent_hash, list(leaf.key), self.page_size))
+
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+        if self.events is not None:
+            self.events.append(BlockRemoved(list(leaf.block_hashes)))
         parent = leaf.parent
         del parent.children[self._edge(leaf.key)]
         self._evictable -= len(leaf.key)

@@ -15,6 +15,7 @@ import zmq
 
 from ..config import EngineArgs
 from ..constrained import grammar_backend
+from ..kv_events import KVEventPublisher, KVEventsConfig
 from ..ipc import Endpoints, Heartbeat, exit_with_parent, pull_socket, push_socket, recv_all, encode
 from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, FinishReason, GenerateReq, ReqOutput,
                         SchedulerReady)
@@ -44,7 +45,9 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     outbox.send(encode(SchedulerReady(runner.info, source.name)))
     threading.Thread(target=watch_loop, args=(heartbeat, args.watchdog_timeout), daemon=True,
                      name="scheduler-watchdog").start()
-    SchedulerLoop(scheduler, inbox, outbox, heartbeat).run()
+    events = (KVEventPublisher(KVEventsConfig.from_json(args.kv_events_config), ctx)
+              if args.kv_events_config is not None else None)
+    SchedulerLoop(scheduler, inbox, outbox, heartbeat, events).run()
 
 
 def watch_loop(heartbeat: Heartbeat, timeout: float) -> None:
@@ -60,8 +63,10 @@ def watch_loop(heartbeat: Heartbeat, timeout: float) -> None:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: Heartbeat):
+    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: Heartbeat,
+                 kv_events: KVEventPublisher | None = None):
         self.scheduler, self.inbox, self.outbox, self.heartbeat = scheduler, inbox, outbox, heartbeat
+        self.kv_events = kv_events
 
     def run(self) -> None:
         while True:
@@ -72,6 +77,8 @@ class SchedulerLoop:
             outputs = self.scheduler.step()
             if outputs:
                 self.outbox.send(encode(BatchOut(outputs)))
+            if self.kv_events is not None:  # this turn's stores, evictions and flushes
+                self.kv_events.publish(self.scheduler.cache.take_events())
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):

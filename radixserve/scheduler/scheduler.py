@@ -60,7 +60,8 @@ class Scheduler:
         self.fallback_id = min(info.eos_token_ids or self.eos_ids or {0})  # taken when every token is forbidden
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
-        self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache)
+        self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache,
+                                record_events=args.kv_events_config is not None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
