@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tool_calls import partial_suffix
+
 START, END = "<think>", "</think>"
 
 
@@ -50,14 +52,6 @@ def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
     return PARSERS[name]
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
 @dataclass
 class StreamingReasoningParser:
     """Reasoning and content deltas of a growing output. What may still turn into a tag (the
@@ -84,4 +78,4 @@ class StreamingReasoningParser:
             return None, text
         if END in body:
             return self.parser.split(text)
-        return body[:len(body) - _partial_tag_len(body, END)], ""
+        return body[:len(body) - partial_suffix(body, END)], ""

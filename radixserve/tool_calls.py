@@ -263,7 +263,7 @@ class StreamingToolParser:
                 return events
             at = call_start(self.parser, pending, at_output_start=not self.text[:self.shown].strip())
             if at < 0:
-                keep = 0 if final else _partial_suffix(pending, self.parser.start)
+                keep = 0 if final else partial_suffix(pending, self.parser.start)
                 return events + self._content(pending[:len(pending) - keep])
             events += self._content(pending[:at])
             block_end = self._block_end(pending, at, final)
@@ -300,7 +300,7 @@ def call_start(parser, text: str, at_output_start: bool) -> int:
     return at
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
