@@ -1,11 +1,11 @@
-"""`radixserve serve` and `radixserve generate`."""
+"""`radixserve serve`, `radixserve router` and `radixserve generate`."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from .config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineArgs, ServerArgs
+from .config import ATTENTION_BACKENDS, DTYPES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineArgs, RouterArgs, ServerArgs
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
@@ -50,6 +50,44 @@ ENGINE_FLAGS = [
 ]
 
 
+ROUTER_FLAGS = [
+    ("--policy", dict(choices=ROUTER_POLICIES,
+                      help="cache_aware: the worker holding the longest prefix of the prompt while load is "
+                           "balanced; round_robin; random; power_of_two: the idler of two drawn at random")),
+    ("--cache-threshold", dict(type=float, help="cache_aware: smallest matched share of a prompt that "
+                               "sends it to the matching worker (else to the worker holding least)")),
+    ("--balance-abs-threshold", dict(type=int, help="cache_aware: load is out of balance when the busiest "
+                                     "worker has more than this many requests in flight over the idlest...")),
+    ("--balance-rel-threshold", dict(type=float, help="...and more than this many times as many")),
+    ("--max-tree-size", dict(type=int, help="cache_aware: characters of prompts remembered per worker")),
+    ("--eviction-interval-secs", dict(type=float, help="cache_aware: seconds between evictions to "
+                                      "--max-tree-size")),
+    ("--health-check-interval-secs", dict(type=float, help="seconds between health checks of each worker")),
+    ("--health-check-timeout-secs", dict(type=float, help="timeout of one health check")),
+    ("--health-failure-threshold", dict(type=int, help="failed checks in a row that mark a worker dead "
+                                        "(a refused connection marks it at once)")),
+    ("--cb-failure-threshold", dict(type=int, help="failed requests in a row that open a worker's circuit")),
+    ("--cb-success-threshold", dict(type=int, help="successes that close a half-open circuit")),
+    ("--cb-timeout-duration-secs", dict(type=float, help="seconds an open circuit keeps a worker out")),
+    ("--retry-max-retries", dict(type=int, help="other workers tried when a request fails before its "
+                                 "first byte")),
+    ("--request-timeout-secs", dict(type=float, help="longest wait for a worker's response")),
+]
+
+
+def _add_router_flags(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The flags, with RouterArgs' defaults; under `serve`, prefixed `--router-`."""
+    for flag, kwargs in ROUTER_FLAGS:
+        name = flag[2:].replace("-", "_")
+        help_text = ("with --dp-size: router " + flag + ": " if prefix else "") + kwargs["help"]
+        parser.add_argument("--" + prefix + flag[2:], **dict(kwargs, default=getattr(RouterArgs, name), help=help_text))
+
+
+def router_args_from(ns: argparse.Namespace, prefix: str = "", **fixed) -> RouterArgs:
+    values = {flag[2:].replace("-", "_"): getattr(ns, prefix + flag[2:].replace("-", "_")) for flag, _ in ROUTER_FLAGS}
+    return RouterArgs(**values, log_level=ns.log_level, **fixed)
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for flag, kwargs in ENGINE_FLAGS:
         parser.add_argument(flag, **kwargs)
@@ -80,7 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split <think>...</think> reasoning from the answer into reasoning_content "
                             "(deepseek-r1 and qwen3-thinking: the output starts inside the reasoning; "
                             "qwen3: only when it opens <think>)")
+    serve.add_argument("--dp-size", type=int, default=1,
+                       help="data-parallel replicas, each a whole server with its share of the CPU cores "
+                            "(or its own GPUs), behind a router on --host/--port")
+    _add_router_flags(serve, "router-")
     _add_engine_flags(serve)
+    router = sub.add_parser("router", help="route requests across radixserve (or SGLang) workers",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    router.add_argument("--worker-urls", nargs="*", default=[], help="workers, e.g. http://127.0.0.1:30001; "
+                        "more can join through POST /add_worker?url=...")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=int, default=30000, help="port to listen on")
+    router.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (forwarded to workers)")
+    router.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body accepted")
+    router.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    _add_router_flags(router)
     gen = sub.add_parser("generate", help="generate offline, in this process",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("prompt", nargs="+", help="prompt(s)")
@@ -94,16 +146,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
+        if ns.command == "router":
+            from .router.launch import run_router
+            args = router_args_from(ns, worker_urls=tuple(ns.worker_urls), host=ns.host, port=ns.port,
+                                    api_key=ns.api_key, max_request_bytes=ns.max_request_bytes)
+            return run_router(args)
         engine_args = engine_args_from(ns)
+        if ns.command == "serve":
+            return _serve(ns, engine_args)
     except ValueError as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
         return 2
-    if ns.command == "serve":
-        from .server.launch import launch_server
-        return launch_server(ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args,
-                                        ns.max_request_bytes, ns.max_queued_requests, ns.tool_call_parser,
-                                        ns.reasoning_parser))
     return _generate(ns, engine_args)
+
+
+def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    server_args = ServerArgs(ns.host, ns.port, ns.api_key, ns.served_model_name, engine_args,
+                             ns.max_request_bytes, ns.max_queued_requests, ns.tool_call_parser,
+                             ns.reasoning_parser)
+    if ns.dp_size < 1:
+        raise ValueError("--dp-size must be >= 1")
+    if ns.dp_size == 1:
+        from .server.launch import launch_server
+        return launch_server(server_args)
+    if engine_args.kv_events_config is not None:
+        raise ValueError("--kv-events-config with --dp-size is not supported: start the replicas one by one, "
+                         "each with its own endpoint, behind `radixserve router`")
+    from .router.launch import launch_data_parallel
+    router_args = router_args_from(ns, prefix="router_", max_request_bytes=ns.max_request_bytes)
+    return launch_data_parallel(server_args, ns.dp_size, router_args)
 
 
 def _generate(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -176,3 +176,73 @@ class ServerArgs:
     max_queued_requests: int | None = None  # beyond the running ones; more is a 503 (None: no limit)
     tool_call_parser: str | None = None  # None: detected from the chat template (tool_calls.detect_parser)
     reasoning_parser: str | None = None  # None: no reasoning is split out (reasoning.PARSERS)
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    """`radixserve router`: the workers, the policy and its thresholds (SGLang's router names
+    and meanings), health checks, the circuit breaker and retries."""
+
+    worker_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 8  # SGLang's 64 suits GPU batches of hundreds; CPU replicas run ~10
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 1 << 26
+    eviction_interval_secs: float = 120.0
+    health_check_interval_secs: float = 2.0
+    health_check_timeout_secs: float = 5.0
+    health_failure_threshold: int = 2
+    cb_failure_threshold: int = 3
+    cb_success_threshold: int = 1
+    cb_timeout_duration_secs: float = 10.0
+    retry_max_retries: int = 2
+    request_timeout_secs: float = 1800.0
+    api_key: str | None = None
+    max_request_bytes: int = 8 << 20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("invalid router arguments: " + "; ".join(problems))
+
+    def _problems(self):
+        if self.policy not in ROUTER_POLICIES:
+            yield f"policy must be one of {ROUTER_POLICIES}, got {self.policy!r}"
+        for url in self.worker_urls:
+            if (problem := worker_url_problem(url)) is not None:
+                yield problem
+        if len(set(self.worker_urls)) != len(self.worker_urls):
+            yield "worker_urls has duplicates"
+        if not 0 <= self.cache_threshold <= 1:
+            yield "cache_threshold must be in [0, 1]"
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            yield "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1"
+        if self.max_tree_size < 1 or self.eviction_interval_secs <= 0:
+            yield "max_tree_size and eviction_interval_secs must be positive"
+        if min(self.health_check_interval_secs, self.health_check_timeout_secs, self.cb_timeout_duration_secs) <= 0:
+            yield "health check interval and timeout and cb_timeout_duration_secs must be positive"
+        if min(self.health_failure_threshold, self.cb_failure_threshold, self.cb_success_threshold) < 1:
+            yield "health_failure_threshold, cb_failure_threshold and cb_success_threshold must be >= 1"
+        if self.retry_max_retries < 0:
+            yield "retry_max_retries must be >= 0"
+
+
+def worker_url_problem(url: str) -> str | None:
+    """Why `url` cannot name a worker (an http(s) URL with a host and no path), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as exc:
+        return f"worker url {url!r} is malformed: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        return f"worker url {url!r} must look like http://host:port"
+    return None

@@ -99,3 +99,24 @@ def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
             return s
         time.sleep(0.2)
     raise AssertionError(f"requests still running: {client.get('/get_server_info').json()['stats']}")
+
+
+def start_router(tmp_path, *args: str, timeout: float = 60) -> Server:
+    """A real `radixserve router` process; ready when it answers HTTP at all."""
+    port = free_port()
+    log_path = str(tmp_path / f"router-{port}.log")
+    cmd = [sys.executable, "-m", "radixserve.cli", "router", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    router = Server(proc, f"http://127.0.0.1:{port}", None, log_path)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited early:\n{router.log()}")
+        try:
+            httpx.get(f"{router.url}/list_workers", timeout=1)
+            return router
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"router did not come up:\n{router.log()}")

@@ -116,9 +116,9 @@ def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
 def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
     # FastAPI's own docs routes skip app dependencies: they are added below, behind the key
     app = FastAPI(title="radixserve", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(_auth_dependency(server_args.api_key))])
+                  dependencies=[Depends(auth_dependency(server_args.api_key))])
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _native_routes(app, tm, server_args, health)
     from .openai_api import openai_routes
     openai_routes(app, tm, server_args)
@@ -156,7 +156,7 @@ def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
         return json_response(await metrics.dashboard_data())
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError):
         return error_response(str(exc), exc.status, exc.headers)
@@ -170,7 +170,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response("invalid request: " + "; ".join(parts[:5]), 400)
 
 
-def _auth_dependency(api_key: str | None):
+def auth_dependency(api_key: str | None):
     """A global dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects.
     It also refuses requests a web page of another origin sends (a browser names that page in
     `Origin`): with CORS off they have no business here, and without a key they could drive the

@@ -32,7 +32,7 @@ HEALTH_STALL_S = 30.0  # /health turns 503 when the scheduler loop is stuck this
 DEATH_GRACE_S = 0.5  # after a child dies, time for the failed requests' errors to reach their clients
 
 
-class _Server(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would kill us
     before the children are stopped; we exit on our own terms instead."""
 
@@ -152,7 +152,7 @@ def launch_server(args: ServerArgs) -> int:
         app.router.lifespan_context = lifespan
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=2)
-        server = _Server(config)
+        server = GracefulServer(config)
         threading.Thread(target=watch_children, daemon=True, name="child-watch",
                          args=(children, health, server, exit_code, lambda reason: on_death[0](reason))).start()
         server.run()

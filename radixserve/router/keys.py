@@ -1,0 +1,64 @@
+"""Routing keys: the part of a request body that predicts which cached prefix it will hit."""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+MAX_CODE_POINT = 0x10FFFF
+
+
+def ids_key(ids: list[Any]) -> str:
+    """Token ids as a string, one character per token, so ids share the text tree's code."""
+    if not all(isinstance(i, int) and 0 <= i <= MAX_CODE_POINT for i in ids):
+        return ""
+    return "".join(map(chr, ids))
+
+
+def _first(value: Any) -> Any:
+    """The first prompt of a batch (a batch goes to one worker, so its first prompt decides)."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return value[0]
+    return value
+
+
+def _prompt_key(value: Any) -> str:
+    value = _first(value)
+    if isinstance(value, str):
+        return value
+    return ids_key(value) if isinstance(value, list) else ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _chat_key(body: dict) -> str:
+    """Tools first (templates render them into the system prompt), then each message."""
+    parts = [orjson.dumps(body["tools"]).decode()] if body.get("tools") else []
+    for message in body.get("messages") or []:
+        if isinstance(message, dict):
+            parts.append(f"<{message.get('role')}>{_content_text(message.get('content'))}")
+    return "".join(parts)
+
+
+def routing_key(path: str, body: bytes) -> str:
+    """The key the cache-aware policy matches; empty when the body has none (malformed
+    bodies are forwarded anyway: the worker names what is wrong with them)."""
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    if path == "/generate":
+        return _prompt_key(data["text"]) if data.get("text") is not None else _prompt_key(data.get("input_ids"))
+    if path == "/v1/completions":
+        return _prompt_key(data.get("prompt"))
+    if path == "/v1/chat/completions":
+        return _chat_key(data)
+    return ""

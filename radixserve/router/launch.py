@@ -1,0 +1,129 @@
+"""Runs the router (`radixserve router`), and N replicas behind it (`radixserve serve --dp-size N`)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from dataclasses import replace
+
+import httpx
+import uvicorn
+
+from ..config import RouterArgs, ServerArgs
+from ..server.launch import GracefulServer
+from .app import create_router_app
+from .proxy import Router
+
+log = logging.getLogger("radixserve.router")
+CONNECT_TIMEOUT_S = 5.0
+REPLICA_READY_TIMEOUT_S = 900.0
+
+
+def run_router(args: RouterArgs) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied call otherwise
+    client = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_secs, connect=CONNECT_TIMEOUT_S),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    router = Router(args, client)
+    app = create_router_app(router)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        tasks = [asyncio.create_task(router.check_forever()), asyncio.create_task(router.evict_forever())]
+        log.info("routing to %d worker(s) with %s on http://%s:%d", len(router.workers), args.policy,
+                 args.host, args.port)
+        yield
+        for task in tasks:
+            task.cancel()
+        await client.aclose()
+
+    app.router.lifespan_context = lifespan
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    server.run()
+    return 0 if server.started else 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_args(server: ServerArgs, dp_size: int, rank: int) -> ServerArgs:
+    """Replica `rank` of `dp_size`: loopback on a free port, its share of the CPU threads."""
+    threads = server.engine.num_threads or os.cpu_count() or 1
+    share = max(1, threads // dp_size)
+    return replace(server, host="127.0.0.1", port=free_port(), engine=server.engine.with_(num_threads=share))
+
+
+def place_replica(rank: int, dp_size: int, tp_size: int) -> None:
+    """Give replica `rank` its own devices: GPUs rank*tp_size.. when there are enough and none
+    were chosen, else its share of the CPU cores (its processes inherit the affinity)."""
+    import torch
+
+    if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        if torch.cuda.device_count() >= dp_size * tp_size:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * tp_size + i) for i in range(tp_size))
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // dp_size
+    if share:
+        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+
+
+def _run_replica(args: ServerArgs, rank: int, dp_size: int) -> None:
+    from ..ipc import exit_with_parent
+    from ..server.launch import launch_server
+
+    exit_with_parent()
+    place_replica(rank, dp_size, args.engine.tp_size)
+    raise SystemExit(launch_server(args))
+
+
+def wait_replicas(urls: list[str], procs: list[mp.Process]) -> None:
+    deadline = time.time() + REPLICA_READY_TIMEOUT_S
+    pending = set(urls)
+    while pending:
+        for url, proc in zip(urls, procs):
+            if not proc.is_alive():
+                raise RuntimeError(f"replica {url} exited during start-up (exit code {proc.exitcode})")
+        for url in list(pending):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    pending.discard(url)
+        if time.time() > deadline:
+            raise TimeoutError(f"replicas {sorted(pending)} did not become ready in time")
+        time.sleep(0.5)
+
+
+def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -> int:
+    """`dp_size` replicas of `server`, each a whole radixserve server, behind a router on
+    `server`'s address; the replicas stop with the router."""
+    logging.basicConfig(level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    replicas = [replica_args(server, dp_size, rank) for rank in range(dp_size)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_run_replica, args=(r, i, dp_size), name=f"radixserve-replica-{i}") for i, r in enumerate(replicas)]
+    urls = [f"http://127.0.0.1:{r.port}" for r in replicas]
+    for proc in procs:
+        proc.start()
+    try:
+        wait_replicas(urls, procs)
+        log.info("%d replicas ready: %s", dp_size, ", ".join(urls))
+        return run_router(replace(router, host=server.host, port=server.port, api_key=server.api_key,
+                                  worker_urls=tuple(urls)))
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

@@ -1,0 +1,168 @@
+"""The router's approximate prefix tree and its policies, as pure logic (no processes)."""
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from radixserve.config import RouterArgs
+from radixserve.router.keys import routing_key
+from radixserve.router.policies import CacheAware, PowerOfTwo, RoundRobin
+from radixserve.router.tree import PrefixTree
+from radixserve.router.workers import CircuitBreaker, Worker
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1
+        return self.now
+
+
+def held(tree: PrefixTree, tenant: str) -> set[str]:
+    """Every key prefix the tenant holds, read back by walking the tree."""
+    out, stack = set(), [(tree.root, "")]
+    while stack:
+        node, prefix = stack.pop()
+        for child in node.children.values():
+            if tenant in child.tenants:
+                text = prefix + child.edge
+                out.add(text)
+                stack.append((child, text))
+    return out
+
+
+def counted_size(tree: PrefixTree, tenant: str) -> int:
+    total, stack = 0, [tree.root]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            if tenant in child.tenants:
+                total += len(child.edge)
+                stack.append(child)
+    return total
+
+
+def test_match_reports_each_tenants_prefix():
+    tree = PrefixTree()
+    tree.insert("system prompt A: question 1", "w1")
+    tree.insert("system prompt A: question 2", "w2")
+    tree.insert("system prompt B", "w2")
+    assert tree.match("system prompt A: question 1?") == {"w1": 27, "w2": 26}
+    assert tree.match("system prompt B and more") == {"w1": 14, "w2": 15}
+    assert tree.match("other") == {}
+    assert tree.sizes == {"w1": 27, "w2": 27 + 1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text("ab", min_size=0, max_size=12), st.sampled_from(["w1", "w2", "w3"])), max_size=40),
+       st.integers(0, 30))
+def test_tree_sizes_match_and_eviction_hold_their_invariants(inserts, bound):
+    tree = PrefixTree(clock=Clock())
+    for key, tenant in inserts:
+        tree.insert(key, tenant)
+    for tenant in ("w1", "w2", "w3"):
+        assert tree.sizes.get(tenant, 0) == counted_size(tree, tenant)
+    for key, _ in inserts:  # each tenant matches exactly the longest prefix of key it was sent
+        for tenant in ("w1", "w2", "w3"):
+            sent = [k for k, t in inserts if t == tenant]
+            best = max((common(k, key) for k in sent), default=0)
+            assert tree.match(key).get(tenant, 0) == best
+    tree.evict(bound)
+    for tenant in ("w1", "w2", "w3"):
+        assert tree.sizes.get(tenant, 0) <= bound
+        assert tree.sizes.get(tenant, 0) == counted_size(tree, tenant)
+
+
+def common(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_eviction_drops_the_least_recently_used_first():
+    tree = PrefixTree(clock=Clock())
+    tree.insert("aaaa-old", "w1")
+    tree.insert("bbbb-new", "w1")
+    tree.insert("aaaa-old", "w2")
+    tree.evict(8)
+    assert held(tree, "w1") == {"bbbb-new"}
+    assert held(tree, "w2") == {"aaaa-old"}
+    tree.remove_tenant("w2")
+    assert tree.match("aaaa-old") == {} and "w2" not in tree.sizes
+
+
+def workers(*loads: int) -> list[Worker]:
+    return [Worker(f"http://w{i}", CircuitBreaker(), in_flight=n) for i, n in enumerate(loads)]
+
+
+def test_cache_aware_keeps_a_prefix_group_on_one_worker_and_spreads_groups():
+    policy = CacheAware(RouterArgs())
+    pool = workers(0, 0)
+    groups = [f"few-shot prefix {g} " * 20 for g in range(16)]
+    rng = random.Random(0)
+    arrivals = [(g, q) for g in range(16) for q in range(6)]
+    rng.shuffle(arrivals)
+    home: dict[int, set[str]] = {}
+    for g, q in arrivals:
+        home.setdefault(g, set()).add(policy.pick(pool, groups[g] + f"question {q}").url)
+    assert all(len(urls) == 1 for urls in home.values())
+    per_worker = [sum(1 for urls in home.values() if w.url in urls) for w in pool]
+    assert per_worker == [8, 8]
+
+
+def test_cache_aware_sends_to_the_idlest_worker_when_load_is_out_of_balance():
+    policy = CacheAware(RouterArgs(balance_abs_threshold=4, balance_rel_threshold=1.5))
+    pool = workers(0, 0)
+    key = "shared prefix " * 10
+    first = policy.pick(pool, key)
+    first.in_flight = 3
+    assert policy.pick(pool, key) is first  # 3 vs 0 is within the absolute threshold: the cache wins
+    first.in_flight = 10
+    assert policy.pick(pool, key) is not first  # 10 vs 0: out of balance
+
+
+def test_cache_aware_below_threshold_picks_the_worker_holding_least():
+    policy = CacheAware(RouterArgs(cache_threshold=0.5))
+    pool = workers(0, 0)
+    policy.tree.insert("x" * 100, pool[0].url)
+    assert policy.pick(pool, "x" * 10 + "y" * 90) is pool[1]
+
+
+def test_round_robin_and_power_of_two():
+    pool = workers(5, 0, 5)
+    rr = RoundRobin()
+    assert [rr.pick(pool, "").url for _ in range(4)] == ["http://w1", "http://w2", "http://w0", "http://w1"]
+    p2 = PowerOfTwo(seed=1)
+    picks = {p2.pick(pool, "").url for _ in range(50)}
+    assert "http://w1" in picks and all(p2.pick(pool[:1], "") is pool[0] for _ in range(3))
+
+
+def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
+    breaker = CircuitBreaker(failure_threshold=2, success_threshold=1, cooldown_s=10)
+    breaker.record_failure(0.0)
+    assert breaker.allows(1.0)
+    breaker.record_failure(1.0)
+    assert not breaker.allows(5.0) and breaker.allows(11.0)
+    breaker.record_failure(11.0)  # a half-open failure reopens at once
+    assert not breaker.allows(12.0)
+    breaker.record_success()
+    assert breaker.opened_at is None and breaker.allows(12.0)
+
+
+@pytest.mark.parametrize("path, body, key", [
+    ("/generate", b'{"text": "hello"}', "hello"),
+    ("/generate", b'{"text": ["a", "b"]}', "a"),
+    ("/generate", b'{"input_ids": [72, 105]}', "Hi"),
+    ("/generate", b'{"input_ids": [[72], [73]]}', "H"),
+    ("/v1/completions", b'{"prompt": "p"}', "p"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}]}', "<user>q"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}', "<user>q"),
+    ("/generate", b"not json", ""),
+    ("/generate", b'{"input_ids": [-1]}', ""),
+    ("/v1/completions", b"[1]", ""),
+])
+def test_routing_keys(path, body, key):
+    assert routing_key(path, body) == key
