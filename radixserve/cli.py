@@ -72,6 +72,9 @@ ROUTER_FLAGS = [
     ("--retry-max-retries", dict(type=int, help="other workers tried when a request fails before its "
                                  "first byte")),
     ("--request-timeout-secs", dict(type=float, help="longest wait for a worker's response")),
+    ("--kv-events", dict(action="store_true", help="cache_aware on the workers' own KV events (workers started with "
+                         "--kv-events-config; found through their /get_server_info) instead of the approximate tree")),
+    ("--tokenizer-path", dict(help="with --kv-events: the workers' tokenizer (default: the bundled model's)")),
 ]
 
 
@@ -170,8 +173,8 @@ def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         from .server.launch import launch_server
         return launch_server(server_args)
     if engine_args.kv_events_config is not None:
-        raise ValueError("--kv-events-config with --dp-size is not supported: start the replicas one by one, "
-                         "each with its own endpoint, behind `radixserve router`")
+        raise ValueError("--kv-events-config with --dp-size is not supported (each replica needs its own endpoint): "
+                         "--router-kv-events gives each one its own, or start them one by one behind `radixserve router`")
     from .router.launch import launch_data_parallel
     router_args = router_args_from(ns, prefix="router_", max_request_bytes=ns.max_request_bytes)
     return launch_data_parallel(server_args, ns.dp_size, router_args)

@@ -206,6 +206,8 @@ class RouterArgs:
     api_key: str | None = None
     max_request_bytes: int = 8 << 20
     log_level: str = "info"
+    kv_events: bool = False  # cache_aware on the workers' KV events instead of the approximate tree
+    tokenizer_path: str | None = None  # with kv_events; None: the bundled model's
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -232,6 +234,8 @@ class RouterArgs:
             yield "health_failure_threshold, cb_failure_threshold and cb_success_threshold must be >= 1"
         if self.retry_max_retries < 0:
             yield "retry_max_retries must be >= 0"
+        if self.kv_events and self.policy != "cache_aware":
+            yield "kv_events needs the cache_aware policy"
 
 
 def worker_url_problem(url: str) -> str | None:

@@ -18,7 +18,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
-    replicas = [start_server(tmp, "--num-threads", "1", "--max-total-tokens", "4096") for _ in range(2)]
+    replicas = [start_server(tmp, "--num-threads", "1", "--max-total-tokens", "4096", "--kv-events-config",
+                             f'{{"endpoint": "tcp://*:{free_port()}", "topic": "kv"}}') for _ in range(2)]
     router = start_router(tmp, "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
                           "--health-check-interval-secs", "1")
     yield router, replicas
@@ -130,6 +131,44 @@ def test_metrics_dashboard_and_flush_span_the_cluster(cluster):
         assert "radixserve cluster" in c.get("/dashboard").text
         assert c.post("/flush_cache").status_code == 200
         assert all(r.client().get("/get_server_info").json()["stats"]["cached_slots"] == 0 for r in replicas)
+
+
+def test_kv_events_router_mirrors_each_replicas_cache_and_routes_by_it(cluster, tmp_path):
+    """`--kv-events`: the router follows both replicas' events; after a flush and a workload,
+    the blocks it holds per replica equal the replica's own cached slots, and each prefix
+    group (sent as chat and as completions) stays on one replica."""
+    _, replicas = cluster
+    router = start_router(tmp_path, "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
+                          "--kv-events")
+    try:
+        with router.client() as c:
+            deadline = time.time() + 60
+            while any(w["kv_blocks"] is None for w in c.get("/list_workers").json()["workers"]):
+                assert time.time() < deadline, router.log()
+                time.sleep(0.2)
+            time.sleep(0.5)  # the subscriptions reach the publishers
+            assert c.post("/flush_cache").status_code == 200
+            homes: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
+            for q in range(3):
+                for g in homes:
+                    system = f"You answer questions about topic {g}. " + " ".join(f"Rule {g}.{i}." for i in range(30))
+                    chat = {"model": "m", "max_tokens": 4, "temperature": 0,
+                            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Q{q}?"}]}
+                    r = c.post("/v1/chat/completions", json=chat)
+                    assert r.status_code == 200
+                    homes[g].add(worker_of(r))
+            assert all(len(h) == 1 for h in homes.values()), homes
+            for replica in replicas:
+                with replica.client() as direct:
+                    wait_idle(direct)
+            time.sleep(0.3)  # the last step's events
+            views = {w["url"]: w["kv_blocks"] for w in c.get("/list_workers").json()["workers"]}
+        for replica in replicas:
+            cached = replica.client().get("/get_server_info").json()["stats"]["cached_slots"]
+            assert views[replica.url] == cached, (views, replica.url, cached)
+        assert sum(views.values()) > 0
+    finally:
+        assert router.stop() == 0
 
 
 def test_an_api_key_is_checked_by_the_router_and_forwarded(cluster, tmp_path):

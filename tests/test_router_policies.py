@@ -166,3 +166,36 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
 ])
 def test_routing_keys(path, body, key):
     assert routing_key(path, body) == key
+
+
+def test_kv_event_index_matches_whole_pages_from_events_and_pending_routes():
+    from radixserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from radixserve.router.keys import ids_key
+    from radixserve.router.kv_index import KVEventIndex, events_endpoint, prompt_blocks
+
+    clock = Clock()
+    index = KVEventIndex(page_size=2, clock=clock)
+    prompt = [5, 6, 7, 8, 9]
+    blocks = prompt_blocks(prompt, 2)
+    assert len(blocks) == 2
+    index.apply("w1", [BlockStored(blocks, None, prompt[:4], 2)])
+    assert index.match(ids_key(prompt)) == {"w1": 4}
+    assert index.match(ids_key([5, 6, 0, 0])) == {"w1": 2}
+    index.apply("w1", [BlockRemoved(blocks[1:])])
+    assert index.match(ids_key(prompt)) == {"w1": 2}
+    index.insert(ids_key(prompt), "w2")  # routed, not yet stored: pending for a while
+    assert index.match(ids_key(prompt)) == {"w1": 2, "w2": 4}
+    clock.now += 60
+    index.evict(0)
+    assert index.match(ids_key(prompt)) == {"w1": 2}
+    index.apply("w1", [AllBlocksCleared()])
+    assert index.match(ids_key(prompt)) == {}
+    assert events_endpoint('{"endpoint": "tcp://*:5557", "topic": "kv"}', "10.0.0.2") == ("tcp://10.0.0.2:5557", b"kv")
+    assert events_endpoint('{"endpoint": "tcp://127.0.0.1:1"}', "h") == ("tcp://127.0.0.1:1", b"")
+
+
+def test_router_args_refuse_what_they_cannot_do():
+    for bad in [dict(policy="lpm"), dict(worker_urls=("localhost:1",)), dict(worker_urls=("http://a:1",) * 2),
+                dict(kv_events=True, policy="round_robin"), dict(cache_threshold=2.0), dict(retry_max_retries=-1)]:
+        with pytest.raises(ValueError):
+            RouterArgs(**bad)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -14,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..config import RouterArgs
 from ..server.api import auth_dependency, error_response, install_error_handlers, json_response, read_body
-from .proxy import WORKER_HEADER, Failure, Router, RouterError, forwarded_headers, relayed_headers
+from .proxy import WORKER_HEADER, Answer, Router, RouterError, Stream, forwarded_headers
 
 ROUTED_POSTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ANY_WORKER_GETS = ("/v1/models", "/get_model_info", "/get_chat_template")
@@ -44,10 +43,11 @@ def _proxy(router: Router, method: str, path: str):
     async def route(request: Request):
         body = await read_body(request, router.args.max_request_bytes) if method == "POST" else b""
         outcome = await router.open(method, path, body, forwarded_headers(request.headers))
-        if isinstance(outcome, Failure):
-            return Response(outcome.body, status_code=outcome.status, headers=outcome.headers)
-        headers = {**relayed_headers(outcome.response), WORKER_HEADER: outcome.worker.url}
-        return StreamingResponse(router.relay(outcome), status_code=outcome.response.status_code, headers=headers)
+        if isinstance(outcome, Stream):
+            return StreamingResponse(router.relay(outcome), status_code=outcome.response.status,
+                                     headers={"content-type": "text/event-stream", WORKER_HEADER: outcome.worker.url})
+        headers = dict(outcome.headers, **({WORKER_HEADER: outcome.worker.url} if outcome.worker else {}))
+        return Response(outcome.body, status_code=outcome.status, headers=headers)
     return route
 
 
@@ -63,7 +63,7 @@ def _management_routes(app: FastAPI, router: Router) -> None:
 
     @app.get("/list_workers")
     async def list_workers():
-        workers = [w.summary() for w in router.workers.values()]
+        workers = router.summaries()
         return json_response({"urls": [w["url"] for w in workers], "workers": workers})
 
     @app.get("/health")
@@ -81,20 +81,16 @@ def _management_routes(app: FastAPI, router: Router) -> None:
         return Response("Cache flushed.", status_code=200)
 
 
-def _problem(reply: httpx.Response | str) -> str | None:
+def _problem(reply: Answer | str) -> str | None:
     if isinstance(reply, str):
         return reply
-    return None if reply.status_code == 200 else f"{reply.status_code} {reply.text[:200]}"
+    return None if reply.status == 200 else f"{reply.status} {reply.body[:200].decode(errors='replace')}"
 
 
 async def cluster_stats(router: Router) -> dict[str, dict]:
     """Each healthy worker's own scheduler counters (its /get_server_info stats)."""
-    replies = await router.broadcast("GET", "/get_server_info", _auth_header(router))
-    return {url: r.json()["stats"] for url, r in replies.items() if not _problem(r)}
-
-
-def _auth_header(router: Router) -> dict[str, str]:
-    return {"authorization": f"Bearer {router.args.api_key}"} if router.args.api_key else {}
+    replies = await router.broadcast("GET", "/get_server_info", router.auth_headers())
+    return {url: orjson.loads(r.body)["stats"] for url, r in replies.items() if not _problem(r)}
 
 
 def cluster_hit_rate(stats: dict[str, dict]) -> float:
@@ -116,7 +112,7 @@ def _observability_routes(app: FastAPI, router: Router) -> None:
     @app.get("/dashboard/data")
     async def dashboard_data():
         stats = await cluster_stats(router)
-        workers = [dict(w.summary(), stats=stats.get(w.url)) for w in router.workers.values()]
+        workers = [dict(w, stats=stats.get(w["url"])) for w in router.summaries()]
         return json_response({"policy": router.args.policy, "cluster_hit_rate": cluster_hit_rate(stats),
                               "retries": router.retries, "unroutable": router.unroutable, "workers": workers})
 

@@ -62,3 +62,30 @@ def routing_key(path: str, body: bytes) -> str:
     if path == "/v1/chat/completions":
         return _chat_key(data)
     return ""
+
+
+def token_key(path: str, body: bytes, tokenizer: Any) -> str:
+    """The prompt's token ids as the worker will compute them (`ids_key`), for the KV-event
+    index; chat requests are rendered through the same request model and template code as
+    the worker's. Empty when the body is not a valid request."""
+    from pydantic import ValidationError
+
+    from ..server.protocol import ChatCompletionRequest
+    from ..tokenizer import apply_chat_template, encode_prompt
+
+    try:
+        data = orjson.loads(body) if body else None
+        if not isinstance(data, dict):
+            return ""
+        if path == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate(data)
+            text = apply_chat_template(tokenizer, [m.template_dict() for m in chat.messages],
+                                       tools=chat.template_functions() or None, **chat.template_options())
+            return ids_key(encode_prompt(tokenizer, text))
+        prompt = _first(data.get("prompt") if path == "/v1/completions" else
+                        (data["text"] if data.get("text") is not None else data.get("input_ids")))
+        return ids_key(encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt or [])
+    except (orjson.JSONDecodeError, ValidationError, ValueError, TypeError):
+        return ""
+    except Exception:  # noqa: BLE001 - a template that fails on this input: the worker names the error
+        return ""

@@ -1,16 +1,16 @@
 """Runs the router (`radixserve router`), and N replicas behind it (`radixserve serve --dp-size N`)."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing as mp
 import os
 import socket
 import time
+import urllib.request
 from dataclasses import replace
 
-import httpx
 import uvicorn
 
 from ..config import RouterArgs, ServerArgs
@@ -19,27 +19,21 @@ from .app import create_router_app
 from .proxy import Router
 
 log = logging.getLogger("radixserve.router")
-CONNECT_TIMEOUT_S = 5.0
 REPLICA_READY_TIMEOUT_S = 900.0
 
 
 def run_router(args: RouterArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied call otherwise
-    client = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_secs, connect=CONNECT_TIMEOUT_S),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    router = Router(args, client)
+    router = Router(args)
     app = create_router_app(router)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        tasks = [asyncio.create_task(router.check_forever()), asyncio.create_task(router.evict_forever())]
+        await router.start()
         log.info("routing to %d worker(s) with %s on http://%s:%d", len(router.workers), args.policy,
                  args.host, args.port)
         yield
-        for task in tasks:
-            task.cancel()
-        await client.aclose()
+        await router.stop()
 
     app.router.lifespan_context = lifespan
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -54,11 +48,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_args(server: ServerArgs, dp_size: int, rank: int) -> ServerArgs:
-    """Replica `rank` of `dp_size`: loopback on a free port, its share of the CPU threads."""
+def replica_args(server: ServerArgs, dp_size: int, kv_events: bool) -> ServerArgs:
+    """A replica: loopback on a free port, its share of the CPU threads, and with `kv_events`
+    its own KV event endpoint."""
     threads = server.engine.num_threads or os.cpu_count() or 1
-    share = max(1, threads // dp_size)
-    return replace(server, host="127.0.0.1", port=free_port(), engine=server.engine.with_(num_threads=share))
+    engine = server.engine.with_(num_threads=max(1, threads // dp_size))
+    if kv_events:
+        engine = engine.with_(kv_events_config=json.dumps({"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}))
+    return replace(server, host="127.0.0.1", port=free_port(), engine=engine)
 
 
 def place_replica(rank: int, dp_size: int, tp_size: int) -> None:
@@ -93,9 +90,8 @@ def wait_replicas(urls: list[str], procs: list[mp.Process]) -> None:
             if not proc.is_alive():
                 raise RuntimeError(f"replica {url} exited during start-up (exit code {proc.exitcode})")
         for url in list(pending):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    pending.discard(url)
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=1):
+                pending.discard(url)  # urlopen raises on anything but a 2xx
         if time.time() > deadline:
             raise TimeoutError(f"replicas {sorted(pending)} did not become ready in time")
         time.sleep(0.5)
@@ -105,7 +101,7 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
     """`dp_size` replicas of `server`, each a whole radixserve server, behind a router on
     `server`'s address; the replicas stop with the router."""
     logging.basicConfig(level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    replicas = [replica_args(server, dp_size, rank) for rank in range(dp_size)]
+    replicas = [replica_args(server, dp_size, router.kv_events) for _ in range(dp_size)]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_run_replica, args=(r, i, dp_size), name=f"radixserve-replica-{i}") for i, r in enumerate(replicas)]
     urls = [f"http://127.0.0.1:{r.port}" for r in replicas]
@@ -114,8 +110,12 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
     try:
         wait_replicas(urls, procs)
         log.info("%d replicas ready: %s", dp_size, ", ".join(urls))
+        tokenizer = router.tokenizer_path
+        if router.kv_events and tokenizer is None:
+            from ..models.loader import resolve_model
+            tokenizer = str(resolve_model(server.engine.model).tokenizer_dir)
         return run_router(replace(router, host=server.host, port=server.port, api_key=server.api_key,
-                                  worker_urls=tuple(urls)))
+                                  worker_urls=tuple(urls), tokenizer_path=tokenizer))
     except (RuntimeError, TimeoutError) as exc:
         log.error("start-up failed: %s", exc)
         return 1

@@ -1,10 +1,11 @@
 """The router's core: its workers, their health, and forwarding with retries.
 
 A request is retried on another worker when it fails before its first byte reached the
-client: the worker could not be reached, the connection broke before the response began,
-or the worker answered 502, 503 or 504 (unavailable, full, or shutting down). Other answers,
-4xx included, pass through as they are. Once streaming has begun a failure ends the stream
-(with an error event when it is server-sent events).
+client: the worker could not be reached, the connection broke before the whole answer came
+(or, for a stream, before its headers), or the worker answered 502, 503 or 504 (unavailable,
+full, or shutting down). Other answers, 4xx included, pass through as they are. Whole answers
+are read, then sent on; server-sent events are relayed as they come, and a failure once they
+have begun ends the stream with an error event.
 """
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from pathlib import Path
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 import orjson
 
 from ..config import RouterArgs, worker_url_problem
 from ..server.api import error_body
-from .keys import routing_key
+from .keys import routing_key, token_key
+from .kv_index import KVEventIndex, events_endpoint, follow_events
 from .policies import CacheAware, Policy, make_policy
 from .workers import CircuitBreaker, Worker
 
@@ -28,6 +32,7 @@ RETRYABLE_STATUS = (502, 503, 504)
 FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
 WORKER_HEADER = "x-radixserve-worker"
+CONNECT_TIMEOUT_S = 5.0
 
 
 class RouterError(Exception):
@@ -37,31 +42,103 @@ class RouterError(Exception):
 
 
 @dataclass
-class Upstream:
-    """A worker's response whose headers have arrived; its body is still to be relayed."""
+class Answer:
+    """A whole response: a worker's, or the router's own when no worker could answer."""
 
-    worker: Worker
-    response: httpx.Response
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    worker: Worker | None = None
 
 
 @dataclass
-class Failure:
-    status: int
-    body: bytes
-    headers: dict[str, str]
+class Stream:
+    """A worker's server-sent events whose headers have arrived; the events are still to come."""
+
+    worker: Worker
+    response: aiohttp.ClientResponse
 
 
 class Router:
-    def __init__(self, args: RouterArgs, client: httpx.AsyncClient):
+    def __init__(self, args: RouterArgs):
         self.args = args
-        self.client = client
-        self.policy: Policy = make_policy(args)
+        self.session: aiohttp.ClientSession | None = None  # made by start(), inside the event loop
+        self.tasks: list[asyncio.Task] = []
+        self.index = KVEventIndex() if args.kv_events else None
+        self.policy: Policy = CacheAware(args, self.index) if self.index is not None else make_policy(args)
+        self.tokenizer = None  # with kv_events, to compute the token ids the index is keyed by
+        self.followers: dict[str, asyncio.Task] = {}
+        self.following: set[str] = set()  # workers whose events are being applied
         self.workers: dict[str, Worker] = {}
         self.retries = 0
         self.unroutable = 0
         self.checking: set[str] = set()  # workers with an out-of-turn health check running
         for url in args.worker_urls:
             self._add(url)
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.args.request_timeout_secs)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.tasks = [asyncio.create_task(self.check_forever()), asyncio.create_task(self.evict_forever())]
+        if self.index is not None:
+            self.tokenizer = await asyncio.to_thread(load_router_tokenizer, self.args.tokenizer_path)
+            for worker in self.workers.values():
+                self._follow(worker)
+
+    async def stop(self) -> None:
+        for task in [*self.tasks, *self.followers.values()]:
+            task.cancel()
+        await self.session.close()
+
+    def key_of(self, method: str, path: str, body: bytes) -> str:
+        if method != "POST":
+            return ""
+        return token_key(path, body, self.tokenizer) if self.tokenizer is not None else routing_key(path, body)
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def _follow(self, worker: Worker) -> None:
+        self.followers[worker.url] = asyncio.create_task(self._follow_events(worker))
+
+    async def _follow_events(self, worker: Worker) -> None:
+        """Find where the worker publishes (its /get_server_info, asked until it answers) and
+        apply its events to the index until the worker is removed."""
+        while True:
+            answer = (await self.broadcast("GET", "/get_server_info", self.auth_headers(), [worker])).get(worker.url)
+            if isinstance(answer, Answer) and answer.status == 200:
+                break
+            await asyncio.sleep(self.args.health_check_interval_secs)
+        info = orjson.loads(answer.body)
+        if not info.get("kv_events_config"):
+            worker.last_problem = "publishes no KV events (start it with --kv-events-config)"
+            log.error("worker %s %s", worker.url, worker.last_problem)
+            return
+        if self.index.page_size not in (None, info["page_size"]):
+            worker.last_problem = f"page size {info['page_size']} differs from the others' {self.index.page_size}"
+            log.error("worker %s: %s; its events are ignored", worker.url, worker.last_problem)
+            return
+        self.index.page_size = info["page_size"]
+        endpoint, topic = events_endpoint(info["kv_events_config"], urlsplit(worker.url).hostname)
+        log.info("following the KV events of %s at %s", worker.url, endpoint)
+        self.following.add(worker.url)
+        try:
+            await follow_events(self.index, worker.url, endpoint, topic)
+        finally:
+            self.following.discard(worker.url)
+
+    def summaries(self) -> list[dict]:
+        """Each worker's state; with KV events, the blocks it caches (None until followed)."""
+        out = []
+        for worker in self.workers.values():
+            summary = worker.summary()
+            if self.index is not None:
+                following = worker.url in self.following
+                summary["kv_blocks"] = len(self.index.blocks.get(worker.url, ())) if following else None
+            out.append(summary)
+        return out
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -81,6 +158,8 @@ class Router:
             raise RouterError(f"url: worker {url} is already routed to")
         worker = self._add(url)
         await self.check(worker)
+        if self.index is not None:
+            self._follow(worker)
         log.info("added worker %s (%s)", url, "healthy" if worker.healthy else worker.last_problem)
         return worker
 
@@ -89,6 +168,8 @@ class Router:
         if worker is None:
             raise RouterError(f"url: no worker {url!r}", 404)
         self.policy.forget(worker.url)
+        if (follower := self.followers.pop(worker.url, None)) is not None:
+            follower.cancel()
         log.info("removed worker %s", worker.url)
 
     def available(self, exclude: set[str] = frozenset()) -> list[Worker]:
@@ -98,12 +179,13 @@ class Router:
     # -- health ----------------------------------------------------------------------------
 
     async def check(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)
+        fatal = False
         try:
-            reply = await self.client.get(worker.url + "/health", timeout=self.args.health_check_timeout_secs)
-            problem = None if reply.status_code == 200 else f"/health answered {reply.status_code}"
-            fatal = False
-        except httpx.HTTPError as exc:
-            problem, fatal = f"/health failed: {type(exc).__name__}", isinstance(exc, httpx.ConnectError)
+            async with self.session.get(worker.url + "/health", timeout=timeout) as reply:
+                problem = None if reply.status == 200 else f"/health answered {reply.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            problem, fatal = f"/health failed: {type(exc).__name__}", isinstance(exc, aiohttp.ClientConnectorError)
         if problem is None:
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
@@ -138,12 +220,12 @@ class Router:
 
     # -- forwarding ------------------------------------------------------------------------
 
-    async def open(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Upstream | Failure:
+    async def open(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Answer | Stream:
         """Send the request to a worker the policy picks, retrying elsewhere on failures before
         the first byte; the last failure when every try failed."""
-        key = routing_key(path, body) if method == "POST" else ""
+        key = self.key_of(method, path, body)
         tried: set[str] = set()
-        failure = Failure(503, b"", {})
+        failure: Answer | None = None
         for attempt in range(1 + self.args.retry_max_retries):
             candidates = self.available(tried)
             if not candidates:
@@ -153,44 +235,42 @@ class Router:
             worker = self.policy.pick(candidates, key)
             tried.add(worker.url)
             outcome = await self._try(worker, method, path, body, headers)
-            if isinstance(outcome, Upstream):
+            if isinstance(outcome, Stream) or (outcome is not None and outcome.status not in RETRYABLE_STATUS):
                 return outcome
-            failure = outcome
-        if not failure.body:
-            self.unroutable += 1
-            message = "no healthy worker could take the request" + (f" (tried {sorted(tried)})" if tried else "")
-            failure.body = orjson.dumps(error_body(message, 503))
-            failure.headers = {"content-type": "application/json"}
-        return failure
+            failure = outcome or failure
+        if failure is not None:
+            return failure
+        self.unroutable += 1
+        message = "no healthy worker could take the request" + (f" (tried {sorted(tried)})" if tried else "")
+        return Answer(503, {"content-type": "application/json"}, orjson.dumps(error_body(message, 503)))
 
     async def _try(self, worker: Worker, method: str, path: str, body: bytes,
-                   headers: dict[str, str]) -> Upstream | Failure:
+                   headers: dict[str, str]) -> Answer | Stream | None:
+        """One try: a stream to relay, a whole answer, or None when no answer came."""
         worker.in_flight += 1
         worker.routed += 1
-        request = self.client.build_request(method, worker.url + path, content=body, headers=headers)
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self.session.request(method, worker.url + path, data=body, headers=headers)
+            streamed = is_event_stream(response) and response.status not in RETRYABLE_STATUS
+            content = b"" if streamed else await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             worker.in_flight -= 1
             self._failed(worker, f"{type(exc).__name__} before the response began",
-                         dead=isinstance(exc, httpx.ConnectError))
-            if isinstance(exc, httpx.TransportError):  # a broken connection: is the worker still there?
-                self._spawn_check(worker)
-            return Failure(503, b"", {})
-        if response.status_code in RETRYABLE_STATUS:
-            try:
-                content = await response.aread()
-            except httpx.HTTPError:
-                content = b""
-            await response.aclose()
-            worker.in_flight -= 1
-            self._failed(worker, f"answered {response.status_code}")
-            return Failure(response.status_code, content, relayed_headers(response))
-        if response.status_code >= 500:
+                         dead=isinstance(exc, aiohttp.ClientConnectorError))
+            self._spawn_check(worker)  # a broken connection: is the worker still there?
+            return None
+        if streamed:
+            worker.breaker.record_success()
+            return Stream(worker, response)
+        worker.in_flight -= 1
+        response.release()
+        if response.status in RETRYABLE_STATUS:
+            self._failed(worker, f"answered {response.status}")
+        elif response.status >= 500:
             worker.errors += 1
         else:
             worker.breaker.record_success()
-        return Upstream(worker, response)
+        return Answer(response.status, relayed_headers(response), content, worker)
 
     def _failed(self, worker: Worker, problem: str, dead: bool = False) -> None:
         worker.errors += 1
@@ -199,40 +279,57 @@ class Router:
         if dead and worker.healthy:
             self._mark_dead(worker, problem)
 
-    async def relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
-        """The worker's body, chunk by chunk; closing this (a client that went away) closes
-        the worker's response, which aborts the request there."""
-        worker, response = upstream.worker, upstream.response
+    async def relay(self, stream: Stream) -> AsyncIterator[bytes]:
+        """The worker's events as they come; closing this (a client that went away) closes the
+        connection to the worker, which aborts the request there."""
+        worker, response = stream.worker, stream.response
         try:
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.content.iter_any():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._failed(worker, f"{type(exc).__name__} while streaming")
             self._spawn_check(worker)
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
-                message = f"the worker serving this request failed mid-stream ({type(exc).__name__})"
-                yield b"data: " + orjson.dumps(error_body(message, 502)) + b"\n\ndata: [DONE]\n\n"
+            message = f"the worker serving this request failed mid-stream ({type(exc).__name__})"
+            yield b"data: " + orjson.dumps(error_body(message, 502)) + b"\n\ndata: [DONE]\n\n"
         finally:
             worker.in_flight -= 1
-            await response.aclose()
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
 
-    async def broadcast(self, method: str, path: str, headers: dict[str, str]) -> dict[str, httpx.Response | str]:
-        """The same call to every healthy worker: each worker's response, or why it failed."""
-        async def call(worker: Worker):
+    async def broadcast(self, method: str, path: str, headers: dict[str, str],
+                        workers: list[Worker] | None = None) -> dict[str, Answer | str]:
+        """The same call to each of `workers` (every healthy one by default): each worker's
+        answer, or why it failed."""
+        timeout = aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)
+
+        async def call(worker: Worker) -> Answer | str:
             try:
-                return await self.client.request(method, worker.url + path, headers=headers,
-                                                 timeout=self.args.health_check_timeout_secs)
-            except httpx.HTTPError as exc:
+                async with self.session.request(method, worker.url + path, headers=headers, timeout=timeout) as r:
+                    return Answer(r.status, relayed_headers(r), await r.read(), worker)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 return f"{type(exc).__name__}: {exc}"
-        workers = self.available()
+        workers = self.available() if workers is None else workers
         replies = await asyncio.gather(*(call(w) for w in workers))
         return {w.url: r for w, r in zip(workers, replies)}
 
 
-def relayed_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k in FORWARDED_RESPONSE_HEADERS}
+def is_event_stream(response: aiohttp.ClientResponse) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def relayed_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k.lower(): v for k, v in response.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS}
 
 
 def forwarded_headers(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
 
+
+def load_router_tokenizer(path: str | None) -> Any:
+    """The tokenizer at `path`, else the bundled model's."""
+    from ..models.loader import resolve_model
+    from ..tokenizer import load_tokenizer
+
+    return load_tokenizer(Path(path) if path else resolve_model(None).tokenizer_dir)
