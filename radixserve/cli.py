@@ -40,6 +40,10 @@ ENGINE_FLAGS = [
     ("--cuda-graph-max-bs", dict(type=int, default=64, help="largest decode batch captured in a CUDA graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks: rank 0 in the scheduler, one worker process per other rank, torch.distributed "
                                                       "(gloo on CPU, NCCL on GPU); must divide the head counts")),
+    ("--nnodes", dict(type=int, default=1, help="machines the --tp-size ranks span (torch.distributed across them)")),
+    ("--node-rank", dict(type=int, default=0, help="this machine's place among --nnodes; node 0 serves HTTP and "
+                         "hosts rank 0, the others only run their ranks")),
+    ("--dist-init-addr", dict(default=None, help="host:port of node 0 where the ranks meet (needed with --nnodes > 1)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ class EngineArgs:
     watchdog_timeout: float = 300.0  # the scheduler exits when a step takes longer (the server then stops)
     cuda_graph_max_bs: int = 64
     kv_events_config: str | None = None  # JSON (kv_events.KVEventsConfig): publish KV cache events
+    nnodes: int = 1  # machines the tensor-parallel ranks span
+    node_rank: int = 0  # this machine's place among them; node 0 serves HTTP and hosts rank 0
+    dist_init_addr: str | None = None  # host:port where the ranks meet (needed across nodes)
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -147,6 +151,14 @@ class EngineArgs:
             yield "tp_size must be >= 1"
         if self.cuda_graph_max_bs < 1:
             yield "cuda_graph_max_bs must be >= 1"
+        if not 1 <= self.nnodes <= self.tp_size:
+            yield f"nnodes must be between 1 and tp_size ({self.tp_size}): every node hosts a rank"
+        if not 0 <= self.node_rank < self.nnodes:
+            yield f"node_rank must be in [0, nnodes), got {self.node_rank}"
+        if self.dist_init_addr is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", self.dist_init_addr):
+            yield f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
 
     def prefill_budget(self, device: str) -> int:
         """Prompt tokens per step: the flag, else what measured best on the device type.
@@ -158,6 +170,15 @@ class EngineArgs:
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 2048 if device.startswith("cpu") else 4096
+
+    def local_tp_ranks(self) -> list[int]:
+        """The tensor-parallel ranks this node hosts: node k gets the ranks r with
+        r * nnodes // tp_size == k (contiguous, as even as the counts allow)."""
+        return [r for r in range(self.tp_size) if r * self.nnodes // self.tp_size == self.node_rank]
+
+    def dist_init_method(self, init_file: str) -> str:
+        """Where the ranks meet: node 0's address across nodes, else a file of the private folder."""
+        return f"tcp://{self.dist_init_addr}" if self.dist_init_addr else f"file://{init_file}"
 
     def with_(self, **changes) -> "EngineArgs":
         return replace(self, **changes)

@@ -71,11 +71,11 @@ def _collective_device() -> torch.device:
 IDLE_TIMEOUT = timedelta(days=365)  # ranks > 0 wait in a broadcast for as long as the server idles
 
 
-def init_tp_group(rank: int, size: int, init_file: str, device: torch.device) -> TPGroup:
-    """Join the group of `size` model workers (a no-op for one rank)."""
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the group of `size` model workers at `init_method` (a no-op for one rank)."""
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                          timeout=IDLE_TIMEOUT)
     return TPGroup(rank, size)

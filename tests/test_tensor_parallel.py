@@ -1,11 +1,16 @@
 """Tensor parallelism: three ranks (gloo) serve the bundled model (9 query / 3 KV heads): rank 0 in
-the scheduler process, ranks 1 and 2 in worker processes that receive each step by broadcast."""
+the scheduler process, ranks 1 and 2 in worker processes that receive each step by broadcast.
+The ranks span two "nodes" (two launcher processes on this machine meeting at
+--dist-init-addr): node 0 serves HTTP and hosts ranks 0 and 1, node 1 hosts rank 2."""
+import subprocess
+import sys
+
 import pytest
 
 from conftest import PROMPTS
 from radixserve.config import ModelConfig
 from radixserve.distributed import TPGroup
-from server_utils import start_server
+from server_utils import free_port, start_server
 
 
 def test_shard_config_splits_heads_and_refuses_uneven_splits():
@@ -19,9 +24,21 @@ def test_shard_config_splits_heads_and_refuses_uneven_splits():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("tp"), "--tp-size", "3", "--max-total-tokens", "2048")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    tmp = tmp_path_factory.mktemp("tp")
+    nodes = ["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node1_log = tmp / "node1.log"
+    node1 = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "serve", "--dtype", "float32", *nodes,
+                              "--node-rank", "1", "--max-total-tokens", "2048"],
+                             stdout=open(node1_log, "w"), stderr=subprocess.STDOUT)
+    try:
+        srv = start_server(tmp, *nodes, "--node-rank", "0", "--max-total-tokens", "2048")
+        yield srv
+        assert srv.stop() == 0, srv.log()
+        assert node1.wait(timeout=60) is not None  # its rank lost node 0 and the node stopped
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        print(node1_log.read_text())
 
 
 def test_three_ranks_match_hf(server, tokenizer, hf_greedy):
@@ -36,9 +53,22 @@ def test_three_ranks_match_hf(server, tokenizer, hf_greedy):
         assert again["meta_info"]["cached_tokens"] > 0
         assert again["output_ids"] == hf_greedy(tokenizer.encode(prompts[0] + " and"), 8)
         info = client.get("/get_server_info").json()
-    assert sorted(name for name in info["processes"] if name.startswith("worker")) == [
-        "worker (tp rank 1)", "worker (tp rank 2)"]
-    assert info["tp_size"] == 3
+    assert sorted(name for name in info["processes"] if name.startswith("worker")) == ["worker (tp rank 1)"]
+    assert info["tp_size"] == 3 and info["nnodes"] == 2
+
+
+def test_ranks_are_spread_over_the_nodes():
+    from radixserve.config import EngineArgs
+
+    spread = lambda tp, n: [EngineArgs(tp_size=tp, nnodes=n, node_rank=k, dist_init_addr="h:1").local_tp_ranks()  # noqa: E731
+                            for k in range(n)]
+    assert spread(3, 2) == [[0, 1], [2]]
+    assert spread(4, 2) == [[0, 1], [2, 3]]
+    assert spread(3, 3) == [[0], [1], [2]]
+    for bad in [dict(tp_size=2, nnodes=3, dist_init_addr="h:1"), dict(tp_size=2, nnodes=2),
+                dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), dict(dist_init_addr="no-port")]:
+        with pytest.raises(ValueError):
+            EngineArgs(**bad)
 
 
 def test_offline_engine_points_to_the_server_for_tp():

@@ -15,7 +15,7 @@ from typing import Callable
 import uvicorn
 import zmq
 
-from ..config import ServerArgs
+from ..config import EngineArgs, ServerArgs
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
@@ -77,7 +77,7 @@ def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir, heartb
                                    name="radixserve-detokenizer"),
         **{f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(e, endpoints, rank),
                                                    name=f"radixserve-worker-tp{rank}")
-           for rank in range(1, e.tp_size)},
+           for rank in e.local_tp_ranks() if rank > 0},
         "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints, heartbeat), name="radixserve-scheduler"),
     }
     for proc in procs.values():
@@ -122,8 +122,11 @@ def watch_children(children: Children, health: Health, server: uvicorn.Server, e
 
 
 def launch_server(args: ServerArgs) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1)."""
+    """Run until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1). On a node other
+    than node 0, only this node's tensor-parallel ranks run."""
     logging.basicConfig(level=args.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if args.engine.node_rank > 0:
+        return run_node_ranks(args.engine)
     started = time.time()
     source = resolve_model(args.engine.model)
     endpoints = Endpoints.create()
@@ -170,3 +173,29 @@ def launch_server(args: ServerArgs) -> int:
 def log_ready(args: ServerArgs, ready: SchedulerReady, seconds: float) -> None:
     log.info("serving %s on http://%s:%d (cold start %.1f s)", ready.model_name, args.host, args.port, seconds)
     log.info(ready.info.capacity_line())
+
+
+def run_node_ranks(engine: EngineArgs) -> int:
+    """A node > 0 of multi-node tensor parallelism: its ranks follow rank 0 (on node 0) over
+    torch.distributed. Exits 0 on SIGINT/SIGTERM, 1 when a rank exits (node 0 went away)."""
+    ctx = mp.get_context("spawn")
+    endpoints = Endpoints.create()  # unused across nodes (ranks meet at dist_init_addr), but run_follower takes one
+    children = Children({f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(engine, endpoints, rank),
+                                                                   name=f"radixserve-worker-tp{rank}")
+                         for rank in engine.local_tp_ranks()})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    for proc in children.procs.values():
+        proc.start()
+    log.info("node %d of %d: tensor-parallel ranks %s joining %s", engine.node_rank, engine.nnodes,
+             engine.local_tp_ranks(), engine.dist_init_addr)
+    try:
+        while not stop.wait(0.2):
+            if (dead := children.first_dead()) is not None:
+                log.error("the %s process exited (code %s); stopping this node", *dead)
+                return 1
+        return 0
+    finally:
+        children.stop()
+        shutil.rmtree(endpoints.folder, ignore_errors=True)

@@ -20,22 +20,25 @@ from .model_runner import ModelRunner, default_device
 
 def start_rank0(args: EngineArgs, endpoints: Endpoints, source: ModelSource) -> ModelRunner:
     """TP rank 0, in the calling (scheduler) process."""
-    device = worker_device(0)
-    return ModelRunner(source, args, device, tp=init_tp_group(0, args.tp_size, endpoints.tp_init_file, device))
+    device = worker_device(0, args)
+    tp = init_tp_group(0, args.tp_size, args.dist_init_method(endpoints.tp_init_file), device)
+    return ModelRunner(source, args, device, tp=tp)
 
 
 def run_follower(args: EngineArgs, endpoints: Endpoints, tp_rank: int) -> None:
     """Entry point of the process of TP rank `tp_rank` > 0."""
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker tp{tp_rank}: %(message)s")
-    device = worker_device(tp_rank)
-    tp = init_tp_group(tp_rank, args.tp_size, endpoints.tp_init_file, device)
+    device = worker_device(tp_rank, args)
+    tp = init_tp_group(tp_rank, args.tp_size, args.dist_init_method(endpoints.tp_init_file), device)
     ModelRunner(resolve_model(args.model), args, device, tp=tp).follow()
 
 
-def worker_device(tp_rank: int) -> torch.device:
+def worker_device(tp_rank: int, args: EngineArgs) -> torch.device:
+    """On CUDA, the node's GPU at the rank's place among the node's ranks."""
     device = default_device()
     if device.type == "cuda":
-        torch.cuda.set_device(tp_rank)
-        return torch.device("cuda", tp_rank)
+        local = args.local_tp_ranks().index(tp_rank)
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
     return device
