@@ -67,24 +67,28 @@ class Server:
 
 def start_server(tmp_path, *args: str, api_key: str | None = None, timeout: float = 180) -> Server:
     port = free_port()
-    log_path = str(tmp_path / f"server-{port}.log")
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--dtype", "float32", *args]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    server = Server(proc, f"http://127.0.0.1:{port}", api_key, log_path)
+    cmd = ["serve", "--port", str(port), "--dtype", "float32", *args] + (["--api-key", api_key] if api_key else [])
+    return _launch(cmd, port, tmp_path / f"server-{port}.log", api_key, timeout,
+                   ready=lambda url: httpx.get(f"{url}/health", timeout=1).status_code == 200)
+
+
+def _launch(cmd: list[str], port: int, log_path, api_key: str | None, timeout: float, ready) -> Server:
+    """Run `radixserve <cmd>` until `ready(url)` holds; its output goes to `log_path`."""
+    proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", *cmd], stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT)
+    server = Server(proc, f"http://127.0.0.1:{port}", api_key, str(log_path))
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{server.log()}")
+            raise RuntimeError(f"radixserve {cmd[0]} exited early:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+            if ready(server.url):
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
     proc.kill()
-    raise TimeoutError(f"server did not come up:\n{server.log()}")
+    raise TimeoutError(f"radixserve {cmd[0]} did not come up:\n{server.log()}")
 
 
 def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
@@ -104,19 +108,5 @@ def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
 def start_router(tmp_path, *args: str, timeout: float = 60) -> Server:
     """A real `radixserve router` process; ready when it answers HTTP at all."""
     port = free_port()
-    log_path = str(tmp_path / f"router-{port}.log")
-    cmd = [sys.executable, "-m", "radixserve.cli", "router", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    router = Server(proc, f"http://127.0.0.1:{port}", None, log_path)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited early:\n{router.log()}")
-        try:
-            httpx.get(f"{router.url}/list_workers", timeout=1)
-            return router
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"router did not come up:\n{router.log()}")
+    return _launch(["router", "--port", str(port), *args], port, tmp_path / f"router-{port}.log", None, timeout,
+                   ready=lambda url: httpx.get(f"{url}/list_workers", timeout=1) is not None)
