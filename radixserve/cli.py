@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import ATTENTION_BACKENDS, DTYPES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineArgs, RouterArgs, ServerArgs
+from .config import ATTENTION_BACKENDS, DTYPES, HICACHE_WRITE_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineArgs, RouterArgs, ServerArgs
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
@@ -44,6 +44,17 @@ ENGINE_FLAGS = [
     ("--node-rank", dict(type=int, default=0, help="this machine's place among --nnodes; node 0 serves HTTP and "
                          "hosts rank 0, the others only run their ranks")),
     ("--dist-init-addr", dict(default=None, help="host:port of node 0 where the ranks meet (needed with --nnodes > 1)")),
+    ("--enable-hierarchical-cache", dict(action="store_true", help="keep KV evicted from the device pool in host "
+                                         "memory (and storage), and load it back on a hit instead of recomputing")),
+    ("--hicache-ratio", dict(type=float, default=2.0, help="host tier size as a multiple of the device pool")),
+    ("--hicache-size", dict(type=int, default=0, help="host tier size in GiB (overrides --hicache-ratio when > 0)")),
+    ("--hicache-write-policy", dict(default="write_through", choices=HICACHE_WRITE_POLICIES,
+                                    help="write_through: every cached prefix is copied to the host tier; "
+                                         "write_through_selective: prefixes hit more than once; write_back: on "
+                                         "eviction from the device pool")),
+    ("--hicache-storage-backend", dict(default=None, choices=["file"], help="also keep blocks on disk, across "
+                                       "restarts and shared by the servers of one machine")),
+    ("--hicache-storage-dir", dict(default=None, help="the folder of --hicache-storage-backend file")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],

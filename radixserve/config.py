@@ -10,6 +10,7 @@ from typing import Any
 from .kv_events import KVEventsConfig
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -117,6 +118,12 @@ class EngineArgs:
     nnodes: int = 1  # machines the tensor-parallel ranks span
     node_rank: int = 0  # this machine's place among them; node 0 serves HTTP and hosts rank 0
     dist_init_addr: str | None = None  # host:port where the ranks meet (needed across nodes)
+    enable_hierarchical_cache: bool = False  # host-memory (and storage) tiers under the radix tree
+    hicache_ratio: float = 2.0  # host tier size / device pool size
+    hicache_size: int = 0  # host tier in GiB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
+    hicache_storage_dir: str | None = None
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -159,6 +166,25 @@ class EngineArgs:
             yield f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"
         if self.nnodes > 1 and self.dist_init_addr is None:
             yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
+        yield from self._hicache_problems()
+
+    def _hicache_problems(self):
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            yield f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}"
+        if self.hicache_storage_backend not in (None, "file"):
+            yield f"hicache_storage_backend must be 'file', got {self.hicache_storage_backend!r}"
+        if (self.hicache_storage_backend is None) != (self.hicache_storage_dir is None):
+            yield "hicache_storage_backend file and hicache_storage_dir go together"
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            yield "hicache_ratio must be > 0 and hicache_size >= 0"
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                yield "a hicache storage backend needs enable_hierarchical_cache"
+            return
+        if self.disable_radix_cache:
+            yield "enable_hierarchical_cache needs the radix cache"
+        if self.tp_size > 1:
+            yield "enable_hierarchical_cache runs with tp_size 1 only (the tiers do not shard yet)"
 
     def prefill_budget(self, device: str) -> int:
         """Prompt tokens per step: the flag, else what measured best on the device type.

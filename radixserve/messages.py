@@ -206,6 +206,7 @@ class SchedulerStats:
     recent_hit_rate: float = 0.0
     gen_throughput: float = 0.0
     queue_times: list = field(default_factory=list)
+    hicache: dict = field(default_factory=dict)  # mem.hicache.TierStats and tier sizes, when enabled
 
     @property
     def cache_hit_rate(self) -> float:

@@ -49,10 +49,12 @@ class CachedPrefix:
 
 class RadixCache:
     def __init__(self, page_size: int = 1, free_slots: Callable[[list[int]], None] | None = None,
-                 disable: bool = False, record_events: bool = False):
+                 disable: bool = False, record_events: bool = False,
+                 on_evict: Callable[["TreeNode"], None] | None = None):
         self.page_size = page_size
         self.disable = disable
         self.free_slots = free_slots or (lambda slots: None)
+        self.on_evict = on_evict  # sees each leaf before its slots are freed (hicache write-back)
         self.events: list[KVEvent] | None = [] if record_events else None  # taken by `take_events`
         self.root = TreeNode()
         self.reset()
@@ -176,12 +178,23 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             self.free_slots(leaf.value)
             freed += len(leaf.key)
             parent = self._remove_leaf(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
+
+    def path_of(self, node: TreeNode) -> tuple[list[int], list[int]]:
+        """The tokens and slots from the root down to `node`."""
+        keys, values = [], []
+        while node is not self.root:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        return [t for k in reversed(keys) for t in k], [s for v in reversed(values) for s in v]
 
     def top_prefixes(self, limit: int = 10) -> list[CachedPrefix]:
         """Cached paths that earned the most (hits x length), then the biggest leaves."""

@@ -15,6 +15,8 @@ from typing import Callable, Protocol
 from ..config import EngineArgs
 from ..constrained import GrammarBackend, GrammarSpec
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
+from ..mem.hicache import HiCache, block_size, fingerprint
+from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache
 from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
                         ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
@@ -32,9 +34,11 @@ RETRACT_RATIO_STEP = 0.15
 
 
 class Executor(Protocol):
-    """What the scheduler needs from the model worker(s)."""
+    """What the scheduler needs from the model worker(s); `pool` (the device KV) only with the
+    hierarchical cache, which copies blocks in and out of it between steps."""
 
     info: WorkerInfo
+    pool: KVPool
 
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
@@ -60,8 +64,11 @@ class Scheduler:
         self.fallback_id = min(info.eos_token_ids or self.eos_ids or {0})  # taken when every token is forbidden
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
+        self.hicache = make_hicache(args, executor) if args.enable_hierarchical_cache else None
+        write_back = self.hicache is not None and args.hicache_write_policy == "write_back"
         self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache,
-                                record_events=args.kv_events_config is not None)
+                                record_events=args.kv_events_config is not None,
+                                on_evict=self._back_up_leaf if write_back else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
@@ -105,6 +112,8 @@ class Scheduler:
             return False
         self.cache.evict(self.cache.total_size())
         self.cache.reset()
+        if self.hicache is not None:
+            self.hicache.host.clear()
         return True
 
     def has_work(self) -> bool:
@@ -232,7 +241,44 @@ class Scheduler:
         return matched >= min(IN_BATCH_SHARE_MIN, len(uncached) - 1) and matched > 0
 
     def _match(self, req: Req):
-        return self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+        prefix = req.fill_ids[: req.max_prefix_len()]
+        slots, node = self.cache.match_prefix(prefix)
+        if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
+            slots, node = self._load_from_tiers(prefix, slots, node)
+        return slots, node
+
+    # ---- hierarchical cache ------------------------------------------------
+    def _load_from_tiers(self, prefix: list[int], slots: list[int], node) -> tuple[list[int], object]:
+        """Extend a device match with blocks from the host and storage tiers: they get device
+        slots (the match stays locked meanwhile) and join the tree like computed KV."""
+        self.cache.inc_lock_ref(node)
+        try:
+            loaded = self.hicache.load(prefix, len(slots), self._alloc_for_load)
+        finally:
+            self.cache.dec_lock_ref(node)
+        if not loaded:
+            return slots, node
+        key = prefix[:len(slots) + len(loaded)]
+        already = self.cache.insert(key, slots + loaded)
+        self.allocator.free(loaded[:max(already - len(slots), 0)])
+        return self.cache.match_prefix(key)
+
+    def _alloc_for_load(self, n: int) -> list[int] | None:
+        pages = self.allocator.pages_needed(0, n)
+        if not self._make_room(pages):
+            return None
+        return self.allocator.alloc_extend(0, None, n)
+
+    def _back_up_leaf(self, leaf) -> None:
+        tokens, slots = self.cache.path_of(leaf)
+        self.hicache.backup(tokens, slots)
+
+    def _back_up_prefix(self, tokens: list[int], slots: list[int], node) -> None:
+        """write_through backs up every cached prefix; write_through_selective only those hit
+        more than once."""
+        policy = self.args.hicache_write_policy
+        if policy == "write_through" or (policy == "write_through_selective" and node.hit_count >= 2):
+            self.hicache.backup(tokens, slots)
 
     def _start(self, req: Req, slots: list[int], node) -> None:
         self.waiting.remove(req)
@@ -247,6 +293,8 @@ class Scheduler:
             self.stats.cached_tokens_total += len(slots)
             self._recent_admissions.append((len(req.input_ids), len(slots)))
         self.cache.record_hit(node)
+        if self.hicache is not None and slots:
+            self._back_up_prefix(req.fill_ids[:len(slots)], slots, node)
         self.running.append(req)
 
     def _reserved_decode_slots(self) -> float:
@@ -319,6 +367,8 @@ class Scheduler:
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
+        if self.hicache is not None:
+            self._back_up_prefix(key, slots, node)
 
     def _release(self, req: Req) -> None:
         """Give back everything the request holds: KV to the tree or allocator, its lock, its row."""
@@ -345,6 +395,8 @@ class Scheduler:
             f"KV leak: free {self.allocator.available()} + cached {self.cache.total_size()} + "
             f"held {self.held_slots()} != {self.allocator.num_slots}")
         assert self.rows.available() + len(self.running) == self.rows.num_rows
+        if self.hicache is not None:
+            self.hicache.host.check()
 
     # ---- batch building ----------------------------------------------------
     def _build_batch(self, mode: ForwardMode, reqs: list[Req], lens: list[int]) -> ForwardBatch:
@@ -553,6 +605,8 @@ class Scheduler:
         s.gen_throughput = self._throughput()
         s.queue_times = list(self._queue_times)
         self._queue_times.clear()
+        if self.hicache is not None:
+            s.hicache = self.hicache.snapshot()
         return s
 
     def _throughput(self, window: float = 10.0) -> float:
@@ -562,6 +616,24 @@ class Scheduler:
             return 0.0
         span = max(now - recent[0][0], 1e-6)
         return sum(n for _, n in recent) / span
+
+
+def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
+    """The tiers under the radix tree, sized from the device pool; blocks are named for this
+    model, dtype, block size and TP layout."""
+    info, pool = executor.info, executor.pool
+    if args.hicache_size > 0:
+        host_tokens = int(args.hicache_size * 2**30 // info.bytes_per_token)
+    else:
+        host_tokens = int(args.hicache_ratio * info.num_slots)
+    model = args.model or "bundled"
+    identity = fingerprint(model, args.seed if model.startswith("dummy:") else None, args.quantization, info.dtype,
+                           block_size(info.page_size), tuple(pool.k[0].shape[1:]), len(pool.k), args.tp_size)
+    hicache = HiCache.create(pool, info.page_size, host_tokens, identity, args.hicache_storage_dir)
+    log.info("hierarchical cache: host tier %d tokens (%.1f MB), %s%s", hicache.capacity_tokens(),
+             hicache.capacity_tokens() * info.bytes_per_token / 2**20, args.hicache_write_policy,
+             f", storage {hicache.storage.folder}" if hicache.storage else "")
+    return hicache
 
 
 def _logit_biases(ps: list[SamplingParams]) -> list[list[tuple[int, float]] | None] | None:

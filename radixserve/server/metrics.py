@@ -151,7 +151,35 @@ class _SchedulerCollector:
             yield CounterMetricFamily(P + name, doc, value=s[key])
         computed = s["prompt_tokens_total"] - s["cached_tokens_total"]
         yield CounterMetricFamily(P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed)
+        yield from _hicache_families(s.get("hicache") or {})
         family = CounterMetricFamily(P + "requests", "Finished requests by finish reason", labels=["finish_reason"])
         for reason, count in sorted(s["requests_finished"].items()):
             family.add_metric([reason], count)
         yield family
+
+
+def _hicache_families(h: dict):
+    """The hierarchical cache's figures per tier (host memory, storage), when it is on."""
+    if not h:
+        return
+    hits = CounterMetricFamily(P + "hicache_hit_tokens", "Prompt tokens found in a tier below the device pool",
+                               labels=["tier"])
+    hits.add_metric(["host"], h["host_hit_tokens"])
+    hits.add_metric(["storage"], h["storage_hit_tokens"])
+    yield hits
+    for name, doc, key in [
+        ("hicache_loaded_tokens", "Tokens loaded back into the device pool", "loaded_tokens"),
+        ("hicache_load_seconds", "Time spent loading blocks back", "load_seconds"),
+        ("hicache_loaded_bytes", "Bytes copied into the device pool", "loaded_bytes"),
+        ("hicache_backed_up_bytes", "Bytes copied from the device pool to the host tier", "backed_up_bytes"),
+        ("hicache_storage_written_blocks", "Blocks written to storage", "storage_written_blocks"),
+        ("hicache_storage_skipped_blocks", "Blocks not written to storage (disk full or writer behind)",
+         "storage_skipped_blocks"),
+        ("hicache_storage_bad_blocks", "Stored blocks found corrupt, truncated or foreign (recomputed)",
+         "storage_bad_blocks"),
+        ("hicache_load_timeouts", "Loads cut short by the timeout", "load_timeouts"),
+    ]:
+        yield CounterMetricFamily(P + name, doc, value=h[key])
+    yield GaugeMetricFamily(P + "hicache_host_used_tokens", "Tokens held by the host tier", value=h["host_used_tokens"])
+    yield GaugeMetricFamily(P + "hicache_host_capacity_tokens", "Host tier size in tokens",
+                            value=h["host_capacity_tokens"])

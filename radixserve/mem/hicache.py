@@ -1,0 +1,328 @@
+"""Hierarchical KV cache: a host-memory tier (L2) and a storage tier (L3) under the radix tree.
+
+The radix tree holds what is in the device pool (L1). Below it, KV is kept in blocks of
+`block` tokens (a whole number of pages), named by a hash chained over the token ids of
+every block from the start of the prompt, seeded with a fingerprint of the model, dtype,
+block size and tensor-parallel layout: a block's name stands for its whole prefix, and a
+different model never reads it. L2 is a pool of blocks in host memory, least recently used
+out first; L3 a folder of block files that outlives the server and is shared by the servers
+of one machine. Every block written to L2 is also written to L3 (by a background thread).
+
+A request whose device match stops short is extended from L2, then L3: consecutive blocks
+after the match are copied into fresh device slots and inserted into the tree, until a
+block is missing or the load has taken `load_timeout_s`; the rest is recomputed. A stored
+block carries its token ids and a checksum: a corrupt, truncated or foreign file is a miss
+(logged and deleted), never served.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..kv_events import block_hash
+from .kv_pool import KVPool, _zeros
+
+log = logging.getLogger(__name__)
+BLOCK_TOKENS = 64
+MAGIC = b"RSKVBLK1"
+HEADER = struct.Struct("<8s8sQIQ8s")  # magic, fingerprint, hash, tokens, payload bytes, checksum
+WRITE_QUEUE_BLOCKS = 256  # blocks waiting for the storage writer; more are dropped (counted)
+
+
+def block_size(page_size: int) -> int:
+    """Tokens per stored block: the smallest whole number of pages of at least BLOCK_TOKENS."""
+    return page_size * -(-BLOCK_TOKENS // page_size)
+
+
+def chain_hashes(tokens: list[int], block: int, seed: int) -> list[int]:
+    """The chained hashes of the whole blocks of `tokens`."""
+    hashes, parent = [], seed
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = block_hash(parent, tokens[start:start + block])
+        hashes.append(parent)
+    return hashes
+
+
+def fingerprint(*parts: object) -> str:
+    """16 hex digits naming what KV is compatible: model, dtype, block size, TP layout."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+@dataclass
+class TierStats:
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    load_seconds: float = 0.0
+    loaded_bytes: int = 0
+    backed_up_tokens: int = 0
+    backed_up_bytes: int = 0
+    storage_written_blocks: int = 0
+    storage_skipped_blocks: int = 0  # disk full (or past the writer's queue)
+    storage_bad_blocks: int = 0  # corrupt, truncated or foreign files found on a read
+    load_timeouts: int = 0
+
+
+class HostStore:
+    """L2: `capacity` blocks of K and V in host memory, by hash, least recently used out first."""
+
+    def __init__(self, capacity: int, block: int, pool: KVPool):
+        self.block, self.capacity = block, capacity
+        shape = (capacity * block, *pool.k[0].shape[1:])
+        pin = pool.k[0].device.type == "cuda"
+        make = (lambda: torch.zeros(shape, dtype=pool.k[0].dtype, pin_memory=True)) if pin else \
+            (lambda: _zeros(shape, pool.k[0].dtype, torch.device("cpu")))
+        self.k = [make() for _ in pool.k]
+        self.v = [make() for _ in pool.v]
+        self.index: OrderedDict[int, int] = OrderedDict()  # hash -> block number
+        self.free: list[int] = list(range(capacity - 1, -1, -1))
+
+    def lookup(self, h: int) -> int | None:
+        number = self.index.get(h)
+        if number is not None:
+            self.index.move_to_end(h)
+        return number
+
+    def claim(self, h: int) -> int:
+        """A block for `h` (the least recently used one when full); the caller fills it."""
+        number = self.free.pop() if self.free else self.index.popitem(last=False)[1]
+        self.index[h] = number
+        return number
+
+    def rows(self, number: int, start: int = 0) -> torch.Tensor:
+        return torch.arange(number * self.block + start, (number + 1) * self.block)
+
+    def clear(self) -> None:
+        self.free.extend(self.index.values())
+        self.index.clear()
+
+    def check(self) -> None:
+        assert len(self.index) + len(self.free) == self.capacity, "host KV blocks leaked"
+
+
+class FileStore:
+    """L3: one file per block under `folder/<fingerprint>/`, written atomically (a temporary
+    file renamed into place), so servers sharing the folder never read half a block."""
+
+    def __init__(self, folder: str, fingerprint_hex: str, stats: TierStats, min_free_bytes: int = 1 << 30):
+        self.folder = Path(folder) / fingerprint_hex
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = bytes.fromhex(fingerprint_hex)
+        self.stats = stats
+        self.min_free_bytes = min_free_bytes
+        self.pending: queue.Queue = queue.Queue(WRITE_QUEUE_BLOCKS)
+        self.writer = threading.Thread(target=self._write_forever, daemon=True, name="hicache-writer")
+        self.writer.start()
+
+    def path(self, h: int) -> Path:
+        name = f"{h:016x}"
+        return self.folder / name[:2] / f"{name}.kv"
+
+    def contains(self, h: int) -> bool:
+        return self.path(h).exists()
+
+    def put(self, h: int, tokens: list[int], payload: bytes) -> None:
+        """Queue a block for writing; dropped (and counted) when the writer is behind."""
+        try:
+            self.pending.put_nowait((h, tokens, payload))
+        except queue.Full:
+            self.stats.storage_skipped_blocks += 1
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the queued blocks are written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self.pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write_forever(self) -> None:
+        while True:
+            h, tokens, payload = self.pending.get()
+            try:
+                self.write(h, tokens, payload)
+            finally:
+                self.pending.task_done()
+
+    def write(self, h: int, tokens: list[int], payload: bytes) -> bool:
+        path = self.path(h)
+        if path.exists():
+            return True
+        ids = struct.pack(f"<{len(tokens)}I", *tokens)
+        header = HEADER.pack(MAGIC, self.fingerprint, h, len(tokens), len(payload), _checksum(ids, payload))
+        try:
+            path.parent.mkdir(exist_ok=True)
+            if shutil.disk_usage(path.parent).free < self.min_free_bytes + len(payload):
+                raise OSError("the disk is (nearly) full")
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(header + ids + payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.stats.storage_skipped_blocks += 1
+            log.warning("hicache: block %016x not written to storage: %s", h, exc)
+            return False
+        self.stats.storage_written_blocks += 1
+        return True
+
+    def read(self, h: int, tokens: list[int], payload_bytes: int) -> bytes | None:
+        """The block's payload, or None when it is missing or fails a check (then it is deleted)."""
+        path = self.path(h)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        problem = self._problem(data, h, tokens, payload_bytes)
+        if problem is None:
+            return data[HEADER.size + 4 * len(tokens):]
+        self.stats.storage_bad_blocks += 1
+        log.warning("hicache: block file %s is unusable (%s); recomputing it", path, problem)
+        path.unlink(missing_ok=True)
+        return None
+
+    def _problem(self, data: bytes, h: int, tokens: list[int], payload_bytes: int) -> str | None:
+        if len(data) < HEADER.size:
+            return "truncated header"
+        magic, fp, stored_hash, n, size, checksum = HEADER.unpack_from(data)
+        if magic != MAGIC or fp != self.fingerprint or stored_hash != h:
+            return "not this model's block"
+        if n != len(tokens) or size != payload_bytes or len(data) != HEADER.size + 4 * n + size:
+            return "truncated or wrong size"
+        ids = data[HEADER.size:HEADER.size + 4 * n]
+        if ids != struct.pack(f"<{n}I", *tokens):
+            return "other tokens (hash collision)"
+        if _checksum(ids, data[HEADER.size + 4 * n:]) != checksum:
+            return "checksum mismatch"
+        return None
+
+
+def _checksum(ids: bytes, payload: bytes) -> bytes:
+    digest = hashlib.blake2b(ids, digest_size=8)
+    digest.update(payload)
+    return digest.digest()
+
+
+@dataclass
+class HiCache:
+    """Moves KV between the device pool and the tiers below it; the scheduler decides when."""
+
+    pool: KVPool
+    block: int
+    seed: int
+    host: HostStore
+    storage: FileStore | None = None
+    load_timeout_s: float = 5.0
+    stats: TierStats = field(default_factory=TierStats)
+
+    @classmethod
+    def create(cls, pool: KVPool, page_size: int, host_tokens: int, fingerprint_hex: str,
+               storage_dir: str | None, load_timeout_s: float = 5.0) -> "HiCache":
+        block = block_size(page_size)
+        stats = TierStats()
+        storage = FileStore(storage_dir, fingerprint_hex, stats) if storage_dir else None
+        return cls(pool, block, int(fingerprint_hex, 16) >> 1, HostStore(max(host_tokens // block, 1), block, pool),
+                   storage, load_timeout_s, stats)
+
+    @property
+    def block_bytes(self) -> int:
+        k = self.host.k[0]
+        return 2 * len(self.host.k) * self.block * k[0].numel() * k.element_size()
+
+    def backup(self, tokens: list[int], slots: list[int]) -> None:
+        """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks."""
+        for i, h in enumerate(chain_hashes(tokens, self.block, self.seed)):
+            if h in self.host.index:
+                self.host.index.move_to_end(h)
+                continue
+            number = self.host.claim(h)
+            start = i * self.block
+            device = torch.tensor(slots[start:start + self.block], device=self.pool.k[0].device)
+            rows = self.host.rows(number)
+            for layer in range(len(self.pool.k)):
+                self.host.k[layer].index_copy_(0, rows, self.pool.k[layer].index_select(0, device).to("cpu"))
+                self.host.v[layer].index_copy_(0, rows, self.pool.v[layer].index_select(0, device).to("cpu"))
+            self.stats.backed_up_tokens += self.block
+            self.stats.backed_up_bytes += self.block_bytes
+            if self.storage is not None and not self.storage.contains(h):
+                self.storage.put(h, tokens[start:start + self.block], self._payload(number))
+
+    def load(self, tokens: list[int], cached: int, alloc: Callable[[int], list[int] | None]) -> list[int]:
+        """Device slots holding `tokens[cached:cached + n]`, loaded from L2/L3 for the longest
+        run of consecutive blocks found there (n = 0 when none is)."""
+        started = time.monotonic()
+        hashes = chain_hashes(tokens, self.block, self.seed)
+        found: list[tuple[int, int]] = []  # (block index, host block number)
+        for i in range(cached // self.block, len(hashes)):
+            if len(found) >= self.host.capacity:  # a longer run would evict its own first blocks
+                break
+            if time.monotonic() - started > self.load_timeout_s:
+                self.stats.load_timeouts += 1
+                break
+            number = self._find(hashes[i], tokens[i * self.block:(i + 1) * self.block])
+            if number is None:
+                break
+            found.append((i, number))
+        n = (found[-1][0] + 1) * self.block - cached if found else 0
+        slots = alloc(n) if n > 0 else None
+        if not slots:
+            return []
+        rows = torch.cat([self.host.rows(number, max(cached - i * self.block, 0)) for i, number in found])
+        device = torch.tensor(slots, device=self.pool.k[0].device)
+        for layer in range(len(self.pool.k)):
+            self.pool.k[layer].index_copy_(0, device, self.host.k[layer].index_select(0, rows).to(device.device))
+            self.pool.v[layer].index_copy_(0, device, self.host.v[layer].index_select(0, rows).to(device.device))
+        self.stats.loaded_tokens += n
+        self.stats.loaded_bytes += n * self.block_bytes // self.block
+        self.stats.load_seconds += time.monotonic() - started
+        return slots
+
+    def _find(self, h: int, tokens: list[int]) -> int | None:
+        """The host block holding `h`, read from storage into L2 when only storage has it."""
+        number = self.host.lookup(h)
+        if number is not None:
+            self.stats.host_hit_tokens += self.block
+            return number
+        if self.storage is None:
+            return None
+        payload = self.storage.read(h, tokens, self.block_bytes)
+        if payload is None:
+            return None
+        number = self.host.claim(h)
+        self._unpack(number, payload)
+        self.stats.storage_hit_tokens += self.block
+        return number
+
+    def _payload(self, number: int) -> bytes:
+        rows = self.host.rows(number)
+        parts = [t.index_select(0, rows) for t in (*self.host.k, *self.host.v)]
+        return torch.stack(parts).view(torch.uint8).numpy().tobytes()
+
+    def _unpack(self, number: int, payload: bytes) -> None:
+        k0 = self.host.k[0]
+        layers = len(self.host.k)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(k0.dtype)
+        data = data.view(2 * layers, self.block, *k0.shape[1:])
+        rows = self.host.rows(number)
+        for layer in range(layers):
+            self.host.k[layer].index_copy_(0, rows, data[layer])
+            self.host.v[layer].index_copy_(0, rows, data[layers + layer])
+
+    def used_tokens(self) -> int:
+        return len(self.host.index) * self.block
+
+    def capacity_tokens(self) -> int:
+        return self.host.capacity * self.block
+
+    def snapshot(self) -> dict:
+        return {**vars(self.stats), "host_used_tokens": self.used_tokens(),
+                "host_capacity_tokens": self.capacity_tokens(), "storage": self.storage is not None}
