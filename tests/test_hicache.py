@@ -160,3 +160,21 @@ def written(url: str) -> float:
         if line.startswith("radixserve:hicache_storage_written_blocks_total"):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_a_load_pins_its_blocks_while_making_room_backs_up_others(tmp_path):
+    """write_back backs up what eviction frees while a load is making room: that must not
+    reuse the host blocks the load is about to copy from."""
+    pool = small_pool()
+    cache = HiCache.create(pool, 1, 2 * BLOCK, "00" * 8, None)  # room for two blocks only
+    first = list(range(2 * BLOCK))
+    cache.backup(first, list(range(1, 2 * BLOCK + 1)))
+    want = pool.k[0][1:2 * BLOCK + 1].clone()
+
+    def alloc_after_backing_up_others(n):
+        cache.backup(list(range(5000, 5000 + 2 * BLOCK)), list(range(300, 300 + 2 * BLOCK)))
+        return list(range(200, 200 + n))
+
+    loaded = cache.load(first, 0, alloc_after_backing_up_others)
+    assert torch.equal(pool.k[0][loaded], want)
+    cache.host.check()

@@ -95,11 +95,25 @@ class HostStore:
             self.index.move_to_end(h)
         return number
 
-    def claim(self, h: int) -> int:
-        """A block for `h` (the least recently used one when full); the caller fills it."""
+    def claim(self, h: int) -> int | None:
+        """A block for `h` (the least recently used one when full; None when every block is
+        pinned by a load in progress); the caller fills it."""
+        if not self.free and not self.index:
+            return None
         number = self.free.pop() if self.free else self.index.popitem(last=False)[1]
         self.index[h] = number
         return number
+
+    def pin(self, hashes: list[int]) -> None:
+        """Take blocks out of the LRU order while a load copies from them."""
+        for h in hashes:
+            del self.index[h]
+
+    def unpin(self, hashes: list[int], numbers: list[int]) -> None:
+        self.index.update(zip(hashes, numbers))
+
+    def check(self) -> None:
+        assert len(self.index) + len(self.free) == self.capacity, "host KV blocks leaked"
 
     def rows(self, number: int, start: int = 0) -> torch.Tensor:
         return torch.arange(number * self.block + start, (number + 1) * self.block)
@@ -108,8 +122,6 @@ class HostStore:
         self.free.extend(self.index.values())
         self.index.clear()
 
-    def check(self) -> None:
-        assert len(self.index) + len(self.free) == self.capacity, "host KV blocks leaked"
 
 
 class FileStore:
@@ -245,6 +257,8 @@ class HiCache:
                 self.host.index.move_to_end(h)
                 continue
             number = self.host.claim(h)
+            if number is None:
+                return
             start = i * self.block
             device = torch.tensor(slots[start:start + self.block], device=self.pool.k[0].device)
             rows = self.host.rows(number)
@@ -261,7 +275,7 @@ class HiCache:
         run of consecutive blocks found there (n = 0 when none is)."""
         started = time.monotonic()
         hashes = chain_hashes(tokens, self.block, self.seed)
-        found: list[tuple[int, int]] = []  # (block index, host block number)
+        found: list[tuple[int, int]] = []  # (block index, host block number), consecutive
         for i in range(cached // self.block, len(hashes)):
             if len(found) >= self.host.capacity:  # a longer run would evict its own first blocks
                 break
@@ -272,19 +286,30 @@ class HiCache:
             if number is None:
                 break
             found.append((i, number))
-        n = (found[-1][0] + 1) * self.block - cached if found else 0
-        slots = alloc(n) if n > 0 else None
+        if not found:
+            return []
+        n = (found[-1][0] + 1) * self.block - cached
+        pinned = [hashes[i] for i, _ in found]
+        self.host.pin(pinned)  # making room on the device may back up (write_back) into L2
+        try:
+            slots = alloc(n)
+            if slots:
+                self._copy_in(found, cached, slots)
+        finally:
+            self.host.unpin(pinned, [number for _, number in found])
         if not slots:
             return []
+        self.stats.loaded_tokens += n
+        self.stats.loaded_bytes += n * self.block_bytes // self.block
+        self.stats.load_seconds += time.monotonic() - started
+        return slots
+
+    def _copy_in(self, found: list[tuple[int, int]], cached: int, slots: list[int]) -> None:
         rows = torch.cat([self.host.rows(number, max(cached - i * self.block, 0)) for i, number in found])
         device = torch.tensor(slots, device=self.pool.k[0].device)
         for layer in range(len(self.pool.k)):
             self.pool.k[layer].index_copy_(0, device, self.host.k[layer].index_select(0, rows).to(device.device))
             self.pool.v[layer].index_copy_(0, device, self.host.v[layer].index_select(0, rows).to(device.device))
-        self.stats.loaded_tokens += n
-        self.stats.loaded_bytes += n * self.block_bytes // self.block
-        self.stats.load_seconds += time.monotonic() - started
-        return slots
 
     def _find(self, h: int, tokens: list[int]) -> int | None:
         """The host block holding `h`, read from storage into L2 when only storage has it."""
@@ -298,6 +323,8 @@ class HiCache:
         if payload is None:
             return None
         number = self.host.claim(h)
+        if number is None:
+            return None
         self._unpack(number, payload)
         self.stats.storage_hit_tokens += self.block
         return number

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from .scheduler import Scheduler
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
 WATCHDOG_EXIT_CODE = 70
+STORAGE_FLUSH_S = 3.0  # the launcher kills a child that takes more than 5 s to stop
 
 
 def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) -> None:
@@ -47,7 +49,15 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
                      name="scheduler-watchdog").start()
     events = (KVEventPublisher(KVEventsConfig.from_json(args.kv_events_config), ctx)
               if args.kv_events_config is not None else None)
+    signal.signal(signal.SIGTERM, lambda *_: stop(scheduler))
     SchedulerLoop(scheduler, inbox, outbox, heartbeat, events).run()
+
+
+def stop(scheduler: Scheduler) -> None:
+    """On SIGTERM: let the storage tier's writer finish the blocks it has queued (briefly), then exit."""
+    if scheduler.hicache is not None and scheduler.hicache.storage is not None:
+        scheduler.hicache.storage.flush(timeout=STORAGE_FLUSH_S)
+    raise SystemExit(0)
 
 
 def watch_loop(heartbeat: Heartbeat, timeout: float) -> None:
