@@ -178,3 +178,12 @@ def test_a_load_pins_its_blocks_while_making_room_backs_up_others(tmp_path):
     loaded = cache.load(first, 0, alloc_after_backing_up_others)
     assert torch.equal(pool.k[0][loaded], want)
     cache.host.check()
+
+
+def test_the_dashboard_names_the_tiers_holding_each_prefix(tmp_path):
+    with Engine(dtype="float32", max_total_tokens=1024, enable_hierarchical_cache=True,
+                hicache_storage_backend="file", hicache_storage_dir=str(tmp_path)) as engine:
+        engine.generate([PROMPTS[0]], {"max_new_tokens": 2, "temperature": 0})
+        engine.scheduler.hicache.storage.flush()
+        top = engine.scheduler.top_prefixes(1)[0]
+    assert top["tiers"] == ["device", "host", "disk"] and top["num_tokens"] >= BLOCK

@@ -64,6 +64,7 @@ def test_dashboard_data_lists_prefixes(server):
         data = c.get("/dashboard/data").json()
     assert data["current"]["cache_hit_rate"] > 0
     assert data["top_prefixes"] and data["top_prefixes"][0]["tokens"] > 50
+    assert data["top_prefixes"][0]["tiers"] == ["device"]
     assert "Radix trees" in "".join(p["preview"] for p in data["top_prefixes"])
     assert data["ttft"]["count"] >= 3
 

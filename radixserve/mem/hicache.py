@@ -344,6 +344,16 @@ class HiCache:
             self.host.k[layer].index_copy_(0, rows, data[layer])
             self.host.v[layer].index_copy_(0, rows, data[layers + layer])
 
+    def tiers_of(self, tokens: list[int]) -> list[str]:
+        """The tiers below the device holding every whole block of `tokens`."""
+        hashes = chain_hashes(tokens, self.block, self.seed)
+        if not hashes:
+            return []
+        tiers = ["host"] if all(h in self.host.index for h in hashes) else []
+        if self.storage is not None and all(self.storage.contains(h) for h in hashes):
+            tiers.append("disk")
+        return tiers
+
     def used_tokens(self) -> int:
         return len(self.host.index) * self.block
 

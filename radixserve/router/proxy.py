@@ -145,7 +145,8 @@ class Router:
     def _add(self, url: str) -> Worker:
         breaker = CircuitBreaker(self.args.cb_failure_threshold, self.args.cb_success_threshold,
                                  self.args.cb_timeout_duration_secs)
-        worker = self.workers[url] = Worker(url.rstrip("/"), breaker)
+        url = url.rstrip("/")
+        worker = self.workers[url] = Worker(url, breaker)
         return worker
 
     async def add_worker(self, url: str | None) -> Worker:

@@ -120,7 +120,7 @@ class SchedulerLoop:
             stats = self.scheduler.snapshot()
             return dict(vars(stats), cache_hit_rate=stats.cache_hit_rate)
         if msg.kind == "top_prefixes":
-            return {"top_prefixes": [vars(p) for p in self.scheduler.cache.top_prefixes(msg.arg)]}
+            return {"top_prefixes": self.scheduler.top_prefixes(msg.arg)}
         if msg.kind == "check_memory":
             try:
                 self.scheduler.check_memory()

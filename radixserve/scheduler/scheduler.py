@@ -609,6 +609,14 @@ class Scheduler:
             s.hicache = self.hicache.snapshot()
         return s
 
+    def top_prefixes(self, limit: int) -> list[dict]:
+        """The dashboard's biggest cached prefixes, each with the tiers that hold it."""
+        rows = []
+        for prefix in self.cache.top_prefixes(limit):
+            tiers = ["device"] + (self.hicache.tiers_of(prefix.tokens) if self.hicache is not None else [])
+            rows.append(dict(vars(prefix), tiers=tiers))
+        return rows
+
     def _throughput(self, window: float = 10.0) -> float:
         now = time.monotonic()
         recent = [(t, n) for t, n in self._recent_tokens if now - t <= window]

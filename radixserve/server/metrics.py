@@ -88,7 +88,7 @@ class Metrics:
 
     def _prefix_row(self, p: dict) -> dict:
         return {"tokens": p["num_tokens"], "hits": p["hit_count"], "idle_s": p["idle_seconds"],
-                "locked": p["locked"], "saved_tokens": p["hit_count"] * p["num_tokens"],
+                "locked": p["locked"], "saved_tokens": p["hit_count"] * p["num_tokens"], "tiers": p["tiers"],
                 "preview": self._preview(p["tokens"])}
 
     def _preview(self, tokens: list[int]) -> str:
