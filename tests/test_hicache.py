@@ -187,3 +187,13 @@ def test_the_dashboard_names_the_tiers_holding_each_prefix(tmp_path):
         engine.scheduler.hicache.storage.flush()
         top = engine.scheduler.top_prefixes(1)[0]
     assert top["tiers"] == ["device", "host", "disk"] and top["num_tokens"] >= BLOCK
+
+
+def test_a_prefix_longer_than_the_host_tier_keeps_its_first_blocks_right():
+    pool = small_pool()
+    cache = HiCache.create(pool, 1, 2 * BLOCK, "00" * 8, None)  # two blocks, a four-block prefix
+    tokens = list(range(4 * BLOCK))
+    cache.backup(tokens, list(range(1, 4 * BLOCK + 1)))
+    loaded = cache.load(tokens, 0, allocator(300))
+    assert loaded and torch.equal(pool.k[0][loaded], pool.k[0][1:len(loaded) + 1])
+    cache.host.check()

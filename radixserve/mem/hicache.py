@@ -251,24 +251,31 @@ class HiCache:
         return 2 * len(self.host.k) * self.block * k[0].numel() * k.element_size()
 
     def backup(self, tokens: list[int], slots: list[int]) -> None:
-        """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks."""
+        """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks, all in
+        one gather per layer."""
+        new: list[tuple[int, int, int]] = []  # (block index, hash, host block number)
         for i, h in enumerate(chain_hashes(tokens, self.block, self.seed)):
             if h in self.host.index:
                 self.host.index.move_to_end(h)
                 continue
-            number = self.host.claim(h)
+            number = self.host.claim(h) if len(new) < self.host.capacity else None  # never reclaim a block of `new`
             if number is None:
-                return
-            start = i * self.block
-            device = torch.tensor(slots[start:start + self.block], device=self.pool.k[0].device)
-            rows = self.host.rows(number)
-            for layer in range(len(self.pool.k)):
-                self.host.k[layer].index_copy_(0, rows, self.pool.k[layer].index_select(0, device).to("cpu"))
-                self.host.v[layer].index_copy_(0, rows, self.pool.v[layer].index_select(0, device).to("cpu"))
-            self.stats.backed_up_tokens += self.block
-            self.stats.backed_up_bytes += self.block_bytes
-            if self.storage is not None and not self.storage.contains(h):
-                self.storage.put(h, tokens[start:start + self.block], self._payload(number))
+                break
+            new.append((i, h, number))
+        if not new:
+            return
+        device = torch.tensor([s for i, _, _ in new for s in slots[i * self.block:(i + 1) * self.block]],
+                              device=self.pool.k[0].device)
+        rows = torch.cat([self.host.rows(number) for _, _, number in new])
+        for layer in range(len(self.pool.k)):
+            self.host.k[layer].index_copy_(0, rows, self.pool.k[layer].index_select(0, device).to("cpu"))
+            self.host.v[layer].index_copy_(0, rows, self.pool.v[layer].index_select(0, device).to("cpu"))
+        self.stats.backed_up_tokens += len(new) * self.block
+        self.stats.backed_up_bytes += len(new) * self.block_bytes
+        if self.storage is not None:
+            for i, h, number in new:
+                if not self.storage.contains(h):
+                    self.storage.put(h, tokens[i * self.block:(i + 1) * self.block], self._payload(number))
 
     def load(self, tokens: list[int], cached: int, alloc: Callable[[int], list[int] | None]) -> list[int]:
         """Device slots holding `tokens[cached:cached + n]`, loaded from L2/L3 for the longest
