@@ -187,6 +187,9 @@ def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if ns.dp_size == 1:
         from .server.launch import launch_server
         return launch_server(server_args)
+    if engine_args.nnodes > 1:
+        raise ValueError("--dp-size with --nnodes is not supported: start each multi-node replica on its own, "
+                         "behind `radixserve router`")
     if engine_args.kv_events_config is not None:
         raise ValueError("--kv-events-config with --dp-size is not supported (each replica needs its own endpoint): "
                          "--router-kv-events gives each one its own, or start them one by one behind `radixserve router`")

@@ -28,3 +28,18 @@ def test_generate_offline(tokenizer, hf_greedy):
 def test_bad_flags_fail_clearly():
     r = run("serve", "--page-size", "0")
     assert r.returncode == 2 and "page_size" in r.stderr
+
+
+def test_refused_combinations_name_what_is_wrong():
+    for args, words in [
+        (["serve", "--dp-size", "2", "--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "h:1"], "--nnodes"),
+        (["serve", "--dp-size", "2", "--kv-events-config", '{"endpoint": "tcp://*:5557"}'], "--router-kv-events"),
+        (["serve", "--dp-size", "0"], "--dp-size"),
+        (["serve", "--enable-hierarchical-cache", "--tp-size", "3"], "tp_size 1"),
+        (["serve", "--hicache-storage-backend", "file", "--hicache-storage-dir", "/tmp/x"], "enable_hierarchical_cache"),
+        (["serve", "--nnodes", "2", "--tp-size", "2"], "dist_init_addr"),
+        (["router", "--policy", "round_robin", "--kv-events"], "cache_aware"),
+        (["router", "--worker-urls", "localhost:1"], "http://host:port"),
+    ]:
+        r = run(*args, timeout=60)
+        assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
