@@ -15,8 +15,9 @@ from server_utils import free_port, start_server, wait_idle
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    port = free_port()
-    config = f'{{"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv"}}'
+    port, replay_port = free_port(), free_port()
+    config = (f'{{"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv", '
+              f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "buffer_steps": 1000}}')
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
@@ -24,6 +25,7 @@ def replica(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("kv_events"), "--max-total-tokens", "1024",
                        "--kv-events-config", config)
     with httpx.Client(base_url=srv.url, timeout=120) as client:
+        client.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
         yield client, sub
     sub.close()
     ctx.term()
@@ -95,8 +97,36 @@ def test_a_subscriber_rebuilds_the_cached_block_set(replica):
     assert mirror.blocks == {} and stats["cached_slots"] == 0
 
 
+def test_a_late_subscriber_catches_up_through_replay(replica):
+    """A subscriber that joins after the fact asks the replay socket for every batch from 0
+    and rebuilds the same block set as the server holds."""
+    client, _ = replica
+    generate(client, "A late subscriber needs the history. " * 4)
+    stats = wait_idle(client)
+    time.sleep(0.6)  # the idle scheduler answers replays each turn (at least every 0.5 s)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(client.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    mirror, sequences = Mirror(), []
+    while True:
+        assert dealer.poll(5000), "no replay answer"
+        _, sequence, payload = dealer.recv_multipart()
+        if not payload:
+            assert int.from_bytes(sequence, "big", signed=True) == -1
+            break
+        sequences.append(int.from_bytes(sequence, "big"))
+        for event in mirror.decoder.decode(payload).events:
+            mirror.apply(event)
+    dealer.close(linger=0)
+    assert sequences == list(range(len(sequences))) and sequences
+    assert mirror.cached_tokens() == stats["cached_slots"] > 0
+
+
 @pytest.mark.parametrize("text,needle", [
-    ('{"replay_endpoint": "tcp://*:5558"}', "replay_endpoint"),
+    ('{"hwm": 10}', "hwm"),
+    ('{"buffer_steps": 0}', "buffer_steps"),
+    ('{"endpoint": 5}', "endpoint"),
     ('{"publisher": "nats"}', "publisher"),
     ("[1]", "JSON object"),
 ])
