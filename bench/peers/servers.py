@@ -38,7 +38,7 @@ class Running:
 
 def _launch(cmd: list[str], target: Target, log_dir: Path, env: dict | None = None,
             timeout: float = 900, cwd: str | None = None) -> Running:
-    log_path = log_dir / f"{target.name.replace(' ', '_')}.log"
+    log_path = log_dir / f"{target.name.replace(' ', '_').replace('/', '_')}.log"
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=cwd,
                             env={**os.environ, **(env or {})}, start_new_session=True)
