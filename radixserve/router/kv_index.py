@@ -41,6 +41,7 @@ class KVEventIndex:
         self.blocks: dict[str, set[int]] = {}
         self.pending: dict[str, dict[int, float]] = {}  # tenant -> block -> when routed
         self.clock = clock
+        self._last: tuple[tuple[str, int | None] | None, list[int]] = (None, [])
 
     def apply(self, tenant: str, events: list[KVEvent]) -> None:
         held = self.blocks.setdefault(tenant, set())
@@ -57,7 +58,11 @@ class KVEventIndex:
                 pending.clear()
 
     def _blocks_of(self, key: str) -> list[int]:
-        return prompt_blocks([ord(c) for c in key], self.page_size) if self.page_size else []
+        """The key's block hashes; `match` and then `insert` ask for the same key in a row."""
+        if self._last[0] != (key, self.page_size):
+            hashes = prompt_blocks([ord(c) for c in key], self.page_size) if self.page_size else []
+            self._last = ((key, self.page_size), hashes)
+        return self._last[1]
 
     def match(self, key: str) -> dict[str, int]:
         """Tokens of `key` each tenant holds (cached or pending) as leading whole pages."""
