@@ -95,8 +95,11 @@ def test_bad_requests_get_the_workers_4xx_or_the_routers(cluster):
         assert r.status_code == 413
         assert c.get("/no_such_route").status_code == 404
         assert c.post("/add_worker").status_code == 400
-        r = c.post("/add_worker", params={"url": "ftp://host"})
-        assert r.status_code == 400 and "url" in r.json()["message"]
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": 5})
+        assert r.status_code == 400 and "messages" in r.json()["message"]
+        for bad in ["ftp://host", "http://h:99999", "http://[::1", "http://h/path", "x" * 5000]:
+            r = c.post("/add_worker", params={"url": bad})
+            assert r.status_code == 400 and "url" in r.json()["message"], bad
         r = c.post("/add_worker", params={"url": c.get("/list_workers").json()["urls"][0]})
         assert r.status_code == 400 and "already" in r.json()["message"]
         assert c.post("/remove_worker", params={"url": "http://127.0.0.1:1"}).status_code == 404

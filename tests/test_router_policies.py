@@ -160,6 +160,9 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
     ("/v1/completions", b'{"prompt": "p"}', "p"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}]}', "<user>q"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}', "<user>q"),
+    ("/v1/chat/completions", b'{"messages": 5}', ""),  # malformed fields: no key, the worker names the field
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 7}, "x"], "tools": 3}', "3<user>"),
+    ("/generate", b'{"text": {"a": 1}}', ""),
     ("/generate", b"not json", ""),
     ("/generate", b'{"input_ids": [-1]}', ""),
     ("/v1/completions", b"[1]", ""),

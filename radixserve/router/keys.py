@@ -40,7 +40,8 @@ def _content_text(content: Any) -> str:
 def _chat_key(body: dict) -> str:
     """Tools first (templates render them into the system prompt), then each message."""
     parts = [orjson.dumps(body["tools"]).decode()] if body.get("tools") else []
-    for message in body.get("messages") or []:
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
         if isinstance(message, dict):
             parts.append(f"<{message.get('role')}>{_content_text(message.get('content'))}")
     return "".join(parts)
