@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..config import RouterArgs
 from ..server.api import auth_dependency, error_response, install_error_handlers, json_response, read_body
-from .proxy import WORKER_HEADER, Answer, Router, RouterError, Stream, forwarded_headers
+from .proxy import WORKER_HEADER, Answer, Router, Stream, forwarded_headers
 
 ROUTED_POSTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ANY_WORKER_GETS = ("/v1/models", "/get_model_info", "/get_chat_template")
@@ -24,11 +24,7 @@ P = "radixserve_router:"
 def create_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="radixserve router", openapi_url=None, docs_url=None, redoc_url=None,
                   dependencies=[Depends(auth_dependency(router.args.api_key))])
-    install_error_handlers(app)
-
-    @app.exception_handler(RouterError)
-    async def on_router_error(_: Request, exc: RouterError):
-        return error_response(str(exc), exc.status)
+    install_error_handlers(app)  # RequestError, raised by the router too, becomes its 4xx
 
     for path in ROUTED_POSTS:
         app.add_api_route(path, _proxy(router, "POST", path), methods=["POST"])

@@ -22,6 +22,7 @@ import orjson
 
 from ..config import RouterArgs, worker_url_problem
 from ..server.api import error_body
+from ..server.tokenizer_manager import RequestError
 from .keys import routing_key, token_key
 from .kv_index import KVEventIndex, events_endpoint, follow_events
 from .policies import CacheAware, Policy, make_policy
@@ -33,12 +34,6 @@ FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
 WORKER_HEADER = "x-radixserve-worker"
 CONNECT_TIMEOUT_S = 5.0
-
-
-class RouterError(Exception):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -151,12 +146,12 @@ class Router:
 
     async def add_worker(self, url: str | None) -> Worker:
         if not url:
-            raise RouterError("query parameter 'url' is required")
+            raise RequestError("query parameter 'url' is required")
         if (problem := worker_url_problem(url)) is not None:
-            raise RouterError(f"url: {problem}")
+            raise RequestError(f"url: {problem}")
         url = url.rstrip("/")
         if url in self.workers:
-            raise RouterError(f"url: worker {url} is already routed to")
+            raise RequestError(f"url: worker {url} is already routed to")
         worker = self._add(url)
         await self.check(worker)
         if self.index is not None:
@@ -167,7 +162,7 @@ class Router:
     def remove_worker(self, url: str | None) -> None:
         worker = self.workers.pop((url or "").rstrip("/"), None)
         if worker is None:
-            raise RouterError(f"url: no worker {url!r}", 404)
+            raise RequestError(f"url: no worker {url!r}", 404)
         self.policy.forget(worker.url)
         if (follower := self.followers.pop(worker.url, None)) is not None:
             follower.cancel()
