@@ -202,9 +202,13 @@ class EngineArgs:
         r * nnodes // tp_size == k (contiguous, as even as the counts allow)."""
         return [r for r in range(self.tp_size) if r * self.nnodes // self.tp_size == self.node_rank]
 
-    def dist_init_method(self, init_file: str) -> str:
-        """Where the ranks meet: node 0's address across nodes, else a file of the private folder."""
-        return f"tcp://{self.dist_init_addr}" if self.dist_init_addr else f"file://{init_file}"
+    def dist_init_method(self, init_file: str | None = None) -> str:
+        """Where the ranks meet: node 0's address when one is given (always across nodes),
+        else `init_file` in the server's private folder."""
+        if self.dist_init_addr:
+            return f"tcp://{self.dist_init_addr}"
+        assert init_file is not None, "ranks on one node without dist_init_addr meet at a file"
+        return f"file://{init_file}"
 
     def with_(self, **changes) -> "EngineArgs":
         return replace(self, **changes)

@@ -72,10 +72,11 @@ class Children:
 def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir, heartbeat: Heartbeat) -> Children:
     ctx = mp.get_context("spawn")
     e = args.engine
+    init_method = e.dist_init_method(endpoints.tp_init_file)
     procs = {
         "detokenizer": ctx.Process(target=run_detokenizer, args=(tokenizer_dir, endpoints, e.log_level),
                                    name="radixserve-detokenizer"),
-        **{f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(e, endpoints, rank),
+        **{f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(e, init_method, rank),
                                                    name=f"radixserve-worker-tp{rank}")
            for rank in e.local_tp_ranks() if rank > 0},
         "scheduler": ctx.Process(target=run_scheduler, args=(e, endpoints, heartbeat), name="radixserve-scheduler"),
@@ -179,8 +180,8 @@ def run_node_ranks(engine: EngineArgs) -> int:
     """A node > 0 of multi-node tensor parallelism: its ranks follow rank 0 (on node 0) over
     torch.distributed. Exits 0 on SIGINT/SIGTERM, 1 when a rank exits (node 0 went away)."""
     ctx = mp.get_context("spawn")
-    endpoints = Endpoints.create()  # unused across nodes (ranks meet at dist_init_addr), but run_follower takes one
-    children = Children({f"worker (tp rank {rank})": ctx.Process(target=run_follower, args=(engine, endpoints, rank),
+    children = Children({f"worker (tp rank {rank})": ctx.Process(target=run_follower,
+                                                                   args=(engine, engine.dist_init_method(), rank),
                                                                    name=f"radixserve-worker-tp{rank}")
                          for rank in engine.local_tp_ranks()})
     stop = threading.Event()
@@ -198,4 +199,3 @@ def run_node_ranks(engine: EngineArgs) -> int:
         return 0
     finally:
         children.stop()
-        shutil.rmtree(endpoints.folder, ignore_errors=True)

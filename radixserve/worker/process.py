@@ -25,12 +25,12 @@ def start_rank0(args: EngineArgs, endpoints: Endpoints, source: ModelSource) -> 
     return ModelRunner(source, args, device, tp=tp)
 
 
-def run_follower(args: EngineArgs, endpoints: Endpoints, tp_rank: int) -> None:
-    """Entry point of the process of TP rank `tp_rank` > 0."""
+def run_follower(args: EngineArgs, init_method: str, tp_rank: int) -> None:
+    """Entry point of the process of TP rank `tp_rank` > 0, meeting the others at `init_method`."""
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker tp{tp_rank}: %(message)s")
     device = worker_device(tp_rank, args)
-    tp = init_tp_group(tp_rank, args.tp_size, args.dist_init_method(endpoints.tp_init_file), device)
+    tp = init_tp_group(tp_rank, args.tp_size, init_method, device)
     ModelRunner(resolve_model(args.model), args, device, tp=tp).follow()
 
 
