@@ -79,7 +79,8 @@ class CacheAware:
         best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.in_flight))
         if matched.get(best.url, 0) / len(key) > self.config.cache_threshold:
             return best
-        return min(candidates, key=lambda w: (self.tree.sizes.get(w.url, 0), w.in_flight))
+        sizes = self.tree.sizes  # computed by the KV-event index: read once
+        return min(candidates, key=lambda w: (sizes.get(w.url, 0), w.in_flight))
 
     def _imbalanced(self, candidates: list[Worker]) -> bool:
         loads = [w.in_flight for w in candidates]
