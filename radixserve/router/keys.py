@@ -4,6 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
+
+from ..server.protocol import ChatCompletionRequest
+from ..tokenizer import apply_chat_template, encode_prompt
 
 MAX_CODE_POINT = 0x10FFFF
 
@@ -69,11 +73,6 @@ def token_key(path: str, body: bytes, tokenizer: Any) -> str:
     """The prompt's token ids as the worker will compute them (`ids_key`), for the KV-event
     index; chat requests are rendered through the same request model and template code as
     the worker's. Empty when the body is not a valid request."""
-    from pydantic import ValidationError
-
-    from ..server.protocol import ChatCompletionRequest
-    from ..tokenizer import apply_chat_template, encode_prompt
-
     try:
         data = orjson.loads(body) if body else None
         if not isinstance(data, dict):
