@@ -110,3 +110,22 @@ def start_router(tmp_path, *args: str, timeout: float = 60) -> Server:
     port = free_port()
     return _launch(["router", "--port", str(port), *args], port, tmp_path / f"router-{port}.log", None, timeout,
                    ready=lambda url: httpx.get(f"{url}/list_workers", timeout=1) is not None)
+
+
+def ipc_folder(pid: int) -> str | None:
+    """The private folder of the ZeroMQ sockets the process `pid` has bound (read from /proc):
+    a test that SIGKILLs a server removes it, since the server no longer can."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and "/radixserve-" in fields[7]:
+                return os.path.dirname(fields[7])
+    return None

@@ -3,14 +3,17 @@ placement, worker management, metrics, and a replica killed mid-run.
 
 The kill test runs last: it takes one replica down for good."""
 import asyncio
+import glob
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import httpx
 import pytest
 
-from server_utils import alive, child_pids, free_port, start_router, start_server, wait_idle
+from server_utils import alive, child_pids, free_port, ipc_folder, start_router, start_server, wait_idle
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
@@ -211,7 +214,10 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_streamed(cluste
             return responses, time.monotonic() - killed
 
     kids = replicas[0].children()
+    folder = ipc_folder(replicas[0].proc.pid)
+    assert folder and os.path.isdir(folder)
     responses, dead_after = asyncio.run(run())
+    shutil.rmtree(folder)  # a SIGKILLed server cannot remove its socket folder
     assert [r.status_code for r in responses] == [200] * 10
     assert dead_after < 5
     with router.client() as c:
@@ -235,6 +241,7 @@ def descendants(pid: int) -> list[int]:
 def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path):
     """The one-command launch: two replicas, each on its own core, behind the router on the
     given port; SIGTERM stops everything it started."""
+    folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*")))
     server = start_server(tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048")
     everything = descendants(server.proc.pid)
     try:
@@ -249,12 +256,15 @@ def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path):
         cores = [os.sched_getaffinity(p) for p in replicas]
         if len(os.sched_getaffinity(0)) >= 2:
             assert not cores[0] & cores[1], cores
+        for pid in replicas:  # as a process-group SIGTERM does: the replicas get it as well as the launcher
+            os.kill(pid, signal.SIGTERM)
     finally:
         assert server.stop() == 0, server.log()
     deadline = time.time() + 10
     while any(alive(p) for p in everything) and time.time() < deadline:
         time.sleep(0.1)
     assert not [p for p in everything if alive(p)], "processes outlived the launcher"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) <= folders, "socket folders left behind"
 
 
 def cmdline(pid: int) -> bytes:

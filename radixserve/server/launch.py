@@ -166,6 +166,8 @@ def launch_server(args: ServerArgs) -> int:
         log.error("start-up failed: %s", exc)
         exit_code[0] = 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the (bounded) clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         children.stop()
         shutil.rmtree(endpoints.folder, ignore_errors=True)
     return exit_code[0]
