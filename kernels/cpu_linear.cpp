@@ -1,14 +1,17 @@
 // float32 y = x W^T + b against a weight packed once into column blocks, for the CPU forward.
 //
-// Packed layout: [blocks, K, kBlock], block b holding output columns b*kBlock .. b*kBlock+kBlock-1
-// (zero-padded past N). A micro-kernel keeps a tile of Rows rows x Blocks blocks in kAcc vector
-// accumulators and streams each of its blocks once per k: contiguous weight reads, no horizontal
-// sums. Every tile shape uses all kAcc accumulators (6 rows x 1 block, 3 x 2, 2 x 3, 1 x 6 on
-// AVX2), so the FMA units stay busy at any row count: a 4-row tile over one block would leave
-// half of them waiting on the FMA latency (8 rows ran at 57 GFLOP/s a core against 86 for 6).
-// Threads split the column blocks, so each streams its own contiguous part of the weight (decode
-// is bound by that stream). Rows are taken kRowChunk at a time so that chunk of x stays in L2,
-// and k kChunk at a time so a group's slice of the weight stays in cache across the row tiles.
+// Packed layout: column blocks of kBlock outputs (block b holds columns b*kBlock .., zero-padded
+// past N), stored in the order the kernel reads them: [group of kGroup blocks][k chunk][block of
+// the group][k of the chunk][kBlock]. A micro-kernel keeps a tile of Rows rows x Blocks blocks in
+// kAcc vector accumulators and streams each of its blocks once per k: contiguous weight reads, no
+// horizontal sums. Every tile shape uses all kAcc accumulators (6 rows x 1 block, 3 x 2, 2 x 3,
+// 1 x 6 on AVX2), so the FMA units stay busy at any row count: a 4-row tile over one block would
+// leave half of them waiting on the FMA latency (8 rows ran at 57 GFLOP/s a core against 86 for
+// 6). Threads split the groups of blocks, so each streams one contiguous range of the weight
+// (decode is bound by that stream; the model's linear layers at 8 rows from DRAM took 26-36 ms
+// against 28-40 ms with a [blocks, K, kBlock] layout, interleaved runs; software prefetch on top
+// did not help). Rows are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk
+// at a time so a group's slice of the weight stays in cache across the row tiles.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <array>
@@ -133,7 +136,21 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto padded = torch::zeros({blocks * kBlock, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();
+  auto bk = padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();  // [blocks, K, kBlock]
+  auto out = torch::empty({blocks, k, kBlock}, weight.options());
+  float* o = out.data_ptr<float>();
+  const float* src = bk.data_ptr<float>();
+  for (int64_t g = 0; g < blocks; g += kGroup) {
+    const int64_t group = std::min<int64_t>(kGroup, blocks - g);
+    for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+      const int64_t kc = std::min(kChunk, k - k0);
+      for (int64_t b = g; b < g + group; ++b) {
+        std::memcpy(o, src + (b * k + k0) * kBlock, kc * kBlock * sizeof(float));
+        o += kc * kBlock;
+      }
+    }
+  }
+  return out;
 }
 
 torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
@@ -150,19 +167,25 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pack
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
       const int64_t r_end = std::min(rows, r0 + kRowChunk);
-      for (int64_t g = b0; g < b1; g += kGroup) {
-        const int64_t group = std::min<int64_t>(kGroup, b1 - g);
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        const int64_t g = gi * kGroup;
+        const int64_t group = std::min<int64_t>(kGroup, blocks - g);
+        const float* gbase = wp + g * k * kBlock;
         for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+          const int64_t kc = std::min(kChunk, k - k0);
+          const float* cbase = gbase + k0 * group * kBlock;  // this chunk's blocks, kc * kBlock each
           for (int64_t r = r0; r < r_end;) {
             const int height = next_height(r_end - r);
-            const int64_t span = kGroup / height;  // blocks per tile of this height
+            const int64_t span = kGroup / height;
             for (int64_t b = g; b < g + group; b += span) {
               const int64_t count = std::min(span, g + group - b);
-              const Tile tile{xp + r * k, k, wp + b * k * kBlock, k * kBlock, bp ? bp + b * kBlock : nullptr,
-                              k0, std::min(k, k0 + kChunk), yp + r * n + b * kBlock, n, n - b * kBlock};
+              const float* first = cbase + (b - g) * kc * kBlock - k0 * kBlock;
+              const Tile tile{xp + r * k, k, first, kc * kBlock, bp ? bp + b * kBlock : nullptr,
+                              k0, k0 + kc, yp + r * n + b * kBlock, n, n - b * kBlock};
               kMicro[height - 1][count - 1](tile);
             }
             r += height;
