@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import ATTENTION_BACKENDS, DTYPES, HICACHE_WRITE_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineArgs, RouterArgs, ServerArgs
+from .config import (ATTENTION_BACKENDS, DTYPES, HICACHE_WRITE_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES,
+                     SPECULATIVE_ALGORITHMS, EngineArgs, RouterArgs, ServerArgs)
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
@@ -55,6 +56,12 @@ ENGINE_FLAGS = [
     ("--hicache-storage-backend", dict(default=None, choices=["file"], help="also keep blocks on disk, across "
                                        "restarts and shared by the servers of one machine")),
     ("--hicache-storage-dir", dict(default=None, help="the folder of --hicache-storage-backend file")),
+    ("--speculative-algorithm", dict(default=None, choices=SPECULATIVE_ALGORITHMS,
+                                     help="ngram: decoding requests draft the tokens that followed their last "
+                                          "tokens earlier in their context (or in recent outputs) and verify "
+                                          "them in one step; output is unchanged")),
+    ("--speculative-num-draft-tokens", dict(type=int, default=4, help="most draft tokens a request verifies per step "
+                                            "(each request adapts its own count to what it gets accepted)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],

@@ -13,6 +13,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("ngram",)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class EngineArgs:
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
     hicache_storage_dir: str | None = None
+    speculative_algorithm: str | None = None  # "ngram": drafts by n-gram lookup, verified in one step
+    speculative_num_draft_tokens: int = 4  # most drafts a request proposes per step
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -167,6 +170,11 @@ class EngineArgs:
         if self.nnodes > 1 and self.dist_init_addr is None:
             yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
         yield from self._hicache_problems()
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            yield (f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got "
+                   f"{self.speculative_algorithm!r} (draft-model speculation is not built yet)")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            yield "speculative_num_draft_tokens must be between 1 and 16"
 
     def _hicache_problems(self):
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:

@@ -67,6 +67,8 @@ class ForwardBatch:
     row_writes: list[tuple[int, int, list[int]]]
     sampling: SamplingBatch
     logprobs: list[LogprobRequest | None]
+    # speculative decoding: request b's last draft_lens[b] tokens are drafts to verify
+    draft_lens: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -81,9 +83,13 @@ class TokenLogprobs:
 
 @dataclass
 class ForwardResult:
+    """Per request: the token sampled this step; with drafts, `accepted_drafts[b]` (the drafts
+    the model agreed with) precede it in the output."""
+
     next_token_ids: list[int]
     output_logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None]
+    accepted_drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -175,6 +181,8 @@ class ReqOutput:
     queue_time: float = 0.0
     stop: list[str] | None = None
     skip_special_tokens: bool = True
+    spec_verify_ct: int = 0  # steps that verified drafts for this request (SGLang's meta_info name)
+    spec_accepted_tokens: int = 0  # drafts accepted in them
 
 
 @dataclass
@@ -200,6 +208,9 @@ class SchedulerStats:
     evicted_tokens_total: int = 0
     retractions_total: int = 0
     jump_forward_tokens_total: int = 0
+    spec_verify_steps_total: int = 0  # request-steps that verified drafts
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     requests_finished: dict = field(default_factory=dict)
     aborted_total: int = 0
     forward_steps: int = 0

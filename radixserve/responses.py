@@ -28,6 +28,8 @@ class RequestState:
     input_logprobs: list[list] | None = None
     input_top_logprobs: list | None = None
     error: str | None = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     def update(self, out: ReqOutput) -> None:
         if out.new_token_ids:
@@ -38,6 +40,7 @@ class RequestState:
         self.finished, self.finish_reason = out.finished, out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec_verify_ct, self.spec_accepted_tokens = out.spec_verify_ct, out.spec_accepted_tokens
         self.output_logprobs += out.output_logprobs or []
         self.output_top_logprobs += out.output_top_logprobs or []
         if out.input_logprobs is not None:
@@ -65,6 +68,9 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": time.monotonic() - self.created,
         }
+        if self.spec_verify_ct:
+            meta["spec_verify_ct"] = self.spec_verify_ct
+            meta["spec_accept_length"] = 1 + self.spec_accepted_tokens / self.spec_verify_ct
         if with_logprobs:
             meta.update(self._logprob_meta(token_text))
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

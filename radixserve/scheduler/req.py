@@ -8,6 +8,7 @@ from typing import Any
 from ..mem.radix_cache import TreeNode
 from ..messages import FinishReason
 from ..sampling_params import SamplingParams
+from .speculative import SpecState
 
 
 @dataclass(eq=False)
@@ -41,11 +42,17 @@ class Req:
     sent_logprobs: int = 0
     prompt_logprobs_done: bool = False
     grammar: Any = None  # an xgrammar matcher when the request asked for structured output
+    spec: SpecState | None = None  # speculative decoding's state, when the server speculates
 
     @property
     def fill_ids(self) -> list[int]:
         """Tokens whose KV the request needs: prompt plus every output but the newest."""
         return self.input_ids + self.output_ids
+
+    @property
+    def drafts(self) -> list[int]:
+        """Draft tokens this step verifies after the newest output token (their KV slots follow)."""
+        return self.spec.drafts if self.spec is not None else []
 
     @property
     def pending(self) -> int:

@@ -23,6 +23,7 @@ from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, 
 from ..sampling_params import SamplingParams, compile_stop_regex
 from .policy import order_waiting
 from .req import Req
+from .speculative import NgramDrafter
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
+        self.drafter = (NgramDrafter(args.speculative_num_draft_tokens)
+                        if args.speculative_algorithm == "ngram" else None)
         self.pending_aborts: set[str] = set()
         self.new_token_ratio = args.new_token_ratio
         self.prefill_budget = args.prefill_budget(info.device)
@@ -90,6 +93,8 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num)
         req.grammar = self._grammar_matcher(params)
+        if self.drafter is not None:
+            req.spec = self.drafter.new_state()
         self.waiting.append(req)
 
     def _grammar_matcher(self, params: SamplingParams):
@@ -154,15 +159,15 @@ class Scheduler:
         if not decoding and not prefill:
             return None
         mode = ForwardMode.MIXED if prefill and decoding else (
-            ForwardMode.EXTEND if prefill else ForwardMode.DECODE)
-        return self._step(mode, prefill + decoding, lens + [1] * len(decoding), len(prefill), reused)
+            ForwardMode.EXTEND if prefill else _decode_mode(decoding))
+        return self._step(mode, prefill + decoding, lens + _decode_lens(decoding), len(prefill), reused)
 
     def _alternating_step(self) -> Step | None:
         if self.last_was_prefill and any(r.is_decoding for r in self.running):
             step = self._decode_only() or self._prefill_only()
         else:
             step = self._prefill_only() or self._decode_only()
-        self.last_was_prefill = step is not None and step.mode == ForwardMode.EXTEND
+        self.last_was_prefill = step is not None and step.num_prefill > 0
         return step
 
     def _prefill_only(self) -> Step | None:
@@ -171,7 +176,7 @@ class Scheduler:
 
     def _decode_only(self) -> Step | None:
         reqs = self._prepare_decode()
-        return self._step(ForwardMode.DECODE, reqs, [1] * len(reqs), 0, 0) if reqs else None
+        return self._step(_decode_mode(reqs), reqs, _decode_lens(reqs), 0, 0) if reqs else None
 
     def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
         return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)
@@ -302,20 +307,41 @@ class Scheduler:
 
     # ---- decode ----------------------------------------------------------
     def _prepare_decode(self) -> list[Req]:
-        """One more slot for every decoding request, retracting the cheapest when memory is short."""
+        """One more slot for every decoding request, and one per draft token; when memory is
+        short, drafts go first, then the cheapest requests are retracted."""
         reqs = [r for r in self.running if r.is_decoding]
         if not reqs:
             return []
-        while not self._make_room(sum(self.allocator.pages_needed(len(r.kv_slots), 1) for r in reqs)):
+        self._propose_drafts(reqs)
+        while not self._make_room(sum(self.allocator.pages_needed(len(r.kv_slots), 1 + len(r.drafts))
+                                      for r in reqs)):
+            if any(r.drafts for r in reqs):
+                for r in reqs:
+                    r.spec.drafts = []
+                continue
             victim = self._pick_victim()
             if victim is None:
                 raise RuntimeError("out of KV memory with a single request; pool too small")
             self._retract(victim)
             reqs = [r for r in reqs if r is not victim]
         for req in reqs:
-            assert self._alloc(req, 1)
+            assert self._alloc(req, 1 + len(req.drafts))
         self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - self._ratio_decay())
         return reqs
+
+    def _propose_drafts(self, reqs: list[Req]) -> None:
+        """Drafts for the requests that may speculate: sampling that depends only on the
+        position's logits (no grammar, penalties, logprobs or min_new_tokens still to reach)."""
+        for req in reqs:
+            if req.spec is None:
+                continue
+            p = req.params
+            if (req.grammar is not None or req.return_logprob or p.has_penalties
+                    or len(req.output_ids) < p.min_new_tokens):
+                req.spec.drafts = []
+                continue
+            drafts = self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), len(reqs))
+            req.spec.drafts = drafts[:max(req.remaining_new_tokens - 1, 0)]
 
     def _ratio_decay(self) -> float:
         return (self.args.new_token_ratio - self.args.min_new_token_ratio) / RATIO_DECAY_STEPS
@@ -330,6 +356,8 @@ class Scheduler:
         """Send a running request back to the queue; its computed KV stays cached (evictable)."""
         self._release(req)
         req.kv_slots, req.cached_len, req.node, req.row, req.synced = [], 0, None, None, 0
+        if req.spec is not None:
+            req.spec.drafts = []
         if not req.prompt_logprobs_done:
             req.input_logprobs, req.input_top_logprobs = [], []
         self.waiting.insert(0, req)
@@ -404,7 +432,7 @@ class Scheduler:
         for req, n in zip(reqs, lens):
             end = len(req.kv_slots)
             start = end - n
-            ids += req.fill_ids[start:end]
+            ids += (req.fill_ids + req.drafts)[start:end] if req.drafts else req.fill_ids[start:end]
             positions += range(start, end)
             locs += req.kv_slots[start:end]
             if req.synced < start:
@@ -412,8 +440,9 @@ class Scheduler:
             req.synced = end
             seq_lens.append(end)
             logprobs.append(self._logprob_request(req, start, end))
+        draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
         return ForwardBatch(mode, ids, positions, locs, [r.row for r in reqs], seq_lens, lens,
-                            writes, self._sampling_batch(reqs), logprobs)
+                            writes, self._sampling_batch(reqs), logprobs, draft_lens)
 
     def _logprob_request(self, req: Req, start: int, end: int) -> LogprobRequest | None:
         if not req.return_logprob:
@@ -458,13 +487,17 @@ class Scheduler:
         generated = 0
         for b, req in enumerate(step.reqs):
             self._take_prompt_logprobs(req, result, b)
-            if req.pending == 0:
+            if req.drafts:
+                generated += self._take_verified(req, result, b)
+            elif req.pending == 0:
                 generated += self._take_token(req, result, b)
             if b < step.num_prefill and not req.finished:
                 self._cache_prefix(req)
             self._emit(req)
             if req.finished:
                 self._release(req)
+                if self.drafter is not None:
+                    self.drafter.remember(req.output_ids)
         self.stats.generation_tokens_total += generated
         self._recent_tokens.append((time.monotonic(), generated))
 
@@ -501,6 +534,29 @@ class Scheduler:
         if req.grammar is not None and not req.finished and self.args.enable_jump_forward:
             return 1 + self._jump_forward(req)
         return 1
+
+    def _take_verified(self, req: Req, result: ForwardResult, b: int) -> int:
+        """Append the accepted drafts and the sampled token, up to a finish; then free the KV
+        slots of the drafts that were not kept, so that only accepted tokens reach the tree."""
+        proposed, accepted = len(req.drafts), result.accepted_drafts[b]
+        taken = 0
+        for token in accepted + [result.next_token_ids[b]]:
+            req.output_ids.append(token)
+            taken += 1
+            req.finish_reason = self._finish_reason(req, token)
+            if req.finished:
+                break
+        keep = len(req.fill_ids) - 1  # the newest token's KV is computed next step
+        self.allocator.free(req.kv_slots[keep:])
+        del req.kv_slots[keep:]
+        req.synced = min(req.synced, keep)
+        req.spec.record(proposed, len(accepted), len(req.output_ids))
+        req.spec.drafts = []
+        s = self.stats
+        s.spec_verify_steps_total += 1
+        s.spec_draft_tokens_total += proposed
+        s.spec_accepted_tokens_total += len(accepted)
+        return taken
 
     def _jump_forward(self, req: Req) -> int:
         """Append the tokens the grammar forces; the next step feeds them as one extend chunk.
@@ -554,6 +610,8 @@ class Scheduler:
                         len(req.output_ids), req.cached_tokens, queue_time=req.queue_time,
                         stop=req.params.stop if first else None,
                         skip_special_tokens=req.params.skip_special_tokens)
+        if req.spec is not None:
+            out.spec_verify_ct, out.spec_accepted_tokens = req.spec.verify_steps, req.spec.accepted_total
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[req.sent_logprobs:]
             out.output_top_logprobs = req.output_top_logprobs[req.sent_logprobs:]
@@ -642,6 +700,15 @@ def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
              hicache.capacity_tokens() * info.bytes_per_token / 2**20, args.hicache_write_policy,
              f", storage {hicache.storage.folder}" if hicache.storage else "")
     return hicache
+
+
+def _decode_mode(reqs: list[Req]) -> ForwardMode:
+    """Decoding requests with drafts to verify run as an extend step (several tokens each)."""
+    return ForwardMode.EXTEND if any(r.drafts for r in reqs) else ForwardMode.DECODE
+
+
+def _decode_lens(reqs: list[Req]) -> list[int]:
+    return [1 + len(r.drafts) for r in reqs]
 
 
 def _logit_biases(ps: list[SamplingParams]) -> list[list[tuple[int, float]] | None] | None:

@@ -134,6 +134,10 @@ class _SchedulerCollector:
         ("jump_forward_tokens", "Output tokens a grammar forced, added without decode steps",
          "jump_forward_tokens_total"),
         ("aborted_requests", "Aborted requests", "aborted_total"),
+        ("spec_verify_steps", "Request-steps that verified draft tokens (speculative decoding)",
+         "spec_verify_steps_total"),
+        ("spec_draft_tokens", "Draft tokens verified", "spec_draft_tokens_total"),
+        ("spec_accepted_tokens", "Draft tokens accepted", "spec_accepted_tokens_total"),
     ]
 
     def __init__(self, metrics: Metrics):
@@ -151,6 +155,9 @@ class _SchedulerCollector:
             yield CounterMetricFamily(P + name, doc, value=s[key])
         computed = s["prompt_tokens_total"] - s["cached_tokens_total"]
         yield CounterMetricFamily(P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed)
+        if s["spec_verify_steps_total"]:
+            yield GaugeMetricFamily(P + "spec_accept_length", "Tokens per verify step: accepted drafts + 1",
+                                    value=1 + s["spec_accepted_tokens_total"] / s["spec_verify_steps_total"])
         yield from _hicache_families(s.get("hicache") or {})
         family = CounterMetricFamily(P + "requests", "Finished requests by finish reason", labels=["finish_reason"])
         for reason, count in sorted(s["requests_finished"].items()):

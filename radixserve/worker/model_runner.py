@@ -14,7 +14,7 @@ from ..mem.kv_pool import KVPool
 from ..models.loader import ModelSource, build_model, with_max_context
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
-from .sampler import sample
+from .sampler import sample, verify
 from .step_inputs import StepInputs
 from .torch_compile import CompiledForward
 
@@ -105,10 +105,25 @@ class ModelRunner:
         if self.tp.size > 1:
             self.tp.send_step(inputs.pack())
         logits, hidden = self.run_model(inputs)
-        next_ids = sample(logits, fb.sampling)
+        accepted = None
+        if fb.draft_lens is None:
+            next_ids = sample(logits, fb.sampling)
+        else:
+            ids, accepted, rows = verify(logits, fb.sampling, self._drafts(fb))
+            next_ids, logits = torch.tensor(ids, device=logits.device), logits[rows]
         prompt_logprobs = ([None] * fb.batch_size if hidden is None
                            else self._prompt_logprobs(hidden, inputs.extend_lens, fb))
-        return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb), prompt_logprobs)
+        return ForwardResult(next_ids.tolist(), self._output_logprobs(logits, next_ids, fb), prompt_logprobs,
+                             accepted)
+
+    @staticmethod
+    def _drafts(fb: ForwardBatch) -> list[list[int]]:
+        """Each request's draft tokens: the last draft_lens[b] of its chunk."""
+        drafts, end = [], 0
+        for n, k in zip(fb.extend_lens, fb.draft_lens):
+            end += n
+            drafts.append(fb.input_ids[end - k:end])
+        return drafts
 
     def follow(self) -> None:
         """TP ranks > 0: run every step rank 0 sends; its results are rank 0's to report."""
@@ -117,8 +132,9 @@ class ModelRunner:
                 self.run_model(StepInputs.unpack(self.tp.receive_step(self.device)))
 
     def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of each request's last token, and the hidden states of every token of the step
-        (None when a CUDA graph ran it: graphed decode steps never need them)."""
+        """Logits at `logit_index` (each request's last token, and its drafts before it), and the
+        hidden states of every token of the step (None when a CUDA graph ran it: graphed decode
+        steps never need them)."""
         self.req_to_token[inputs.table_rows, inputs.table_cols] = inputs.table_slots
         if self._fits_graph(inputs):
             return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.rows,
@@ -129,8 +145,7 @@ class ModelRunner:
             extend_lens=inputs.extend_lens, req_to_token=self.req_to_token, max_seq_len=inputs.max_seq_len,
             max_extend_len=inputs.max_extend_len))
         hidden = (self.compiled or self.model)(inputs.input_ids, inputs.positions, self.backend)
-        last = torch.cumsum(inputs.extend_lens, 0) - 1
-        return self.model.compute_logits(hidden[last]), hidden
+        return self.model.compute_logits(hidden[inputs.logit_index]), hidden
 
     def _fits_graph(self, inputs: StepInputs) -> bool:
         return (self.graphs is not None and inputs.mode == ForwardMode.DECODE

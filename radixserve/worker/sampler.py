@@ -6,6 +6,8 @@ device (on a GPU the full logits never come to the host; only the sampled ids do
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from ..messages import SamplingBatch
@@ -30,6 +32,41 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     probs = _filtered_probs(logits[rows] / temps.unsqueeze(1), sb, rows)
     tokens[rows] = _draw(probs, [sb.seeds[r] for r in rows], [sb.steps[r] for r in rows])
     return tokens
+
+
+def verify(logits: torch.Tensor, sb: SamplingBatch, drafts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+    """Check each request's drafts against the model: logits hold, per request, a row for the
+    token before its drafts and one per draft. A token is sampled at every row as without
+    speculation (seeded draws use the step of the output position the row would fill); draft i
+    is accepted while it equals the token sampled before it. With a draft that is one token, not
+    a distribution, this is exact rejection sampling: the draft is kept with its probability,
+    and otherwise the token drawn is one from the rest of the distribution. Greedy output is
+    the same as without speculation. Returns per request the next token, the accepted drafts,
+    and the logits row of the next token."""
+    counts = [1 + len(d) for d in drafts]
+    targets = sample(logits, _repeat_rows(sb, counts)).tolist()
+    next_ids, accepted, rows, row = [], [], [], 0
+    for draft, count in zip(drafts, counts):
+        n = 0
+        while n < len(draft) and targets[row + n] == draft[n]:
+            n += 1
+        next_ids.append(targets[row + n])
+        accepted.append(draft[:n])
+        rows.append(row + n)
+        row += count
+    return next_ids, accepted, rows
+
+
+def _repeat_rows(sb: SamplingBatch, counts: list[int]) -> SamplingBatch:
+    """Each request's sampling settings once per logits row, at the output step of that row."""
+    def repeat(name: str, values):
+        if values is None:
+            return None
+        if name == "steps":
+            return [v + i for v, c in zip(values, counts) for i in range(c)]
+        return [v for v, c in zip(values, counts) for _ in range(c)]
+
+    return SamplingBatch(**{f.name: repeat(f.name, getattr(sb, f.name)) for f in fields(sb)})
 
 
 def _edits_logits(sb: SamplingBatch) -> bool:
