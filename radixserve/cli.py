@@ -60,8 +60,8 @@ ENGINE_FLAGS = [
                                      help="ngram: decoding requests draft the tokens that followed their last "
                                           "tokens earlier in their context (or in recent outputs) and verify "
                                           "them in one step; output is unchanged")),
-    ("--speculative-num-draft-tokens", dict(type=int, default=4, help="most draft tokens a request verifies per step "
-                                            "(each request adapts its own count to what it gets accepted)")),
+    ("--speculative-num-draft-tokens", dict(type=int, default=8, help="most draft tokens a request verifies per step "
+                                            "(fewer where the measured step cost says they would not pay)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),
     ("--num-threads", dict(type=int, default=None, help="torch threads of the worker (default: all cores)")),
     ("--quantization", dict(default=None, choices=["int8"],

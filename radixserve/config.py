@@ -126,7 +126,7 @@ class EngineArgs:
     hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
     hicache_storage_dir: str | None = None
     speculative_algorithm: str | None = None  # "ngram": drafts by n-gram lookup, verified in one step
-    speculative_num_draft_tokens: int = 4  # most drafts a request proposes per step
+    speculative_num_draft_tokens: int = 8  # most drafts a request proposes per step
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

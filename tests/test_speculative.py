@@ -7,7 +7,7 @@ import torch
 from conftest import PROMPTS
 from server_utils import start_server, wait_idle
 from radixserve.messages import SamplingBatch
-from radixserve.scheduler.speculative import NgramDrafter, SpecState
+from radixserve.scheduler.speculative import NgramDrafter, SpecState, StepCost, budget_drafts
 from radixserve.worker.sampler import verify
 
 PASSAGES = [
@@ -46,43 +46,59 @@ def greedy_batch(*sizes_and_temps) -> SamplingBatch:
 
 def test_drafts_follow_the_latest_earlier_occurrence_of_the_last_tokens():
     drafter = NgramDrafter(max_drafts=4)
-    state = drafter.new_state()
+    state = SpecState()
     tokens = [1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4]
-    assert drafter.propose(state, tokens, output_len=5, batch_size=1) == [5, 6, 7, 9]
-    state.k = 2
-    assert drafter.propose(state, tokens + [5, 6, 7], output_len=8, batch_size=1) == [9, 2]
-    assert drafter.propose(state, [10, 11, 12, 13], output_len=1, batch_size=1) == []
+    assert drafter.propose(state, tokens, output_len=5, limit=8) == [5, 6, 7, 9]
+    assert drafter.propose(state, tokens + [5, 6, 7], output_len=8, limit=2) == [9, 2]
+    assert drafter.propose(state, [10, 11, 12, 13], output_len=1, limit=8) == []
 
 
 def test_outputs_of_finished_requests_draft_for_later_ones():
     drafter = NgramDrafter(max_drafts=3)
     drafter.remember([40, 41, 42, 43, 44, 45])
-    assert drafter.propose(drafter.new_state(), [7, 8, 41, 42, 43], output_len=3, batch_size=1) == [44, 45]
+    assert drafter.propose(SpecState(), [7, 8, 41, 42, 43], output_len=3, limit=8) == [44, 45]
 
 
-def test_draft_length_adapts_and_misses_pause_speculation():
-    state = SpecState(max_drafts=4)
-    state.k = 2
-    state.record(proposed=2, accepted=2, output_len=10)
-    assert state.k == 3
-    state.record(proposed=3, accepted=1, output_len=12)
-    assert state.k == 2
+def test_acceptance_is_tracked_per_draft_and_misses_pause_speculation():
+    state = SpecState()
+    state.record(proposed=4, accepted=4, output_len=10)
+    state.record(proposed=4, accepted=1, output_len=12)
+    assert state.accept_rate == pytest.approx((0.64 + 0.8 * 4 + 1) / (1.28 + 0.8 * 4 + 2))
     state.record(proposed=2, accepted=0, output_len=13)
     state.record(proposed=1, accepted=0, output_len=14)
-    assert state.paused_until > 14 and state.k == 1
-    drafter = NgramDrafter(max_drafts=4)
-    assert drafter.propose(state, [1, 2, 3, 1, 2, 3], output_len=15, batch_size=1) == []
-    assert state.accept_length == pytest.approx(1 + 3 / 4)
+    assert state.paused_until > 14
+    assert NgramDrafter(max_drafts=4).propose(state, [1, 2, 3, 1, 2, 3], output_len=15, limit=8) == []
+    assert state.accept_length == pytest.approx(1 + 5 / 4)
 
 
-def test_a_large_batch_needs_a_higher_acceptance_to_speculate():
-    drafter = NgramDrafter(max_drafts=4)
-    state = drafter.new_state()
-    state.accept_rate = 0.2
-    tokens = [1, 2, 3, 4, 1, 2, 3]
-    assert drafter.propose(state, tokens, output_len=4, batch_size=2) == [4, 1, 2, 3]  # 0.2 >= 2 x 0.05
-    state.paused_until = 0
-    assert drafter.propose(state, tokens, output_len=4, batch_size=8) == []  # 0.2 < 8 x 0.05
+def test_step_cost_is_fitted_from_measured_steps():
+    cost = StepCost()
+    for rows in [1, 8, 3, 40, 12, 1, 25, 7, 16, 2]:
+        cost.observe(rows, 0.02 + 0.003 * rows)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.02, rel=1e-3) and b == pytest.approx(0.003, rel=1e-3)
+
+
+def test_draft_budget_keeps_what_pays_for_its_rows():
+    cost = StepCost()
+    for rows in [1, 8, 3, 40, 12, 1, 25, 7, 16, 2]:
+        cost.observe(rows, 0.024 + 0.0025 * rows)
+
+    def kept(rate: float, batch: int, proposed: int = 8) -> list[int]:
+        states = [SpecState(accepted_ema=rate, tried_ema=1.0) for _ in range(batch)]
+        budget_drafts([(s, list(range(proposed))) for s in states], batch, cost)
+        return [len(s.drafts) for s in states]
+
+    assert kept(0.9, 1) == [8]  # one request copying well: every draft is worth a row
+    assert kept(0.3, 1) == [1]  # 0.3 of a token is worth 2.5 ms at ~27 ms a token; 0.09 is not
+    assert sum(kept(0.9, 8)) < 8 * 8  # at batch 8 a row costs more than the later drafts bring
+    assert kept(0.05, 8) == [0] * 8
+    free = StepCost()
+    for rows in [1, 8, 3, 40, 12, 1, 25, 7, 16, 2]:
+        free.observe(rows, 0.01)  # a GPU: rows cost nothing
+    states = [SpecState(accepted_ema=0.3, tried_ema=1.0) for _ in range(8)]
+    budget_drafts([(s, list(range(5))) for s in states], 8, free)
+    assert all(len(s.drafts) == 5 for s in states)
 
 
 # ---- verification ---------------------------------------------------------------

@@ -23,7 +23,7 @@ from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, 
 from ..sampling_params import SamplingParams, compile_stop_regex
 from .policy import order_waiting
 from .req import Req
-from .speculative import NgramDrafter
+from .speculative import NgramDrafter, SpecState, StepCost, budget_drafts
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Scheduler:
         self.outputs: list[ReqOutput] = []
         self.drafter = (NgramDrafter(args.speculative_num_draft_tokens)
                         if args.speculative_algorithm == "ngram" else None)
+        self.step_cost = StepCost()
         self.pending_aborts: set[str] = set()
         self.new_token_ratio = args.new_token_ratio
         self.prefill_budget = args.prefill_budget(info.device)
@@ -94,7 +95,7 @@ class Scheduler:
                   msg.top_logprobs_num)
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None:
-            req.spec = self.drafter.new_state()
+            req.spec = SpecState()
         self.waiting.append(req)
 
     def _grammar_matcher(self, params: SamplingParams):
@@ -131,7 +132,9 @@ class Scheduler:
         step = self._next_step()
         if step is not None:
             try:
+                started = time.perf_counter()
                 result = self.executor.forward(step.batch)
+                self.step_cost.observe(len(step.batch.input_ids), time.perf_counter() - started)
                 self._process(step, result)
             except Exception as exc:  # noqa: BLE001 - the step's requests fail, the server stays up
                 log.exception("a step of %d requests failed; they are aborted", len(step.reqs))
@@ -156,6 +159,8 @@ class Scheduler:
             return self._alternating_step()
         decoding = self._prepare_decode()
         prefill, lens, reused = self._prepare_prefill(batch_started=bool(decoding))
+        if any(r.drafts for r in decoding) and prefill:
+            self._trim_drafts(decoding, len(decoding) + sum(lens))
         if not decoding and not prefill:
             return None
         mode = ForwardMode.MIXED if prefill and decoding else (
@@ -330,18 +335,36 @@ class Scheduler:
         return reqs
 
     def _propose_drafts(self, reqs: list[Req]) -> None:
-        """Drafts for the requests that may speculate: sampling that depends only on the
-        position's logits (no grammar, penalties, logprobs or min_new_tokens still to reach)."""
+        """Drafts worth their rows (`budget_drafts`) for the requests that may speculate: those
+        whose sampling depends only on the position's logits (no grammar, penalties, logprobs
+        or min_new_tokens still to reach)."""
+        proposals = []
         for req in reqs:
             if req.spec is None:
                 continue
+            req.spec.drafts = []
             p = req.params
             if (req.grammar is not None or req.return_logprob or p.has_penalties
                     or len(req.output_ids) < p.min_new_tokens):
-                req.spec.drafts = []
                 continue
-            drafts = self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), len(reqs))
-            req.spec.drafts = drafts[:max(req.remaining_new_tokens - 1, 0)]
+            draft = self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), req.remaining_new_tokens - 1)
+            if draft:
+                proposals.append((req.spec, draft))
+        if proposals:
+            budget_drafts(proposals, len(reqs), self.step_cost)
+
+    def _trim_drafts(self, reqs: list[Req], rows: int) -> None:
+        """Re-budget the drafts when prompt chunks joined the step (they make it costlier), and
+        give back the slots of the drafts dropped."""
+        with_drafts = [r for r in reqs if r.drafts]
+        before = {id(r): len(r.drafts) for r in with_drafts}
+        budget_drafts([(r.spec, r.drafts) for r in with_drafts], rows, self.step_cost)
+        for req in with_drafts:
+            dropped = before[id(req)] - len(req.drafts)
+            if dropped:
+                keep = len(req.kv_slots) - dropped
+                self.allocator.free(req.kv_slots[keep:])
+                del req.kv_slots[keep:]
 
     def _ratio_decay(self) -> float:
         return (self.args.new_token_ratio - self.args.min_new_token_ratio) / RATIO_DECAY_STEPS

@@ -5,11 +5,13 @@ quoting its context, an agent repeating a tool's output) proposes the tokens tha
 earlier occurrence. The model checks all of them in one extend step (`worker/sampler.verify`).
 Nothing here touches the model: a draft costs a dictionary lookup.
 
-When speculation pays: a verified draft token adds a row to the step; on this CPU a decode step
-of B requests costs ~25 ms at B=1 and ~2 ms per extra row at B=8, so a draft token is worth
-its row once the chance it is accepted exceeds roughly `PAYOFF_PER_REQUEST` x B. Each request
-keeps an estimate of its acceptance rate and proposes only while that clears the bar; after
-misses it backs off (exponentially longer) before it tries again with one draft token.
+When speculation pays: each draft token adds a row to the step. `StepCost` fits the step time
+to its rows as the server runs (a + b x rows); `budget_drafts` keeps a draft only while its
+expected tokens (p^j for the j-th draft of a request whose drafts are accepted with chance p)
+raise the step's tokens per second. On a GPU a row is nearly free and every draft is kept; on
+this CPU (~25 ms a step at 1 row, ~2.5 ms per more row) long drafts pay at batch 1, and at
+batch 8 only the first drafts of requests that copy well. A request that keeps missing stops
+proposing for a while (exponentially longer after each run of misses).
 """
 from __future__ import annotations
 
@@ -18,22 +20,22 @@ from dataclasses import dataclass, field
 
 MIN_NGRAM = 3  # shorter matches are mostly chance in natural text (they cost rows, not output)
 MAX_NGRAM = 5
-PAYOFF_PER_REQUEST = 0.05  # acceptance needed per request in the batch (see the module docstring)
-ACCEPT_DECAY = 0.7  # weight of the past in a request's acceptance estimate
+ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance estimate
 MISSES_BEFORE_PAUSE = 2
 FIRST_PAUSE = 4  # output tokens without drafts after the first run of misses; doubles each time
 MAX_PAUSE = 256
 SHARED_NGRAMS = 200_000  # bound of the table of n-grams from recent outputs
+COST_DECAY = 0.98  # weight of the past in the step-cost fit
+PRIOR_STEP_S, PRIOR_ROW_S = 0.025, 0.0025  # the cost model before steps are measured (2-core CPU)
 
 
 @dataclass
 class SpecState:
-    """A request's draft bookkeeping: its context index, draft length and acceptance record."""
+    """A request's draft bookkeeping: its context index and acceptance record."""
 
-    max_drafts: int
     drafts: list[int] = field(default_factory=list)  # proposed for the step being run
-    k: int = 1  # drafts to propose next
-    accept_rate: float = 0.5
+    accepted_ema: float = 1.0  # decayed sums: drafts accepted, and drafts tried (accepted or the
+    tried_ema: float = 2.0     # first rejected), so accept_rate = P(next draft kept | previous kept)
     misses: int = 0
     pauses: int = 0
     paused_until: int = 0  # output length before which no drafts are proposed
@@ -42,29 +44,66 @@ class SpecState:
     verify_steps: int = 0
     accepted_total: int = 0
 
-    def __post_init__(self) -> None:
-        self.k = self.max_drafts
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted_ema / self.tried_ema
 
     def record(self, proposed: int, accepted: int, output_len: int) -> None:
-        """Adapt after a verify step: grow k after a full acceptance, shrink it to what was
-        accepted (plus one) otherwise; pause after repeated misses."""
+        """Update the acceptance estimate after a verify step; pause after repeated misses."""
         self.verify_steps += 1
         self.accepted_total += accepted
-        self.accept_rate = ACCEPT_DECAY * self.accept_rate + (1 - ACCEPT_DECAY) * accepted / proposed
-        self.k = min(self.max_drafts, proposed + 1) if accepted == proposed else accepted + 1
+        tried = accepted + (accepted < proposed)
+        self.accepted_ema = ACCEPT_DECAY * self.accepted_ema + accepted
+        self.tried_ema = ACCEPT_DECAY * self.tried_ema + tried
         self.misses = self.misses + 1 if accepted == 0 else 0
         if self.misses >= MISSES_BEFORE_PAUSE:
-            self.pause(output_len)
-
-    def pause(self, output_len: int) -> None:
-        self.paused_until = output_len + min(FIRST_PAUSE << self.pauses, MAX_PAUSE)
-        self.pauses += 1
-        self.misses, self.k = 0, 1
+            self.paused_until = output_len + min(FIRST_PAUSE << self.pauses, MAX_PAUSE)
+            self.pauses += 1
+            self.misses = 0
 
     @property
     def accept_length(self) -> float:
         """Tokens per verify step: accepted drafts plus the token every step samples."""
         return 1 + self.accepted_total / self.verify_steps if self.verify_steps else 0.0
+
+
+class StepCost:
+    """Seconds of a forward step as a + b x rows, fitted by decayed least squares over the
+    steps run so far (the prior holds until the row counts have varied)."""
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        var = self.n * self.sxx - self.sx ** 2
+        if self.n < 8 or var < 1e-9 * max(self.sxx, 1.0) * self.n:
+            return PRIOR_STEP_S, PRIOR_ROW_S
+        b = max((self.n * self.sxy - self.sx * self.sy) / var, 0.0)
+        a = max((self.sy - b * self.sx) / self.n, 1e-4)
+        return a, b
+
+
+def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost: StepCost) -> None:
+    """Set each request's drafts to the prefix of its proposal worth verifying this step: add
+    draft tokens, most likely first, while each raises the step's expected tokens per second.
+    `rows` is the step's rows without drafts (one per request, plus prompt chunks)."""
+    a, b = cost.coefficients()
+    candidates = sorted(((state.accept_rate ** (j + 1), i) for i, (state, draft) in enumerate(proposals)
+                         for j in range(len(draft))), reverse=True)
+    keep = [0] * len(proposals)
+    tokens, seconds = float(len(proposals)), a + b * rows
+    for gain, i in candidates:
+        if (tokens + gain) / (seconds + b) <= tokens / seconds:
+            break
+        keep[i] += 1
+        tokens, seconds = tokens + gain, seconds + b
+    for (state, draft), n in zip(proposals, keep):
+        state.drafts = draft[:n]
 
 
 class NgramDrafter:
@@ -75,28 +114,22 @@ class NgramDrafter:
         self.max_drafts = max_drafts
         self.shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
-    def new_state(self) -> SpecState:
-        return SpecState(self.max_drafts)
-
-    def propose(self, state: SpecState, tokens: list[int], output_len: int, batch_size: int) -> list[int]:
-        """Draft tokens to follow `tokens` (prompt and output so far), or none where speculation
-        does not pay for this request now."""
-        if output_len < state.paused_until:
+    def propose(self, state: SpecState, tokens: list[int], output_len: int, limit: int) -> list[int]:
+        """Up to `limit` draft tokens to follow `tokens` (prompt and output so far); none while
+        the request is paused."""
+        if output_len < state.paused_until or limit <= 0:
             return []
-        if state.accept_rate < PAYOFF_PER_REQUEST * batch_size:
-            state.pause(output_len)  # probe again later with one token
-            state.accept_rate = PAYOFF_PER_REQUEST * batch_size
-            return []
+        limit = min(limit, self.max_drafts)
         self._index(state, tokens)
         for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
             key = tuple(tokens[-n:])
             end = state.index.get(key)
             if end is not None:
-                return tokens[end + 1:end + 1 + state.k]
+                return tokens[end + 1:end + 1 + limit]
             follow = self.shared.get(key)
             if follow is not None:
                 self.shared.move_to_end(key)
-                return list(follow[:state.k])
+                return list(follow[:limit])
         return []
 
     @staticmethod
