@@ -5,7 +5,10 @@ A step's requests are split into a decode group (one new token each) and an exte
 prompt chunk. The extend group gathers its K/V and runs one padded, masked SDPA. On CPU the
 decode group runs the paged decode kernel (`radixserve_kernels/cpu_decode_attention.cpp`),
 which reads K/V straight from the pool; elsewhere, or without a compiler, it too gathers and
-runs SDPA.
+runs SDPA. On CPU, requests with a few new tokens (speculative verify steps: the last token
+and its drafts) join the decode group as one query per token, each attending over the
+sequence up to itself: measured on 8 verify requests of ~9 tokens, this replaced a gather and
+a padded SDPA that cost more than the rest of the step.
 """
 from __future__ import annotations
 
@@ -52,9 +55,17 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal)
 
 
+SHORT_EXTEND = 16  # new tokens up to which a request's queries run through the paged decode kernel
+
+
 def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
-    return _Group(token_starts[members], None, (len(members), 0), None,
-                  rows=inputs.rows[members], seq_lens=inputs.seq_lens[members])
+    """One paged-decode query per new token of `members`: token i of a request with prefix p
+    attends over the first p + i + 1 slots of its row (its K/V is stored before attention)."""
+    ext = inputs.extend_lens[members]
+    offset = torch.arange(int(ext.sum())) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    prefix = torch.repeat_interleave(inputs.seq_lens[members] - ext, ext)
+    return _Group(torch.repeat_interleave(token_starts[members], ext) + offset, None, (len(members), 0), None,
+                  rows=torch.repeat_interleave(inputs.rows[members], ext), seq_lens=prefix + offset + 1)
 
 
 class TorchNativeBackend:
@@ -66,8 +77,8 @@ class TorchNativeBackend:
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
-        single = inputs.extend_lens == 1
-        decode, extend = single.nonzero().flatten(), (~single).nonzero().flatten()
+        short = inputs.extend_lens <= (SHORT_EXTEND if self.decode_kernel is not None else 1)
+        decode, extend = short.nonzero().flatten(), (~short).nonzero().flatten()
         plan_decode = _plan_paged_decode if self.decode_kernel is not None else _plan_group
         self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + \
                       ([_plan_group(inputs, extend, token_starts)] if len(extend) else [])
