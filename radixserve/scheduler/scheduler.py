@@ -357,14 +357,15 @@ class Scheduler:
         """Re-budget the drafts when prompt chunks joined the step (they make it costlier), and
         give back the slots of the drafts dropped."""
         with_drafts = [r for r in reqs if r.drafts]
-        before = {id(r): len(r.drafts) for r in with_drafts}
+        before = [len(r.drafts) for r in with_drafts]
         budget_drafts([(r.spec, r.drafts) for r in with_drafts], rows, self.step_cost)
-        for req in with_drafts:
-            dropped = before[id(req)] - len(req.drafts)
-            if dropped:
-                keep = len(req.kv_slots) - dropped
-                self.allocator.free(req.kv_slots[keep:])
-                del req.kv_slots[keep:]
+        for req, proposed in zip(with_drafts, before):
+            self._free_tail(req, len(req.kv_slots) - (proposed - len(req.drafts)))
+
+    def _free_tail(self, req: Req, keep: int) -> None:
+        """Give back the request's own slots past its first `keep` (draft slots not used)."""
+        self.allocator.free(req.kv_slots[keep:])
+        del req.kv_slots[keep:]
 
     def _ratio_decay(self) -> float:
         return (self.args.new_token_ratio - self.args.min_new_token_ratio) / RATIO_DECAY_STEPS
@@ -570,8 +571,7 @@ class Scheduler:
             if req.finished:
                 break
         keep = len(req.fill_ids) - 1  # the newest token's KV is computed next step
-        self.allocator.free(req.kv_slots[keep:])
-        del req.kv_slots[keep:]
+        self._free_tail(req, keep)
         req.synced = min(req.synced, keep)
         req.spec.record(proposed, len(accepted), len(req.output_ids))
         req.spec.drafts = []

@@ -61,11 +61,6 @@ class SpecState:
             self.pauses += 1
             self.misses = 0
 
-    @property
-    def accept_length(self) -> float:
-        """Tokens per verify step: accepted drafts plus the token every step samples."""
-        return 1 + self.accepted_total / self.verify_steps if self.verify_steps else 0.0
-
 
 class StepCost:
     """Seconds of a forward step as a + b x rows, fitted by decayed least squares over the
