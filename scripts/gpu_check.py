@@ -2,7 +2,7 @@
 
 1. Triton kernels vs their references on CUDA (fp32, fp16, bf16).
 2. The bundled model through every available backend on the GPU, with and without CUDA graphs,
-   gives the CPU path's greedy tokens.
+   with and without n-gram speculative decoding, gives the CPU path's greedy tokens.
 3. Decode step time vs batch size for a Llama-3-8B-shaped dummy model per backend, eager and with
    CUDA graphs, against the weight-bandwidth floor (weight bytes / measured copy bandwidth), and
    prefill throughput.
@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,11 +45,52 @@ def kernel_tests() -> bool:
     return run.returncode == 0
 
 
-def check_model() -> str | None:
-    """The bundled model when its package is here, else random weights of its shape."""
+def check_model(scratch: Path) -> str | None:
+    """The bundled model when its package is here, else a checkpoint of its shape with seeded
+    random weights, written once, so that the CPU reference and every GPU run load the same
+    weights (a dummy model draws its weights on its own device, and CPU and CUDA generators differ)."""
     from radixserve.models.loader import find_bundled_gguf
 
-    return None if find_bundled_gguf() else "dummy:smollm2-135m"
+    return None if find_bundled_gguf() else str(random_checkpoint(scratch / "random-smollm2"))
+
+
+def random_checkpoint(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    from radixserve.models.loader import DUMMY_SHAPES
+
+    shape = DUMMY_SHAPES["smollm2-135m"]
+    hidden, inter, heads, kv, head_dim = (shape[k] for k in ("hidden_size", "intermediate_size", "num_heads",
+                                                             "num_kv_heads", "head_dim"))
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=generator) * 0.02
+
+    tensors = {"model.embed_tokens.weight": normal(shape["vocab_size"], hidden),
+               "lm_head.weight": normal(shape["vocab_size"], hidden),  # untied: outputs repeat less
+               "model.norm.weight": torch.ones(hidden)}
+    for i in range(shape["num_layers"]):
+        layer = f"model.layers.{i}."
+        tensors |= {layer + "input_layernorm.weight": torch.ones(hidden),
+                    layer + "post_attention_layernorm.weight": torch.ones(hidden),
+                    layer + "self_attn.q_proj.weight": normal(heads * head_dim, hidden),
+                    layer + "self_attn.k_proj.weight": normal(kv * head_dim, hidden),
+                    layer + "self_attn.v_proj.weight": normal(kv * head_dim, hidden),
+                    layer + "self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+                    layer + "mlp.gate_proj.weight": normal(inter, hidden),
+                    layer + "mlp.up_proj.weight": normal(inter, hidden),
+                    layer + "mlp.down_proj.weight": normal(hidden, inter)}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": shape["vocab_size"],
+              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": shape["num_layers"],
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+              "hidden_act": "silu", "max_position_embeddings": shape["max_position_embeddings"],
+              "rms_norm_eps": 1e-5, "rope_theta": shape["rope_theta"], "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 GRAPH_BACKENDS = ("triton", "flashinfer")
@@ -59,21 +101,23 @@ def variants(names: list[str]) -> list[tuple[str, bool]]:
     return [(name, graphs) for name in names for graphs in (False, True) if not graphs or name in GRAPH_BACKENDS]
 
 
-def greedy(backend: str, graphs: bool = False) -> list[list[int]]:
-    """Greedy tokens through `backend`; the CPU reference runs it in a process that sees no GPU."""
+def greedy(model: str | None, backend: str, graphs: bool = False, speculative: bool = False) -> dict:
+    """Greedy tokens through `backend` (and how many steps verified n-gram drafts); the CPU
+    reference runs it in a process that sees no GPU."""
     from radixserve import Engine
 
-    model = check_model()
     prompts = PROMPTS if model is None else None
     kwargs = dict(model=model, max_total_tokens=4096, max_running_requests=8, dtype="float32",
-                  attention_backend=backend, disable_cuda_graph=not graphs)
+                  attention_backend=backend, disable_cuda_graph=not graphs,
+                  speculative_algorithm="ngram" if speculative else None)
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(**kwargs) as engine:
         if prompts is None:
             out = engine.generate(input_ids=[[1, 2, 3, 4, 5], [7] * 40, list(range(100, 180))], sampling_params=params)
         else:
             out = engine.generate(prompts, params)
-    return [r["output_ids"] for r in out]
+    return {"tokens": [r["output_ids"] for r in out],
+            "verify_steps": sum(r["meta_info"].get("spec_verify_ct", 0) for r in out)}
 
 
 def copy_bandwidth() -> float:
@@ -138,14 +182,19 @@ class Report:
             Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(self.data, indent=2))
 
 
-def cpu_reference() -> list[list[int]]:
-    cpu = subprocess.run([sys.executable, "-c", (
-        "import json, os; os.environ['CUDA_VISIBLE_DEVICES']=''; import sys; sys.path.insert(0, 'scripts'); "
-        "from gpu_check import greedy; print(json.dumps(greedy('torch_native')))")],
-        capture_output=True, text=True, cwd=ROOT)
-    if cpu.returncode:
-        raise RuntimeError(cpu.stderr[-2000:])
-    return json.loads(cpu.stdout.strip().splitlines()[-1])
+def start_cpu_reference(model: str | None) -> subprocess.Popen:
+    """The CPU path's greedy tokens, computed in a process that sees no GPU, alongside the GPU runs."""
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); from gpu_check import greedy; "
+            f"print(json.dumps(greedy({model!r}, 'torch_native')['tokens']))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def cpu_reference(process: subprocess.Popen) -> list[list[int]]:
+    out, err = process.communicate(timeout=300)
+    if process.returncode:
+        raise RuntimeError(err[-2000:])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -165,15 +214,22 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     report = Report()
     data = report.data
+    model = check_model(Path(tempfile.mkdtemp(prefix="gpu_check_")))
+    data["model"] = "random weights, SmolLM2-135M shape" if model else "bundled SmolLM2-135M-Instruct"
+    reference_process = start_cpu_reference(model)
     data["kernels_ok"] = report.attempt("kernels", kernel_tests)
     names = backends()
-    data["model"] = check_model() or "bundled SmolLM2-135M-Instruct"
-    reference = report.attempt("cpu reference", cpu_reference)
-    data["greedy_matches_cpu"] = {}
+    outputs = {}
     for name, graphs in variants(names):
-        label = f"{name}{'+graphs' if graphs else ''}"
-        out = report.attempt(f"greedy {label}", greedy, name, graphs)
-        data["greedy_matches_cpu"][label] = out is not None and out == reference
+        for speculative in (False, True):
+            label = f"{name}{'+graphs' if graphs else ''}{'+ngram' if speculative else ''}"
+            outputs[label] = report.attempt(f"greedy {label}", greedy, model, name, graphs, speculative)
+    reference = report.attempt("cpu reference", cpu_reference, reference_process)
+    data["greedy_matches_cpu"] = {label: out is not None and out["tokens"] == reference
+                                  for label, out in outputs.items()}
+    data["ngram_verify_steps"] = {label: out["verify_steps"] for label, out in outputs.items()
+                                  if out is not None and label.endswith("+ngram")}
+    print("n-gram verify steps:", data["ngram_verify_steps"])
     print("greedy tokens equal to the CPU path:", data["greedy_matches_cpu"])
     bandwidth = copy_bandwidth()
     weights = 8.03e9 * 2

@@ -41,13 +41,14 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     seq_lens, ext = inputs.seq_lens[members], inputs.extend_lens[members]
     max_len, max_q = int(seq_lens.max()), int(ext.max())
     kv_indices = inputs.req_to_token[inputs.rows[members], :max_len].flatten()
-    key_pos = torch.arange(max_len).view(1, 1, max_len)
-    q_pos = torch.arange(max_q).view(1, -1, 1)
+    device = seq_lens.device
+    key_pos = torch.arange(max_len, device=device).view(1, 1, max_len)
+    q_pos = torch.arange(max_q, device=device).view(1, -1, 1)
     limit = (seq_lens - ext).view(-1, 1, 1) + q_pos
     mask = ((key_pos <= limit) & (key_pos < seq_lens.view(-1, 1, 1))).unsqueeze(1)
-    pad_req = torch.repeat_interleave(torch.arange(len(members)), ext)
+    pad_req = torch.repeat_interleave(torch.arange(len(members), device=device), ext)
     local_starts = torch.cumsum(ext, 0) - ext
-    pad_pos = torch.arange(len(pad_req)) - local_starts[pad_req]
+    pad_pos = torch.arange(len(pad_req), device=device) - local_starts[pad_req]
     tokens = token_starts[members][pad_req] + pad_pos
     if max_q == 1:
         return _Group(tokens, kv_indices, (len(members), max_len), mask)
@@ -62,7 +63,7 @@ def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_sta
     """One paged-decode query per new token of `members`: token i of a request with prefix p
     attends over the first p + i + 1 slots of its row (its K/V is stored before attention)."""
     ext = inputs.extend_lens[members]
-    offset = torch.arange(int(ext.sum())) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
     prefix = torch.repeat_interleave(inputs.seq_lens[members] - ext, ext)
     return _Group(torch.repeat_interleave(token_starts[members], ext) + offset, None, (len(members), 0), None,
                   rows=torch.repeat_interleave(inputs.rows[members], ext), seq_lens=prefix + offset + 1)
