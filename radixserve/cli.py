@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import (ATTENTION_BACKENDS, DTYPES, HICACHE_WRITE_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES,
-                     SPECULATIVE_ALGORITHMS, EngineArgs, RouterArgs, ServerArgs)
+from .config import (ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, HICACHE_WRITE_POLICIES, REQUEST_LOG_LEVELS,
+                     ROUTER_POLICIES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineArgs, RouterArgs, ServerArgs)
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
@@ -26,6 +26,14 @@ ENGINE_FLAGS = [
     ("--schedule-policy", dict(default="lpm", choices=SCHEDULE_POLICIES,
                                help="lpm: longest cached prefix first; dfs-weight; fcfs")),
     ("--disable-radix-cache", dict(action="store_true", help="no prefix reuse (a baseline)")),
+    ("--radix-eviction-policy", dict(default="lru", choices=EVICTION_POLICIES,
+                                     help="which cached prefixes go first when KV memory is short: lru; lfu (fewest "
+                                          "hits); slru (never-hit before hit, each least recent first)")),
+    ("--log-requests", dict(default=None, metavar="DIR", help="append every finished request to a rotating JSONL "
+                            "log in DIR, for `radixserve replay` (cache sizing)")),
+    ("--log-requests-level", dict(default="full", choices=REQUEST_LOG_LEVELS,
+                                  help="full: prompt and output token ids; hashes: only chained hashes of "
+                                       "16-token blocks (no text can be recovered)")),
     ("--page-size", dict(type=int, default=1, help="KV slots per page")),
     ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
                                  help="auto: flashinfer on CUDA if importable, else triton, else torch_native")),

@@ -14,6 +14,8 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("ngram",)
+EVICTION_POLICIES = ("lru", "lfu", "slru")  # radix cache eviction order; see mem/radix_cache.py
+REQUEST_LOG_LEVELS = ("full", "hashes")  # what --log-requests stores of each prompt
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class EngineArgs:
     max_prefill_tokens: int | None = None  # None: `prefill_budget` picks it for the device
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+    log_requests: str | None = None  # folder of the rotating JSONL request log (cache sizing, `radixserve replay`)
+    log_requests_level: str = "full"  # full: token ids; hashes: chained hashes of 16-token blocks, no text
     page_size: int = 1
     attention_backend: str = "auto"
     tp_size: int = 1
@@ -142,6 +147,10 @@ class EngineArgs:
             yield f"dtype must be one of {DTYPES}, got {self.dtype!r}"
         if self.page_size < 1:
             yield "page_size must be >= 1"
+        if self.radix_eviction_policy not in EVICTION_POLICIES:
+            yield f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
+        if self.log_requests_level not in REQUEST_LOG_LEVELS:
+            yield f"log_requests_level must be one of {REQUEST_LOG_LEVELS}, got {self.log_requests_level!r}"
         if self.kv_events_config is not None:
             try:
                 KVEventsConfig.from_json(self.kv_events_config)

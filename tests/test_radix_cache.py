@@ -1,12 +1,40 @@
+import itertools
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from radixserve.config import EVICTION_POLICIES
 from radixserve.mem.allocator import SlotAllocator
-from radixserve.mem.radix_cache import RadixCache
+from radixserve.mem.radix_cache import EVICTION_PRIORITY, RadixCache
 
 
-def make_cache(page_size=1, num_pages=1000):
+def make_cache(page_size=1, num_pages=1000, policy="lru"):
     alloc = SlotAllocator(num_pages, page_size)
-    return RadixCache(page_size, alloc.free), alloc
+    return RadixCache(page_size, alloc.free, eviction_policy=policy, clock=itertools.count().__next__), alloc
+
+
+def test_every_configurable_policy_has_an_eviction_order():
+    assert set(EVICTION_POLICIES) == set(EVICTION_PRIORITY)
+
+
+@pytest.mark.parametrize("policy, order", [
+    ("lru", [[7, 8], [1, 2], [5, 6], [3, 4]]),    # least recently used first; hits do not matter
+    ("lfu", [[7, 8], [3, 4], [5, 6], [1, 2]]),    # fewest hits first ([1,2] hit twice), then least recent
+    ("slru", [[7, 8], [3, 4], [1, 2], [5, 6]]),   # never hit, least recent first, then the hit ones
+])
+def test_eviction_order_of_each_policy(policy, order):
+    cache, alloc = make_cache(policy=policy)
+    for key in ([1, 2], [3, 4], [5, 6], [7, 8]):
+        cache.insert(key, alloc.alloc_extend(0, None, 2))
+    for key in ([1, 2], [1, 2], [5, 6]):  # hits, as the scheduler records them on admission
+        cache.record_hit(cache.match_prefix(key)[1])
+    cache.match_prefix([3, 4])  # used last, but not a hit
+    evicted = []
+    while cache.total_size():
+        before = {tuple(k) for k, _ in _all_paths(cache)}
+        cache.evict(1)
+        evicted += [list(k) for k in before - {tuple(k) for k, _ in _all_paths(cache)}]
+    assert evicted == order
 
 
 def test_match_insert_split():
@@ -85,10 +113,11 @@ class NaiveCache:
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "evict"]), keys), max_size=40))
-def test_radix_cache_agrees_with_naive_reference(ops):
-    cache, alloc = make_cache(num_pages=10_000)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "hit", "evict"]), keys), max_size=40))
+def test_radix_cache_agrees_with_naive_reference(policy, ops):
+    cache, alloc = make_cache(num_pages=10_000, policy=policy)
     naive = NaiveCache()
     for op, key in ops:
         if op == "insert":
@@ -99,6 +128,8 @@ def test_radix_cache_agrees_with_naive_reference(ops):
         elif op == "match":
             slots, _ = cache.match_prefix(key)
             assert slots == naive.match(key)
+        elif op == "hit":
+            cache.record_hit(cache.match_prefix(key)[1])
         else:
             cache.evict(len(key))
             naive = NaiveCache()
@@ -120,14 +151,18 @@ def _all_paths(cache):
     return out
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda k: k * 2), min_size=1, max_size=20),
-       st.integers(1, 30))
-def test_locked_paths_survive_any_eviction(inserts, evict_n):
-    cache, alloc = make_cache(page_size=2, num_pages=10_000)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(inserts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda k: k * 2), min_size=1,
+                        max_size=20),
+       evict_n=st.integers(1, 30), hits=st.lists(st.integers(0, 19), max_size=10))
+def test_locked_paths_survive_any_eviction(policy, inserts, evict_n, hits):
+    cache, alloc = make_cache(page_size=2, num_pages=10_000, policy=policy)
     for key in inserts:
         value = alloc.alloc_extend(0, None, len(key))
         alloc.free(value[: cache.insert(key, value)])
+    for i in hits:
+        cache.record_hit(cache.match_prefix(inserts[i % len(inserts)])[1])
     locked_key = inserts[0]
     slots, node = cache.match_prefix(locked_key)
     cache.inc_lock_ref(node)

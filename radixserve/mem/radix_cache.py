@@ -7,10 +7,16 @@ of the page size, so a node never splits inside a page.
 Contract: the slots returned by `match_prefix` stay valid only while the returned
 node is locked (`inc_lock_ref`); an unlocked leaf may be evicted at any time and
 its slots handed back to the allocator through `free_slots`.
+
+Eviction policies (names as in SGLang) order the unlocked leaves to evict first:
+`lru` the least recently used; `lfu` the fewest hits, then least recent; `slru` (segmented
+LRU) the leaves never hit since they were inserted, least recent first, before any leaf hit
+at least once.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,11 +35,12 @@ class TreeNode:
     hit_count: int = 0
     block_hashes: list[int] = field(default_factory=list)  # one per page, with KV events on
 
-    def __lt__(self, other: "TreeNode") -> bool:
-        return self.last_access < other.last_access
 
-    def touch(self) -> None:
-        self.last_access = time.monotonic()
+EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
+    "lru": lambda node: (node.last_access,),
+    "lfu": lambda node: (node.hit_count, node.last_access),
+    "slru": lambda node: (node.hit_count > 0, node.last_access),
+}
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,12 @@ class CachedPrefix:
 class RadixCache:
     def __init__(self, page_size: int = 1, free_slots: Callable[[list[int]], None] | None = None,
                  disable: bool = False, record_events: bool = False,
-                 on_evict: Callable[["TreeNode"], None] | None = None):
+                 on_evict: Callable[["TreeNode"], None] | None = None, eviction_policy: str = "lru",
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock` stamps each access (the replayer passes a logical clock)."""
         self.page_size = page_size
+        self.priority = EVICTION_PRIORITY[eviction_policy]
+        self.clock = clock
         self.disable = disable
         self.free_slots = free_slots or (lambda slots: None)
         self.on_evict = on_evict  # sees each leaf before its slots are freed (hicache write-back)
@@ -94,7 +105,7 @@ class RadixCache:
             return [], self.root
         key = key[: len(key) - len(key) % self.page_size]
         node, slots = self.root, []
-        node.touch()
+        self._touch(node)
         while key:
             child = node.children.get(self._edge(key))
             if child is None:
@@ -102,7 +113,7 @@ class RadixCache:
             n = self._common_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.touch()
+            self._touch(child)
             slots += child.value
             node, key = child, key[n:]
         return slots, node
@@ -135,7 +146,7 @@ class RadixCache:
             return len(key)
         assert len(key) == len(value) and len(key) % self.page_size == 0
         node, done = self.root, 0
-        node.touch()
+        self._touch(node)
         while done < len(key):
             rest = key[done:]
             child = node.children.get(self._edge(rest))
@@ -145,7 +156,7 @@ class RadixCache:
             n = self._common_len(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.touch()
+            self._touch(child)
             node, done = child, done + n
         return done
 
@@ -172,19 +183,21 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
-        """Evict least recently used unlocked leaves until `num_tokens` are freed."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        """Evict unlocked leaves, first in the eviction policy's order, until `num_tokens` are freed."""
+        order = itertools.count()  # ties keep insertion order; nodes themselves are not compared
+        leaves = [(self.priority(n), next(order), n) for n in self._nodes()
+                  if not n.children and n.lock_ref == 0 and n is not self.root]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_tokens and leaves:
-            leaf = heapq.heappop(leaves)
+            leaf = heapq.heappop(leaves)[2]
             if self.on_evict is not None:
                 self.on_evict(leaf)
             self.free_slots(leaf.value)
             freed += len(leaf.key)
             parent = self._remove_leaf(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+                heapq.heappush(leaves, (self.priority(parent), next(order), parent))
         return freed
 
     def path_of(self, node: TreeNode) -> tuple[list[int], list[int]]:
@@ -198,7 +211,7 @@ class RadixCache:
 
     def top_prefixes(self, limit: int = 10) -> list[CachedPrefix]:
         """Cached paths that earned the most (hits x length), then the biggest leaves."""
-        paths, now = [], time.monotonic()
+        paths, now = [], self.clock()
         for node in self._nodes():
             if node is self.root or (node.children and not node.hit_count):
                 continue
@@ -212,6 +225,9 @@ class RadixCache:
         return paths[:limit]
 
     # ---- internals -----------------------------------------------------
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access = self.clock()
+
     def _edge(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
 
@@ -239,7 +255,7 @@ class RadixCache:
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int]) -> None:
         leaf = TreeNode(key=list(key), value=list(value), parent=parent)
-        leaf.touch()
+        self._touch(leaf)
         if self.events is not None:
             self._record_stored(leaf)
         parent.children[self._edge(leaf.key)] = leaf

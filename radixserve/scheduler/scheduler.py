@@ -69,7 +69,8 @@ class Scheduler:
         write_back = self.hicache is not None and args.hicache_write_policy == "write_back"
         self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache,
                                 record_events=args.kv_events_config is not None,
-                                on_evict=self._back_up_leaf if write_back else None)
+                                on_evict=self._back_up_leaf if write_back else None,
+                                eviction_policy=args.radix_eviction_policy)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
