@@ -10,6 +10,7 @@ import socket
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import uvicorn
 
@@ -48,11 +49,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_args(server: ServerArgs, dp_size: int, kv_events: bool) -> ServerArgs:
-    """A replica: loopback on a free port, its share of the CPU threads, and with `kv_events`
-    its own KV event endpoint."""
+def replica_args(server: ServerArgs, index: int, dp_size: int, kv_events: bool) -> ServerArgs:
+    """Replica `index`: loopback on a free port, its share of the CPU threads, its own request
+    log folder, and with `kv_events` its own KV event endpoint."""
     threads = server.engine.num_threads or os.cpu_count() or 1
     engine = server.engine.with_(num_threads=max(1, threads // dp_size))
+    if engine.log_requests is not None:
+        engine = engine.with_(log_requests=str(Path(engine.log_requests) / f"replica-{index}"))
     if kv_events:
         engine = engine.with_(kv_events_config=json.dumps({"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}))
     return replace(server, host="127.0.0.1", port=free_port(), engine=engine)
@@ -101,7 +104,7 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
     """`dp_size` replicas of `server`, each a whole radixserve server, behind a router on
     `server`'s address; the replicas stop with the router."""
     logging.basicConfig(level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    replicas = [replica_args(server, dp_size, router.kv_events) for _ in range(dp_size)]
+    replicas = [replica_args(server, i, dp_size, router.kv_events) for i in range(dp_size)]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_run_replica, args=(r, i, dp_size), name=f"radixserve-replica-{i}") for i, r in enumerate(replicas)]
     urls = [f"http://127.0.0.1:{r.port}" for r in replicas]

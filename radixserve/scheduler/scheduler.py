@@ -20,6 +20,7 @@ from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache
 from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
                         ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
+from ..request_log import RequestLog, ServerRecord
 from ..sampling_params import SamplingParams, compile_stop_regex
 from .policy import order_waiting
 from .req import Req
@@ -71,6 +72,7 @@ class Scheduler:
                                 record_events=args.kv_events_config is not None,
                                 on_evict=self._back_up_leaf if write_back else None,
                                 eviction_policy=args.radix_eviction_policy)
+        self.request_log = self._open_request_log(args)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
@@ -85,6 +87,13 @@ class Scheduler:
         self._recent_admissions: deque[tuple[int, int]] = deque(maxlen=200)
         self._recent_tokens: deque[tuple[float, int]] = deque(maxlen=512)
         self._queue_times: deque[float] = deque(maxlen=512)
+
+    def _open_request_log(self, args: EngineArgs) -> RequestLog | None:
+        if args.log_requests is None:
+            return None
+        return RequestLog(args.log_requests, args.log_requests_level,
+                          ServerRecord(self.allocator.num_slots, self.info.page_size, args.radix_eviction_policy,
+                                       args.log_requests_level, time.time()))
 
     # ---- requests in -----------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
@@ -645,6 +654,10 @@ class Scheduler:
         if req.finished:
             kind = req.finish_reason.kind
             self.stats.requests_finished[kind] = self.stats.requests_finished.get(kind, 0) + 1
+            if self.request_log is not None:
+                self.request_log.write(req.rid, req.input_ids, req.output_ids, arrival_monotonic=req.arrival,
+                                       admitted=req.admitted, queue_time=req.queue_time,
+                                       cached_tokens=req.cached_tokens, finish_reason=kind)
         self.outputs.append(out)
 
     # ---- aborts ----------------------------------------------------------

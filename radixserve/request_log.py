@@ -1,0 +1,112 @@
+"""The request log behind cache sizing (`--log-requests DIR`): one JSON line per finished request.
+
+`DIR/requests.jsonl` is the newest file; it rotates by size into `requests.jsonl.1` .. `.N`
+(older numbers are older; logging's RotatingFileHandler does the rotation). `DIR/server.json`
+records what the server ran with (KV pool size, page size, eviction policy, log level), so that
+`radixserve replay DIR` replays the server's own setting by default. Under `--dp-size` each
+replica logs into `DIR/replica-<i>`.
+
+Level `full` stores prompt and output token ids. Level `hashes` stores only a chain of block
+hashes over the request's tokens (each 16-token block's hash covers every token before it, as
+KV-event block hashes do): prefixes can be compared, no text can be recovered.
+"""
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import time
+from pathlib import Path
+
+import msgspec
+
+from .kv_events import block_hash
+
+HASH_BLOCK = 16  # tokens per hashed block at level `hashes`
+LOG_NAME = "requests.jsonl"
+SERVER_FILE = "server.json"
+MAX_FILE_BYTES = 64 << 20
+KEPT_FILES = 8
+
+
+class ServerRecord(msgspec.Struct, frozen=True):
+    """The cache setting the log was recorded under."""
+
+    cache_tokens: int  # KV pool slots
+    page_size: int
+    eviction_policy: str
+    level: str
+    started: float  # unix seconds
+    hash_block: int = HASH_BLOCK
+
+
+class RequestRecord(msgspec.Struct, frozen=True):
+    rid: str
+    arrival: float  # unix seconds
+    admitted: bool  # False: finished (aborted) before it ever reached the cache
+    queue_time: float  # seconds from arrival to admission
+    latency: float  # seconds from arrival to finish, as the scheduler saw it
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int  # prompt tokens the radix cache held at admission
+    finish_reason: str
+    prompt_ids: list[int] | None = None  # level full
+    output_ids: list[int] | None = None  # level full
+    block_hashes: list[int] | None = None  # level hashes: over prompt + output, whole blocks only
+
+
+def chain_hashes(tokens: list[int], block: int = HASH_BLOCK) -> list[int]:
+    """One hash per whole block of `tokens`, each chained to the one before it."""
+    hashes, previous = [], None
+    for start in range(0, len(tokens) - len(tokens) % block, block):
+        previous = block_hash(previous, tokens[start:start + block])
+        hashes.append(previous)
+    return hashes
+
+
+class RequestLog:
+    """Appends finished requests to the rotating log of one server."""
+
+    def __init__(self, folder: str | Path, level: str, server: ServerRecord):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.level = level
+        (self.folder / SERVER_FILE).write_bytes(msgspec.json.encode(server))
+        self.handler = logging.handlers.RotatingFileHandler(self.folder / LOG_NAME, maxBytes=MAX_FILE_BYTES,
+                                                            backupCount=KEPT_FILES, encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+
+    def write(self, rid: str, prompt_ids: list[int], output_ids: list[int], *, arrival_monotonic: float,
+              admitted: bool, queue_time: float, cached_tokens: int, finish_reason: str) -> None:
+        now = time.monotonic()
+        full = self.level == "full"
+        record = RequestRecord(rid, time.time() - (now - arrival_monotonic), admitted, queue_time,
+                               now - arrival_monotonic, len(prompt_ids), len(output_ids), cached_tokens,
+                               finish_reason, prompt_ids=list(prompt_ids) if full else None,
+                               output_ids=list(output_ids) if full else None,
+                               block_hashes=None if full else chain_hashes(prompt_ids + output_ids))
+        self.handler.emit(logging.makeLogRecord({"msg": msgspec.json.encode(record).decode()}))
+
+    def close(self) -> None:
+        self.handler.close()
+
+
+def read_log(folder: str | Path) -> tuple[list[ServerRecord], list[RequestRecord]]:
+    """Each replica's server record (one without --dp-size) and every request of a log folder,
+    replicas merged, by arrival."""
+    folder = Path(folder)
+    replicas = sorted(p for p in folder.glob("replica-*") if p.is_dir())
+    parts = [_read_one(p) for p in replicas] if replicas else [_read_one(folder)]
+    return [server for server, _ in parts], sorted((r for _, rs in parts for r in rs), key=lambda r: r.arrival)
+
+
+def _read_one(folder: Path) -> tuple[ServerRecord, list[RequestRecord]]:
+    server_file = folder / SERVER_FILE
+    if not server_file.is_file():
+        raise FileNotFoundError(f"{folder} is not a request log folder (no {SERVER_FILE}); "
+                                "record one with `radixserve serve --log-requests DIR`")
+    server = msgspec.json.decode(server_file.read_bytes(), type=ServerRecord)
+    files = sorted(folder.glob(LOG_NAME + ".*"), key=lambda p: -int(p.suffix[1:])) + [folder / LOG_NAME]
+    decoder = msgspec.json.Decoder(RequestRecord)
+    records = [decoder.decode(line) for f in files if f.is_file()
+               for line in f.read_bytes().splitlines() if line.strip()]
+    return server, records
