@@ -1,4 +1,4 @@
-"""`radixserve serve`, `radixserve router` and `radixserve generate`."""
+"""`radixserve serve`, `radixserve router`, `radixserve generate` and `radixserve replay`."""
 from __future__ import annotations
 
 import argparse
@@ -173,12 +173,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--json", action="store_true", help="print the full results as JSON")
     _add_engine_flags(gen)
+    _add_replay_parser(sub)
     return parser
+
+
+def _add_replay_parser(sub) -> None:
+    from .replay import SYNTHETIC
+
+    replay = sub.add_parser("replay", help="replay a request log (or synthetic traffic) through the radix cache "
+                            "at other sizes, eviction policies and replica counts, next to the optimum",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    replay.add_argument("log", nargs="?", default=None, help="folder of `radixserve serve --log-requests DIR`")
+    replay.add_argument("--synthetic", default=None, choices=SYNTHETIC, help="generate traffic of this shape "
+                        "instead of reading a log")
+    replay.add_argument("--requests", type=int, default=400, help="--synthetic: how many requests")
+    replay.add_argument("--cache-tokens", default=None, help="comma-separated KV pool sizes per replica, e.g. "
+                        "4k,16k,64k (default: the server's own; 16k for --synthetic)")
+    replay.add_argument("--eviction", default=None, help=f"comma-separated policies from {EVICTION_POLICIES} "
+                        "(default: the server's own)")
+    replay.add_argument("--dp", default=None, help="comma-separated replica counts (default: the server's own)")
+    replay.add_argument("--router", default="cache_aware", help=f"comma-separated policies from {ROUTER_POLICIES}")
+    replay.add_argument("--json", default=None, help="write the results here")
+    replay.add_argument("--plot", default=None, help="write a plot of hit rate against cache size here (.png)")
+
+
+def replay_args_from(ns: argparse.Namespace):
+    from .replay import ReplayArgs, parse_tokens
+
+    def listed(text: str | None, convert, allowed=None) -> tuple:
+        values = tuple(convert(v.strip()) for v in text.split(",") if v.strip()) if text else ()
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not one of {allowed}")
+        return values
+
+    dp = listed(ns.dp, int)
+    if any(d < 1 for d in dp) or ns.requests < 1:
+        raise ValueError("--dp and --requests must be >= 1")
+    return ReplayArgs(ns.log, ns.synthetic, ns.requests, listed(ns.cache_tokens, parse_tokens),
+                      listed(ns.eviction, str, EVICTION_POLICIES), dp, listed(ns.router, str, ROUTER_POLICIES),
+                      ns.json, ns.plot)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
+        if ns.command == "replay":
+            from .replay import run_replay
+            return run_replay(replay_args_from(ns))
         if ns.command == "router":
             from .router.launch import run_router
             args = router_args_from(ns, worker_urls=tuple(ns.worker_urls), host=ns.host, port=ns.port,
@@ -187,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = engine_args_from(ns)
         if ns.command == "serve":
             return _serve(ns, engine_args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
         return 2
     return _generate(ns, engine_args)

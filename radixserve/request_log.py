@@ -16,10 +16,14 @@ import logging
 import logging.handlers
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from .kv_events import block_hash
+
+if TYPE_CHECKING:
+    from .scheduler.req import Req
 
 HASH_BLOCK = 16  # tokens per hashed block at level `hashes`
 LOG_NAME = "requests.jsonl"
@@ -43,7 +47,7 @@ class RequestRecord(msgspec.Struct, frozen=True):
     rid: str
     arrival: float  # unix seconds
     admitted: bool  # False: finished (aborted) before it ever reached the cache
-    queue_time: float  # seconds from arrival to admission
+    queue_time: float  # seconds from arrival to (first) admission
     latency: float  # seconds from arrival to finish, as the scheduler saw it
     prompt_tokens: int
     output_tokens: int
@@ -75,15 +79,14 @@ class RequestLog:
                                                             backupCount=KEPT_FILES, encoding="utf-8")
         self.handler.setFormatter(logging.Formatter("%(message)s"))
 
-    def write(self, rid: str, prompt_ids: list[int], output_ids: list[int], *, arrival_monotonic: float,
-              admitted: bool, queue_time: float, cached_tokens: int, finish_reason: str) -> None:
+    def write(self, req: "Req", finish_reason: str) -> None:
         now = time.monotonic()
         full = self.level == "full"
-        record = RequestRecord(rid, time.time() - (now - arrival_monotonic), admitted, queue_time,
-                               now - arrival_monotonic, len(prompt_ids), len(output_ids), cached_tokens,
-                               finish_reason, prompt_ids=list(prompt_ids) if full else None,
-                               output_ids=list(output_ids) if full else None,
-                               block_hashes=None if full else chain_hashes(prompt_ids + output_ids))
+        record = RequestRecord(req.rid, time.time() - (now - req.arrival), req.admitted, req.queue_time,
+                               now - req.arrival, len(req.input_ids), len(req.output_ids), req.cached_tokens,
+                               finish_reason, prompt_ids=list(req.input_ids) if full else None,
+                               output_ids=list(req.output_ids) if full else None,
+                               block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids))
         self.handler.emit(logging.makeLogRecord({"msg": msgspec.json.encode(record).decode()}))
 
     def close(self) -> None:

@@ -655,9 +655,7 @@ class Scheduler:
             kind = req.finish_reason.kind
             self.stats.requests_finished[kind] = self.stats.requests_finished.get(kind, 0) + 1
             if self.request_log is not None:
-                self.request_log.write(req.rid, req.input_ids, req.output_ids, arrival_monotonic=req.arrival,
-                                       admitted=req.admitted, queue_time=req.queue_time,
-                                       cached_tokens=req.cached_tokens, finish_reason=kind)
+                self.request_log.write(req, kind)
         self.outputs.append(out)
 
     # ---- aborts ----------------------------------------------------------

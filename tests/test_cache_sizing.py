@@ -1,0 +1,108 @@
+"""Cache sizing: the request log, `radixserve replay`, and the replayer against a real server."""
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from radixserve.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
+from radixserve.config import EVICTION_POLICIES
+from radixserve.replay import synthetic_trace
+from radixserve.request_log import chain_hashes, read_log
+from server_utils import start_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from loadgen import Target, run_workload  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+KV_TOKENS = 1600  # shared_prefix's prompts (~2200 distinct tokens) do not fit: the cache evicts
+SMALL = {"shared_prefix": dict(num_groups=4, per_group=4, output_len=4),
+         "multi_turn": dict(conversations=4, turns=3, output_len=6),
+         "agent_tree": dict(trees=2, branches=4, output_len=6),
+         "no_sharing": dict(num=10, words=200, output_len=4),
+         # shorter than the bench's ~1030-token prefixes, so that two groups' prompts fit the pool at once
+         # (where they do not, the server retracts requests and recomputes them: see cache_sim's docstring)
+         "prefill_heavy": dict(num_groups=2, per_group=4, prefix_words=600, output_len=2)}
+
+
+@pytest.fixture(scope="module")
+def logged_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cache_sizing")
+    server = start_server(folder, "--max-total-tokens", str(KV_TOKENS), "--log-requests", str(folder / "log"))
+    yield server, folder / "log"
+    server.stop()
+
+
+def records_since(log: Path, start: float):
+    servers, records = read_log(log)
+    return servers[0], [r for r in records if r.arrival >= start]
+
+
+@pytest.mark.parametrize("workload", sorted(SMALL))
+def test_replay_matches_the_servers_hit_rate_on_each_serving_workload(logged_server, workload):
+    server, log = logged_server
+    with server.client() as client:
+        assert client.post("/flush_cache").status_code == 200
+    start = time.time()
+    target = Target("radixserve", server.url, "default", api="sglang")
+    summary = asyncio.run(run_workload(target, WORKLOADS[workload](**SMALL[workload], seed=3), concurrency=8))
+    assert summary["errors"] == 0, summary["error_samples"]
+    own, records = records_since(log, start)
+    trace = Trace.from_log(records, own.hash_block)
+    assert len(trace.requests) == len(records) > 0
+    measured = trace.measured_hit_rate()
+    replayed = replay(trace, Setting(own.cache_tokens, own.eviction_policy))
+    optimum = optimal_hit_rate(trace, own.cache_tokens)
+    assert abs(replayed - measured) <= 0.02, (workload, measured, replayed)
+    assert replayed <= optimum + 1e-9
+    if workload == "shared_prefix":  # the pool evicted: more memory would have hit more
+        assert replay(trace, Setting(own.cache_tokens * 4, own.eviction_policy)) > replayed + 0.02
+    for eviction in EVICTION_POLICIES:
+        for tokens in (KV_TOKENS // 4, KV_TOKENS, KV_TOKENS * 4):
+            assert replay(trace, Setting(tokens, eviction)) <= optimal_hit_rate(trace, tokens) + 1e-9
+
+
+def test_log_records_every_finished_request_and_hashes_hide_the_tokens(logged_server):
+    server, log = logged_server
+    start = time.time()
+    with server.client() as client:
+        ok = client.post("/generate", json={"text": "The radix tree", "sampling_params": {"max_new_tokens": 3}})
+        bad = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": -1}})
+    assert ok.status_code == 200 and bad.status_code == 400
+    _, records = records_since(log, start)
+    assert [r.rid for r in records] == [ok.json()["meta_info"]["id"]]
+    record = records[0]
+    assert record.output_tokens == 3 and record.finish_reason == "length" and record.admitted
+    assert len(record.prompt_ids) == record.prompt_tokens and len(record.output_ids) == 3
+    assert chain_hashes(record.prompt_ids * 8)[1:3] != chain_hashes(record.prompt_ids * 8)[:2]  # chained
+
+
+def test_replay_cli_writes_table_json_and_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "replay", "--synthetic", "rag", "--requests", "120",
+                          "--cache-tokens", "2k,8k", "--eviction", "lru,slru", "--dp", "1,2", "--router",
+                          "cache_aware,round_robin", "--json", str(tmp_path / "r.json"), "--plot",
+                          str(tmp_path / "r.png")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert len(results) == 2 * 2 * 2 * 2 and (tmp_path / "r.png").stat().st_size > 10_000
+    assert all(r["hit_rate"] <= r["optimum"] + 1e-9 for r in results)
+    assert "optimum" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "radixserve.cli", "replay", "--synthetic", "rag", "--eviction", "mru"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "mru" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "radixserve.cli", "replay", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--log-requests" in missing.stderr
+
+
+@pytest.mark.parametrize("kind", ["agent", "rag", "chat"])
+def test_more_memory_never_lowers_the_optimum_and_replay_stays_under_it(kind):
+    trace = synthetic_trace(kind, 150)
+    results = sweep(trace, [Setting(t, e) for t in (1024, 4096, 16384) for e in EVICTION_POLICIES])
+    assert all(r.hit_rate <= r.optimum + 1e-9 for r in results)
+    optima = [r.optimum for r in results if r.setting.eviction == "lru"]
+    assert optima == sorted(optima) and optima[-1] > optima[0]
+    assert replay(trace, Setting(1 << 30)) == pytest.approx(optimal_hit_rate(trace, 1 << 30))  # no eviction: equal
