@@ -27,8 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 from .config import RouterArgs
-from .mem.allocator import SlotAllocator
-from .mem.radix_cache import RadixCache, TreeNode
+from .mem.shadow import ReplicaCache
 from .request_log import RequestRecord
 from .router.keys import ids_key
 from .router.policies import CacheAware, make_policy
@@ -92,46 +91,6 @@ class Result:
     setting: Setting
     hit_rate: float
     optimum: float  # Belady's MIN over the same total memory (an upper bound)
-
-
-class ReplicaCache:
-    """One replica's radix cache over a pool of `capacity` units, fed admissions and finishes;
-    `locked` holds what each request in flight keeps in place."""
-
-    def __init__(self, capacity: int, eviction: str, clock):
-        self.allocator = SlotAllocator(max(capacity, 1))
-        self.cache = RadixCache(1, self.allocator.free, eviction_policy=eviction, clock=clock)
-        self.locked: dict[int, TreeNode] = {}
-
-    def admit(self, key: int, prompt: tuple[int, ...], lookup_units: int) -> int:
-        """Match the prompt's first `lookup_units` (returns the units hit), then cache the prompt,
-        locked until the finish."""
-        slots, node = self.cache.match_prefix(list(prompt[:lookup_units]))
-        self.cache.record_hit(node)
-        self.cache.inc_lock_ref(node)
-        self.locked[key] = node
-        self._store(key, prompt)
-        return len(slots)
-
-    def finish(self, key: int, units: tuple[int, ...]) -> None:
-        self._store(key, units)
-        self.cache.dec_lock_ref(self.locked.pop(key))
-
-    def _store(self, key: int, units: tuple[int, ...]) -> None:
-        """Cache as much of `units` as the pool allows, keeping what the request locks in place;
-        the request's lock moves to the deepest node of what was cached."""
-        held = self.locked[key]
-        slots, _ = self.cache.match_prefix(list(units))
-        missing = len(units) - len(slots)
-        if missing > self.allocator.available():
-            self.cache.evict(missing - self.allocator.available())
-        fresh = self.allocator.alloc_pages(min(missing, self.allocator.available())) or []
-        stored = list(units[:len(slots) + len(fresh)])
-        self.cache.insert(stored, slots + fresh)
-        node = self.cache.match_prefix(stored)[1]
-        self.cache.inc_lock_ref(node)
-        self.cache.dec_lock_ref(held)
-        self.locked[key] = node
 
 
 def replay(trace: Trace, setting: Setting) -> float:
@@ -232,3 +191,4 @@ def sweep(trace: Trace, settings: list[Setting]) -> list[Result]:
             optimum[total] = optimal_hit_rate(trace, total)
         results.append(Result(setting, replay(trace, setting), optimum[total]))
     return results
+

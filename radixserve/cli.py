@@ -29,6 +29,9 @@ ENGINE_FLAGS = [
     ("--radix-eviction-policy", dict(default="lru", choices=EVICTION_POLICIES,
                                      help="which cached prefixes go first when KV memory is short: lru; lfu (fewest "
                                           "hits); slru (never-hit before hit, each least recent first)")),
+    ("--disable-cache-estimates", dict(action="store_true", help="do not estimate (on /metrics and the dashboard) "
+                                       "what hit rate 0.5x, 2x and 4x the KV memory would give, from metadata-only "
+                                       "shadow caches")),
     ("--log-requests", dict(default=None, metavar="DIR", help="append every finished request to a rotating JSONL "
                             "log in DIR, for `radixserve replay` (cache sizing)")),
     ("--log-requests-level", dict(default="full", choices=REQUEST_LOG_LEVELS,

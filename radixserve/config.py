@@ -102,6 +102,7 @@ class EngineArgs:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
+    disable_cache_estimates: bool = False  # no live what-if hit rates for 0.5x/2x/4x the KV memory
     log_requests: str | None = None  # folder of the rotating JSONL request log (cache sizing, `radixserve replay`)
     log_requests_level: str = "full"  # full: token ids; hashes: chained hashes of 16-token blocks, no text
     page_size: int = 1

@@ -215,6 +215,8 @@ class SchedulerStats:
     aborted_total: int = 0
     forward_steps: int = 0
     recent_hit_rate: float = 0.0
+    cache_estimates: dict = field(default_factory=dict)  # "0.5x"/"2x"/"4x" -> estimated recent hit rate
+    cache_estimate_seconds: float = 0.0  # spent on those estimates
     gen_throughput: float = 0.0
     queue_times: list = field(default_factory=list)
     hicache: dict = field(default_factory=dict)  # mem.hicache.TierStats and tier sizes, when enabled

@@ -1,6 +1,8 @@
 """Cache sizing: the request log, `radixserve replay`, and the replayer against a real server."""
 import asyncio
+import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +12,7 @@ import pytest
 
 from radixserve.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
 from radixserve.config import EVICTION_POLICIES
+from radixserve.mem.shadow import LiveEstimates, ReplicaCache
 from radixserve.replay import synthetic_trace
 from radixserve.request_log import chain_hashes, read_log
 from server_utils import start_server
@@ -36,6 +39,11 @@ def logged_server(tmp_path_factory):
     server.stop()
 
 
+def evicted(server) -> float:
+    with server.client() as client:
+        return float(re.search(r"radixserve:evicted_tokens_total ([\d.e+]+)", client.get("/metrics").text).group(1))
+
+
 def records_since(log: Path, start: float):
     servers, records = read_log(log)
     return servers[0], [r for r in records if r.arrival >= start]
@@ -46,7 +54,7 @@ def test_replay_matches_the_servers_hit_rate_on_each_serving_workload(logged_ser
     server, log = logged_server
     with server.client() as client:
         assert client.post("/flush_cache").status_code == 200
-    start = time.time()
+    start, evicted_before = time.time(), evicted(server)
     target = Target("radixserve", server.url, "default", api="sglang")
     summary = asyncio.run(run_workload(target, WORKLOADS[workload](**SMALL[workload], seed=3), concurrency=8))
     assert summary["errors"] == 0, summary["error_samples"]
@@ -58,8 +66,9 @@ def test_replay_matches_the_servers_hit_rate_on_each_serving_workload(logged_ser
     optimum = optimal_hit_rate(trace, own.cache_tokens)
     assert abs(replayed - measured) <= 0.02, (workload, measured, replayed)
     assert replayed <= optimum + 1e-9
-    if workload == "shared_prefix":  # the pool evicted: more memory would have hit more
-        assert replay(trace, Setting(own.cache_tokens * 4, own.eviction_policy)) > replayed + 0.02
+    if workload == "shared_prefix":  # the replay evicted as the server did
+        assert evicted(server) > evicted_before
+        assert replay(trace, Setting(own.cache_tokens * 4, own.eviction_policy)) >= replayed
     for eviction in EVICTION_POLICIES:
         for tokens in (KV_TOKENS // 4, KV_TOKENS, KV_TOKENS * 4):
             assert replay(trace, Setting(tokens, eviction)) <= optimal_hit_rate(trace, tokens) + 1e-9
@@ -106,3 +115,43 @@ def test_more_memory_never_lowers_the_optimum_and_replay_stays_under_it(kind):
     optima = [r.optimum for r in results if r.setting.eviction == "lru"]
     assert optima == sorted(optima) and optima[-1] > optima[0]
     assert replay(trace, Setting(1 << 30)) == pytest.approx(optimal_hit_rate(trace, 1 << 30))  # no eviction: equal
+
+
+def test_live_estimates_track_shadow_caches_of_each_size():
+    """Fed the same admissions and finishes as a real cache of size C (here itself a shadow, so
+    that the truth is known), the 2x estimate equals a cache of 2C over the same window."""
+    trace = synthetic_trace("chat", 300)
+    pool = 6000
+    live, real = LiveEstimates(pool, "lru", window=100), ReplicaCache(pool, "lru", itertools.count().__next__)
+    double = ReplicaCache(2 * pool, "lru", itertools.count().__next__)
+    window = []
+    for _, kind, i in sorted((t, k, i) for i, r in enumerate(trace.requests)
+                             for t, k in ((r.admitted, 0), (r.finished, 1))):
+        r = trace.requests[i]
+        prompt = list(r.units[:r.prompt_units])
+        if kind == 0:
+            window.append((r.prompt_tokens, real.admit(i, r.units[:r.prompt_units], r.lookup_units),
+                           double.admit(i, r.units[:r.prompt_units], r.lookup_units)))
+            live.admit(i, prompt, r.lookup_units)
+        else:
+            real.finish(i, r.units), double.finish(i, r.units)
+            live.finish(i, list(r.units))
+    recent = window[-100:]
+    prompts = sum(p for p, _, _ in recent)
+    estimates = live.estimates(sum(h for _, h, _ in recent) / prompts, prompts)
+    assert estimates["2x"] == pytest.approx(sum(d for _, _, d in recent) / prompts)
+    assert estimates["0.5x"] < sum(h for _, h, _ in recent) / prompts < estimates["2x"] <= estimates["4x"]
+    assert live.seconds > 0
+
+
+def test_metrics_and_dashboard_show_what_more_memory_would_give(logged_server):
+    server, _ = logged_server
+    with server.client() as client:
+        metrics = client.get("/metrics").text
+        current = client.get("/dashboard/data").json()["current"]
+    values = {m: float(re.search(rf'cache_hit_rate_estimate{{memory="{m}"}} ([\d.e+-]+)', metrics).group(1))
+              for m in ("0.5x", "2x", "4x")}
+    assert current["cache_estimates"] == pytest.approx(values)
+    recent = current["recent_hit_rate"]
+    assert values["0.5x"] <= recent + 1e-9 <= values["2x"] + 2e-9 <= values["4x"] + 3e-9
+    assert "radixserve:cache_estimate_seconds_total" in metrics

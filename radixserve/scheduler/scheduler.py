@@ -18,6 +18,7 @@ from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache
+from ..mem.shadow import LiveEstimates
 from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
                         ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
 from ..request_log import RequestLog, ServerRecord
@@ -73,6 +74,7 @@ class Scheduler:
                                 on_evict=self._back_up_leaf if write_back else None,
                                 eviction_policy=args.radix_eviction_policy)
         self.request_log = self._open_request_log(args)
+        self.estimates = self._live_estimates()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
@@ -94,6 +96,11 @@ class Scheduler:
         return RequestLog(args.log_requests, args.log_requests_level,
                           ServerRecord(self.allocator.num_slots, self.info.page_size, args.radix_eviction_policy,
                                        args.log_requests_level, time.time()))
+
+    def _live_estimates(self) -> LiveEstimates | None:
+        if self.args.disable_cache_estimates or self.cache.disable:
+            return None
+        return LiveEstimates(self.allocator.num_slots, self.args.radix_eviction_policy)
 
     # ---- requests in -----------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
@@ -128,6 +135,8 @@ class Scheduler:
             return False
         self.cache.evict(self.cache.total_size())
         self.cache.reset()
+        self.estimates = self._live_estimates()
+        self._recent_admissions.clear()
         if self.hicache is not None:
             self.hicache.host.clear()
         return True
@@ -312,6 +321,8 @@ class Scheduler:
             self.stats.prompt_tokens_total += len(req.input_ids)
             self.stats.cached_tokens_total += len(slots)
             self._recent_admissions.append((len(req.input_ids), len(slots)))
+            if self.estimates is not None:
+                self.estimates.admit(req.rid, req.input_ids, min(req.max_prefix_len(), len(req.input_ids)))
         self.cache.record_hit(node)
         if self.hicache is not None and slots:
             self._back_up_prefix(req.fill_ids[:len(slots)], slots, node)
@@ -656,6 +667,8 @@ class Scheduler:
             self.stats.requests_finished[kind] = self.stats.requests_finished.get(kind, 0) + 1
             if self.request_log is not None:
                 self.request_log.write(req, kind)
+            if self.estimates is not None and req.admitted:
+                self.estimates.finish(req.rid, req.input_ids + req.output_ids[:-1])
         self.outputs.append(out)
 
     # ---- aborts ----------------------------------------------------------
@@ -695,6 +708,9 @@ class Scheduler:
         s.radix_nodes = self.cache.num_nodes()
         prompt = sum(p for p, _ in self._recent_admissions)
         s.recent_hit_rate = sum(c for _, c in self._recent_admissions) / prompt if prompt else 0.0
+        if self.estimates is not None:
+            s.cache_estimates = self.estimates.estimates(s.recent_hit_rate, prompt)
+            s.cache_estimate_seconds = self.estimates.seconds
         s.gen_throughput = self._throughput()
         s.queue_times = list(self._queue_times)
         self._queue_times.clear()

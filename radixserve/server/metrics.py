@@ -158,11 +158,25 @@ class _SchedulerCollector:
         if s["spec_verify_steps_total"]:
             yield GaugeMetricFamily(P + "spec_accept_length", "Tokens per verify step: accepted drafts + 1",
                                     value=1 + s["spec_accepted_tokens_total"] / s["spec_verify_steps_total"])
+        yield from _estimate_families(s)
         yield from _hicache_families(s.get("hicache") or {})
         family = CounterMetricFamily(P + "requests", "Finished requests by finish reason", labels=["finish_reason"])
         for reason, count in sorted(s["requests_finished"].items()):
             family.add_metric([reason], count)
         yield family
+
+
+def _estimate_families(s: dict):
+    """What the recent hit rate would have been with the KV memory scaled (`mem.shadow`)."""
+    if not s.get("cache_estimates"):
+        return
+    family = GaugeMetricFamily(P + "cache_hit_rate_estimate", "Recent cache hit rate estimated for the KV memory "
+                               "scaled by `memory` (shadow caches)", labels=["memory"])
+    for memory, value in s["cache_estimates"].items():
+        family.add_metric([memory], value)
+    yield family
+    yield CounterMetricFamily(P + "cache_estimate_seconds", "Scheduler time spent on those estimates",
+                              value=s["cache_estimate_seconds"])
 
 
 def _hicache_families(h: dict):
