@@ -155,3 +155,21 @@ def test_metrics_and_dashboard_show_what_more_memory_would_give(logged_server):
     recent = current["recent_hit_rate"]
     assert values["0.5x"] <= recent + 1e-9 <= values["2x"] + 2e-9 <= values["4x"] + 3e-9
     assert "radixserve:cache_estimate_seconds_total" in metrics
+
+
+def test_a_hashes_log_replays_in_whole_blocks_close_to_the_token_level(logged_server):
+    """The same records stored as block-hash chains (no token ids) replay to the token-level hit
+    rate, less at most the partial block each request's match ends in."""
+    from msgspec.structs import replace
+
+    _, log = logged_server
+    own, records = read_log(log)
+    full = Trace.from_log(records, own[0].hash_block)
+    hashed = Trace.from_log([replace(r, prompt_ids=None, output_ids=None,
+                                     block_hashes=chain_hashes(r.prompt_ids + r.output_ids)) for r in records],
+                            own[0].hash_block)
+    assert hashed.unit_tokens == 16 and full.unit_tokens == 1
+    setting = Setting(own[0].cache_tokens * 4)
+    token_level, block_level = replay(full, setting), replay(hashed, setting)
+    slack = 16 * len(records) / sum(r.prompt_tokens for r in records)
+    assert token_level - slack <= block_level <= token_level

@@ -92,6 +92,7 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
             repeated_prefix_workload(c)
         page.wait_for_function(f"Number(document.getElementById('updates').textContent) > {first + 1}", timeout=15000)
         assert "Radix trees" in page.text_content("#prefixes")
+        assert page.text_content("#est-2x").endswith("%")  # what twice the KV memory would give
         if os.environ.get("RADIXSERVE_SCREENSHOT"):
             time.sleep(2)
             page.screenshot(path=os.environ["RADIXSERVE_SCREENSHOT"], full_page=True)
