@@ -173,3 +173,27 @@ def test_a_hashes_log_replays_in_whole_blocks_close_to_the_token_level(logged_se
     token_level, block_level = replay(full, setting), replay(hashed, setting)
     slack = 16 * len(records) / sum(r.prompt_tokens for r in records)
     assert token_level - slack <= block_level <= token_level
+
+
+def test_replica_logs_merge_and_replay_with_the_servers_replica_count(tmp_path):
+    """Under --dp-size each replica logs into DIR/replica-<i>; `replay DIR` merges them by arrival and
+    replays with that many replicas and the pool of one."""
+    from radixserve.request_log import RequestLog, ServerRecord
+    from radixserve.sampling_params import SamplingParams
+    from radixserve.scheduler.req import Req
+
+    for i in range(2):
+        log = RequestLog(tmp_path / f"replica-{i}", "full", ServerRecord(1000, 1, "slru", "full", time.time()))
+        for n in range(3):
+            req = Req(f"r{i}{n}", [1, 2, 3, 4, 5 + n], SamplingParams(), output_ids=[9, 9])
+            req.admitted, req.cached_tokens = True, 4 * (n > 0)
+            log.write(req, "length")
+            time.sleep(0.01)
+        log.close()
+    servers, records = read_log(tmp_path)
+    assert len(servers) == 2 and len(records) == 6
+    assert [r.arrival for r in records] == sorted(r.arrival for r in records)
+    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "replay", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "1000 KV tokens x 2, slru" in out.stdout and "measured hit rate 53.3%" in out.stdout

@@ -366,8 +366,8 @@ class Scheduler:
             req.spec.drafts = []
             p = req.params
             if (req.grammar is not None or req.return_logprob or p.has_penalties
-                    or len(req.output_ids) < p.min_new_tokens):
-                continue
+                    or len(req.output_ids) < max(p.min_new_tokens, req.spec.paused_until)):
+                continue  # (a paused request skips building its token list too)
             draft = self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), req.remaining_new_tokens - 1)
             if draft:
                 proposals.append((req.spec, draft))
