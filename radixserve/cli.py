@@ -196,6 +196,9 @@ def _add_replay_parser(sub) -> None:
                         "(default: the server's own)")
     replay.add_argument("--dp", default=None, help="comma-separated replica counts (default: the server's own)")
     replay.add_argument("--router", default="cache_aware", help=f"comma-separated policies from {ROUTER_POLICIES}")
+    replay.add_argument("--block-tokens", type=int, default=1, help="replay in blocks of this many tokens, "
+                        "named by chained hashes: about that many times faster on long logs, matches counted in "
+                        "whole blocks (a --log-requests-level hashes log is always in blocks of 16)")
     replay.add_argument("--json", default=None, help="write the results here")
     replay.add_argument("--plot", default=None, help="write a plot of hit rate against cache size here (.png)")
 
@@ -211,11 +214,11 @@ def replay_args_from(ns: argparse.Namespace):
         return values
 
     dp = listed(ns.dp, int)
-    if any(d < 1 for d in dp) or ns.requests < 1:
-        raise ValueError("--dp and --requests must be >= 1")
+    if any(d < 1 for d in dp) or ns.requests < 1 or ns.block_tokens < 1:
+        raise ValueError("--dp, --requests and --block-tokens must be >= 1")
     return ReplayArgs(ns.log, ns.synthetic, ns.requests, listed(ns.cache_tokens, parse_tokens),
                       listed(ns.eviction, str, EVICTION_POLICIES), dp, listed(ns.router, str, ROUTER_POLICIES),
-                      ns.json, ns.plot)
+                      ns.block_tokens, ns.json, ns.plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ class ReplayArgs:
     eviction: tuple[str, ...]  # empty: the server's own
     dp: tuple[int, ...]  # empty: the server's own
     router: tuple[str, ...]
+    block_tokens: int  # replay units: 1 = tokens; more = hashed blocks (faster)
     json_path: str | None
     plot_path: str | None
 
@@ -54,6 +55,7 @@ def run_replay(args: ReplayArgs) -> int:
         trace = synthetic_trace(args.synthetic, args.requests)
         own = Setting(16384)
         source = f"synthetic {args.synthetic}: {len(trace.requests)} requests"
+    trace = trace.in_blocks(args.block_tokens) if args.block_tokens > 1 else trace
     settings = [Setting(c, e, d, r) for c, e, d, r in itertools.product(
         args.cache_tokens or (own.cache_tokens,), args.eviction or (own.eviction,), args.dp or (own.dp,),
         args.router)]

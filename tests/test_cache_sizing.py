@@ -173,6 +173,9 @@ def test_a_hashes_log_replays_in_whole_blocks_close_to_the_token_level(logged_se
     token_level, block_level = replay(full, setting), replay(hashed, setting)
     slack = 16 * len(records) / sum(r.prompt_tokens for r in records)
     assert token_level - slack <= block_level <= token_level
+    assert replay(full.in_blocks(16), setting) == pytest.approx(block_level, abs=0.01)  # --block-tokens 16
+    with pytest.raises(ValueError, match="blocks of 16"):
+        hashed.in_blocks(32)
 
 
 def test_replica_logs_merge_and_replay_with_the_servers_replica_count(tmp_path):
