@@ -267,6 +267,39 @@ def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) <= folders, "socket folders left behind"
 
 
+def test_a_replica_killed_under_dp_size_is_started_again(tmp_path):
+    """SIGKILL (as the OOM killer sends) one of two replicas: the launcher starts it again on its
+    port, the router finds it healthy and routes to it; the launcher still stops cleanly."""
+    server = start_server(tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048")
+    try:
+        replicas = [p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p)]
+        os.kill(replicas[0], signal.SIGKILL)
+        deadline = time.time() + 180
+        with server.client() as c:
+            while time.time() < deadline:  # restarted, serving on its port, and back in the router's rotation
+                workers = c.get("/list_workers").json()["workers"]
+                up = [_answers(w["url"]) and w["healthy"] and w["circuit"] != "open" for w in workers]
+                if "starting it again" in server.log() and all(up):
+                    break
+                time.sleep(1)
+            else:
+                raise AssertionError(f"the killed replica did not come back: {server.log()[-3000:]}")
+            now = [p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p) and alive(p)]
+            assert len(now) == 2 and replicas[0] not in now
+            seen = {worker_of(c.post("/generate", json={"text": f"Topic {i} " * 30, "sampling_params": GREEDY}))
+                    for i in range(6)}
+            assert seen == {w["url"] for w in workers}
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def cmdline(pid: int) -> bytes:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read()

@@ -6,11 +6,14 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 
@@ -21,6 +24,7 @@ from .proxy import Router
 
 log = logging.getLogger("radixserve.router")
 REPLICA_READY_TIMEOUT_S = 900.0
+MAX_REPLICA_RESTARTS = 3  # per replica; a replica that keeps dying stays down (the router routes around it)
 
 
 def run_router(args: RouterArgs) -> int:
@@ -100,19 +104,48 @@ def wait_replicas(urls: list[str], procs: list[mp.Process]) -> None:
         time.sleep(0.5)
 
 
+class ReplicaSupervisor(threading.Thread):
+    """Starts a replica again, on the same port, when it dies abnormally (a crash, an OOM kill,
+    its watchdog): the router's health checks then bring it back. A replica that exits cleanly
+    or on SIGTERM is being stopped and stays stopped, as do all once `stopping` is set."""
+
+    def __init__(self, procs: list[mp.Process], start: Callable[[int], mp.Process]):
+        super().__init__(name="radixserve-replica-supervisor", daemon=True)
+        self.procs, self.start_replica = procs, start
+        self.restarts = [0] * len(procs)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(1.0):
+            for i, proc in enumerate(self.procs):
+                if (proc.is_alive() or proc.exitcode in (0, -signal.SIGTERM)
+                        or self.restarts[i] >= MAX_REPLICA_RESTARTS):
+                    continue
+                self.restarts[i] += 1
+                log.warning("replica %d exited with code %s; starting it again (restart %d of %d)", i,
+                            proc.exitcode, self.restarts[i], MAX_REPLICA_RESTARTS)
+                self.procs[i] = self.start_replica(i)
+
+
 def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -> int:
     """`dp_size` replicas of `server`, each a whole radixserve server, behind a router on
     `server`'s address; the replicas stop with the router."""
     logging.basicConfig(level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     replicas = [replica_args(server, i, dp_size, router.kv_events) for i in range(dp_size)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_run_replica, args=(r, i, dp_size), name=f"radixserve-replica-{i}") for i, r in enumerate(replicas)]
-    urls = [f"http://127.0.0.1:{r.port}" for r in replicas]
-    for proc in procs:
+
+    def start_replica(i: int) -> mp.Process:
+        proc = ctx.Process(target=_run_replica, args=(replicas[i], i, dp_size), name=f"radixserve-replica-{i}")
         proc.start()
+        return proc
+
+    procs = [start_replica(i) for i in range(dp_size)]
+    urls = [f"http://127.0.0.1:{r.port}" for r in replicas]
+    supervisor = ReplicaSupervisor(procs, start_replica)
     try:
         wait_replicas(urls, procs)
         log.info("%d replicas ready: %s", dp_size, ", ".join(urls))
+        supervisor.start()
         tokenizer = router.tokenizer_path
         if router.kv_events and tokenizer is None:
             from ..models.loader import resolve_model
@@ -123,6 +156,9 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
         log.error("start-up failed: %s", exc)
         return 1
     finally:
+        supervisor.stopping.set()
+        if supervisor.is_alive():
+            supervisor.join()
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
