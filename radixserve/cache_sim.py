@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 
 from .config import RouterArgs
 from .mem.shadow import ReplicaCache
-from .request_log import RequestRecord, chain_hashes
+from .kv_events import chain_hashes
+from .request_log import RequestRecord
 from .router.keys import ids_key
 from .router.policies import CacheAware, make_policy
 from .router.tree import PrefixTree

@@ -58,6 +58,15 @@ def block_hash(parent: int | None, tokens: list[int]) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def chain_hashes(tokens: list[int], block: int, parent: int | None = None) -> list[int]:
+    """The chained hashes of the whole blocks of `tokens`, the first chained to `parent`."""
+    hashes = []
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = block_hash(parent, tokens[start:start + block])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """`--kv-events-config` as JSON, with vLLM's key names; keys radixserve does not

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .kv_events import block_hash
+from .kv_events import chain_hashes
 
 if TYPE_CHECKING:
     from .scheduler.req import Req
@@ -58,15 +58,6 @@ class RequestRecord(msgspec.Struct, frozen=True):
     block_hashes: list[int] | None = None  # level hashes: over prompt + output, whole blocks only
 
 
-def chain_hashes(tokens: list[int], block: int = HASH_BLOCK) -> list[int]:
-    """One hash per whole block of `tokens`, each chained to the one before it."""
-    hashes, previous = [], None
-    for start in range(0, len(tokens) - len(tokens) % block, block):
-        previous = block_hash(previous, tokens[start:start + block])
-        hashes.append(previous)
-    return hashes
-
-
 class RequestLog:
     """Appends finished requests to the rotating log of one server."""
 
@@ -86,7 +77,7 @@ class RequestLog:
                                now - req.arrival, len(req.input_ids), len(req.output_ids), req.cached_tokens,
                                finish_reason, prompt_ids=list(req.input_ids) if full else None,
                                output_ids=list(req.output_ids) if full else None,
-                               block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids))
+                               block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids, HASH_BLOCK))
         self.handler.emit(logging.makeLogRecord({"msg": msgspec.json.encode(record).decode()}))
 
     def close(self) -> None:

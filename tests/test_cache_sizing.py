@@ -14,7 +14,8 @@ from radixserve.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
 from radixserve.config import EVICTION_POLICIES
 from radixserve.mem.shadow import LiveEstimates, ReplicaCache
 from radixserve.replay import synthetic_trace
-from radixserve.request_log import chain_hashes, read_log
+from radixserve.kv_events import chain_hashes
+from radixserve.request_log import HASH_BLOCK, read_log
 from server_utils import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -86,7 +87,7 @@ def test_log_records_every_finished_request_and_hashes_hide_the_tokens(logged_se
     record = records[0]
     assert record.output_tokens == 3 and record.finish_reason == "length" and record.admitted
     assert len(record.prompt_ids) == record.prompt_tokens and len(record.output_ids) == 3
-    assert chain_hashes(record.prompt_ids * 8)[1:3] != chain_hashes(record.prompt_ids * 8)[:2]  # chained
+    assert chain_hashes(record.prompt_ids * 8, HASH_BLOCK)[1:3] != chain_hashes(record.prompt_ids * 8, HASH_BLOCK)[:2]  # chained
 
 
 def test_replay_cli_writes_table_json_and_plot(tmp_path):
@@ -166,7 +167,7 @@ def test_a_hashes_log_replays_in_whole_blocks_close_to_the_token_level(logged_se
     own, records = read_log(log)
     full = Trace.from_log(records, own[0].hash_block)
     hashed = Trace.from_log([replace(r, prompt_ids=None, output_ids=None,
-                                     block_hashes=chain_hashes(r.prompt_ids + r.output_ids)) for r in records],
+                                     block_hashes=chain_hashes(r.prompt_ids + r.output_ids, HASH_BLOCK)) for r in records],
                             own[0].hash_block)
     assert hashed.unit_tokens == 16 and full.unit_tokens == 1
     setting = Setting(own[0].cache_tokens * 4)

@@ -174,12 +174,13 @@ def test_routing_keys(path, body, key):
 def test_kv_event_index_matches_whole_pages_from_events_and_pending_routes():
     from radixserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from radixserve.router.keys import ids_key
-    from radixserve.router.kv_index import KVEventIndex, events_endpoint, prompt_blocks
+    from radixserve.kv_events import chain_hashes
+    from radixserve.router.kv_index import KVEventIndex, events_endpoint
 
     clock = Clock()
     index = KVEventIndex(page_size=2, clock=clock)
     prompt = [5, 6, 7, 8, 9]
-    blocks = prompt_blocks(prompt, 2)
+    blocks = chain_hashes(prompt, 2)
     assert len(blocks) == 2
     index.apply("w1", [BlockStored(blocks, None, prompt[:4], 2)])
     assert index.match(ids_key(prompt)) == {"w1": 4}

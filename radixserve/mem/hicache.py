@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..kv_events import block_hash
+from ..kv_events import chain_hashes
 from .kv_pool import KVPool, _zeros
 
 log = logging.getLogger(__name__)
@@ -44,15 +44,6 @@ WRITE_QUEUE_BLOCKS = 256  # blocks waiting for the storage writer; more are drop
 def block_size(page_size: int) -> int:
     """Tokens per stored block: the smallest whole number of pages of at least BLOCK_TOKENS."""
     return page_size * -(-BLOCK_TOKENS // page_size)
-
-
-def chain_hashes(tokens: list[int], block: int, seed: int) -> list[int]:
-    """The chained hashes of the whole blocks of `tokens`."""
-    hashes, parent = [], seed
-    for start in range(0, len(tokens) - block + 1, block):
-        parent = block_hash(parent, tokens[start:start + block])
-        hashes.append(parent)
-    return hashes
 
 
 def fingerprint(*parts: object) -> str:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
+from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, chain_hashes
 
 
 @dataclass(eq=False)
@@ -264,10 +264,7 @@ class RadixCache:
 
     def _record_stored(self, leaf: TreeNode) -> None:
         parent_hash = leaf.parent.block_hashes[-1] if leaf.parent.block_hashes else None
-        previous = parent_hash
-        for start in range(0, len(leaf.key), self.page_size):
-            previous = block_hash(previous, leaf.key[start:start + self.page_size])
-            leaf.block_hashes.append(previous)
+        leaf.block_hashes.extend(chain_hashes(leaf.key, self.page_size, parent_hash))  # keys are whole pages
         self.events.append(BlockStored(list(leaf.block_hashes), parent_hash, list(leaf.key), self.page_size))
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:

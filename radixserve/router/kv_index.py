@@ -16,20 +16,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventsConfig, block_hash
+from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventsConfig, chain_hashes
 
 log = logging.getLogger("radixserve.router")
 
 PENDING_TTL_S = 30.0
-
-
-def prompt_blocks(token_ids: list[int], page_size: int) -> list[int]:
-    """The chained hashes of a prompt's whole pages."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = block_hash(parent, token_ids[start:start + page_size])
-        hashes.append(parent)
-    return hashes
 
 
 class KVEventIndex:
@@ -60,7 +51,7 @@ class KVEventIndex:
     def _blocks_of(self, key: str) -> list[int]:
         """The key's block hashes; `match` and then `insert` ask for the same key in a row."""
         if self._last[0] != (key, self.page_size):
-            hashes = prompt_blocks([ord(c) for c in key], self.page_size) if self.page_size else []
+            hashes = chain_hashes([ord(c) for c in key], self.page_size) if self.page_size else []
             self._last = ((key, self.page_size), hashes)
         return self._last[1]
 
