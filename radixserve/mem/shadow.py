@@ -83,8 +83,7 @@ class LiveEstimates:
         start = time.perf_counter()
         units = tuple(tokens)
         for shadow in self.shadows.values():
-            if rid in shadow.locked:
-                shadow.finish(rid, units)
+            shadow.finish(rid, units)
         self.seconds += time.perf_counter() - start
 
     def estimates(self, recent_hit_rate: float, recent_prompt_tokens: int) -> dict[str, float]:

@@ -322,7 +322,7 @@ class Scheduler:
             self.stats.cached_tokens_total += len(slots)
             self._recent_admissions.append((len(req.input_ids), len(slots)))
             if self.estimates is not None:
-                self.estimates.admit(req.rid, req.input_ids, min(req.max_prefix_len(), len(req.input_ids)))
+                self.estimates.admit(req.rid, req.input_ids, req.max_prefix_len())
         self.cache.record_hit(node)
         if self.hicache is not None and slots:
             self._back_up_prefix(req.fill_ids[:len(slots)], slots, node)
