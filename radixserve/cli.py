@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from .config import (ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, HICACHE_WRITE_POLICIES, REQUEST_LOG_LEVELS,
                      ROUTER_POLICIES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineArgs, RouterArgs, ServerArgs)
@@ -206,18 +208,23 @@ def _add_replay_parser(sub) -> None:
 def replay_args_from(ns: argparse.Namespace):
     from .replay import ReplayArgs, parse_tokens
 
-    def listed(text: str | None, convert, allowed=None) -> tuple:
-        values = tuple(convert(v.strip()) for v in text.split(",") if v.strip()) if text else ()
+    def listed(flag: str, text: str | None, convert, allowed=None) -> tuple:
+        """A comma-separated flag's values; a bad one is refused naming the flag."""
+        try:
+            values = tuple(convert(v.strip()) for v in text.split(",") if v.strip()) if text else ()
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
         bad = [v for v in values if allowed is not None and v not in allowed]
         if bad:
-            raise ValueError(f"{bad[0]!r} is not one of {allowed}")
+            raise ValueError(f"{flag}: {bad[0]!r} is not one of {allowed}")
         return values
 
-    dp = listed(ns.dp, int)
+    dp = listed("--dp", ns.dp, int)
     if any(d < 1 for d in dp) or ns.requests < 1 or ns.block_tokens < 1:
         raise ValueError("--dp, --requests and --block-tokens must be >= 1")
-    return ReplayArgs(ns.log, ns.synthetic, ns.requests, listed(ns.cache_tokens, parse_tokens),
-                      listed(ns.eviction, str, EVICTION_POLICIES), dp, listed(ns.router, str, ROUTER_POLICIES),
+    return ReplayArgs(ns.log, ns.synthetic, ns.requests, listed("--cache-tokens", ns.cache_tokens, parse_tokens),
+                      listed("--eviction", ns.eviction, str, EVICTION_POLICIES), dp,
+                      listed("--router", ns.router, str, ROUTER_POLICIES),
                       ns.block_tokens, ns.json, ns.plot)
 
 
@@ -233,12 +240,25 @@ def main(argv: list[str] | None = None) -> int:
                                     api_key=ns.api_key, max_request_bytes=ns.max_request_bytes)
             return run_router(args)
         engine_args = engine_args_from(ns)
+        _check_log_folder(engine_args.log_requests)
         if ns.command == "serve":
             return _serve(ns, engine_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
         return 2
     return _generate(ns, engine_args)
+
+
+def _check_log_folder(folder: str | None) -> None:
+    """Refuse an unusable --log-requests folder before anything starts."""
+    if folder is None:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--log-requests: cannot create the folder {folder!r}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--log-requests: the folder {folder!r} is not writable")
 
 
 def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

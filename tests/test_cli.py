@@ -40,6 +40,9 @@ def test_refused_combinations_name_what_is_wrong():
         (["serve", "--nnodes", "2", "--tp-size", "2"], "dist_init_addr"),
         (["router", "--policy", "round_robin", "--kv-events"], "cache_aware"),
         (["router", "--worker-urls", "localhost:1"], "http://host:port"),
+        (["serve", "--log-requests", f"{__file__}/log"], "--log-requests: cannot create"),  # under a file
+        (["replay", "--synthetic", "rag", "--cache-tokens", "4k,lots"], "--cache-tokens"),
+        (["replay", "--synthetic", "rag", "--dp", "two"], "--dp"),
     ]:
         r = run(*args, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
