@@ -71,8 +71,11 @@ ENGINE_FLAGS = [
     ("--hicache-storage-dir", dict(default=None, help="the folder of --hicache-storage-backend file")),
     ("--speculative-algorithm", dict(default=None, choices=SPECULATIVE_ALGORITHMS,
                                      help="ngram: decoding requests draft the tokens that followed their last "
-                                          "tokens earlier in their context (or in recent outputs) and verify "
-                                          "them in one step; output is unchanged")),
+                                          "tokens earlier in their context (or in recent outputs); draft: a "
+                                          "smaller model with the same tokenizer drafts them. The model verifies "
+                                          "the drafts in one step; output is unchanged")),
+    ("--speculative-draft-model", dict(default=None, help="the draft model of --speculative-algorithm draft: a local HF directory or "
+                             "dummy:<shape>, with the served model's vocabulary")),
     ("--speculative-num-draft-tokens", dict(type=int, default=8, help="most draft tokens a request verifies per step "
                                             "(fewer where the measured step cost says they would not pay)")),
     ("--seed", dict(type=int, default=0, help="seed for dummy weights")),

@@ -13,7 +13,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 EVICTION_POLICIES = ("lru", "lfu", "slru")  # radix cache eviction order; see mem/radix_cache.py
 REQUEST_LOG_LEVELS = ("full", "hashes")  # what --log-requests stores of each prompt
 
@@ -131,8 +131,9 @@ class EngineArgs:
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
     hicache_storage_dir: str | None = None
-    speculative_algorithm: str | None = None  # "ngram": drafts by n-gram lookup, verified in one step
+    speculative_algorithm: str | None = None  # ngram: drafts by n-gram lookup; draft: by a smaller model
     speculative_num_draft_tokens: int = 8  # most drafts a request proposes per step
+    speculative_draft_model: str | None = None  # the draft model of speculative_algorithm "draft"
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -182,7 +183,9 @@ class EngineArgs:
         yield from self._hicache_problems()
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             yield (f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got "
-                   f"{self.speculative_algorithm!r} (draft-model speculation is not built yet)")
+                   f"{self.speculative_algorithm!r}")
+        if (self.speculative_algorithm == "draft") != (self.speculative_draft_model is not None):
+            yield "speculative_algorithm draft and speculative_draft_model go together"
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             yield "speculative_num_draft_tokens must be between 1 and 16"
 

@@ -22,7 +22,7 @@ from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
 from .tokenizer import encode_prompt, eos_ids, load_tokenizer_or_none
 from .validation import check_generate
-from .worker.model_runner import ModelRunner
+from .worker.process import build_runners
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ class Engine:
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
-        self.runner = ModelRunner(source, self.args)
+        self.runner, draft_runner = build_runners(source, self.args)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
         decode_tail = self.detokenizer.decode if self.detokenizer else None
         self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer),
-                                   grammar_backend(self.tokenizer, self.runner.info))
+                                   grammar_backend(self.tokenizer, self.runner.info), draft_runner)
         log.info(self.runner.info.capacity_line())
         self._inbox: deque = deque()
         self._queues: dict[str, queue.Queue] = {}

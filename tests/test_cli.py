@@ -43,6 +43,11 @@ def test_refused_combinations_name_what_is_wrong():
         (["serve", "--log-requests", f"{__file__}/log"], "--log-requests: cannot create"),  # under a file
         (["replay", "--synthetic", "rag", "--cache-tokens", "4k,lots"], "--cache-tokens"),
         (["replay", "--synthetic", "rag", "--dp", "two"], "--dp"),
+        (["serve", "--speculative-algorithm", "draft"], "speculative_draft_model go together"),
+        (["serve", "--speculative-algorithm", "draft", "--speculative-draft-model", "/nonexistent/draft"],
+         "'/nonexistent/draft' is not a model directory"),
+        (["serve", "--speculative-algorithm", "draft", "--speculative-draft-model", "dummy:llama-3-8b"],
+         "a draft model needs the same tokenizer"),
     ]:
         r = run(*args, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)

@@ -1,5 +1,7 @@
 """N-gram speculative decoding: the drafter, exact verification, and the real model and server."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,11 @@ from server_utils import start_server, wait_idle
 from radixserve.messages import SamplingBatch
 from radixserve.scheduler.speculative import NgramDrafter, SpecState, StepCost, budget_drafts
 from radixserve.worker.sampler import verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from draft_models import layer_prefix_model  # noqa: E402
+
+DRAFT_LAYERS = 24  # of 30: the drafts agree with the model on ~40% of tokens (bench/draft_models.py)
 
 PASSAGES = [
     "The Apollo 11 mission launched on July 16, 1969. Neil Armstrong and Buzz Aldrin landed the lunar "
@@ -134,16 +141,27 @@ def test_rejection_sampling_keeps_the_output_distribution():
 # ---- the real model -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def outputs_both_ways():
+def draft_model_dir(tmp_path_factory) -> Path:
+    from radixserve.models.loader import bundled_model_dir
+
+    return layer_prefix_model(bundled_model_dir(), DRAFT_LAYERS, tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
+def outputs_both_ways(draft_model_dir):
     from radixserve import Engine
 
     prompts = copy_prompts()
     greedy = {"temperature": 0, "max_new_tokens": 24}
     seeded = [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_new_tokens": 24} for i in range(8)]
     results = {}
-    for algorithm in (None, "ngram"):
-        kw = {"speculative_algorithm": algorithm} if algorithm else {}
+    settings = {None: {}, "ngram": {"speculative_algorithm": "ngram"},
+                "draft": {"speculative_algorithm": "draft", "speculative_draft_model": str(draft_model_dir),
+                          "speculative_num_draft_tokens": 4}}
+    for algorithm, kw in settings.items():
         with Engine(max_total_tokens=16384, max_running_requests=16, dtype="float32", **kw) as eng:
+            if algorithm == "draft":  # this draft costs nearly what the model does, so the draft budget
+                eng.scheduler._draft_step_seconds = lambda: 0.0  # would stop drafting: count it free
             out = eng.generate(prompts, greedy)
             sampled = [eng.generate(prompts[i], seeded[i]) for i in range(8)]
             eng.check_memory()
@@ -151,22 +169,49 @@ def outputs_both_ways():
     return results
 
 
-def test_greedy_output_is_unchanged_by_speculation_on_64_prompts(outputs_both_ways):
-    plain, spec = outputs_both_ways[None][0], outputs_both_ways["ngram"][0]
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_greedy_output_is_unchanged_by_speculation_on_64_prompts(outputs_both_ways, algorithm):
+    plain, spec = outputs_both_ways[None][0], outputs_both_ways[algorithm][0]
     assert len(plain) == 64
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
-    stats = outputs_both_ways["ngram"][2]
-    assert stats.spec_accepted_tokens_total > 40, stats  # the quoting prompts were speculated on
-    quoted = [o["meta_info"] for o in spec[:4]]
-    assert all(m["spec_verify_ct"] >= 1 and m["spec_accept_length"] > 1.5 for m in quoted), quoted
+    stats = outputs_both_ways[algorithm][2]
+    assert stats.spec_accepted_tokens_total > 40, stats  # speculated on, and drafts were kept
+    assert stats.spec_draft_tokens_total > stats.spec_accepted_tokens_total, stats  # and some rejected
+    if algorithm == "ngram":
+        quoted = [o["meta_info"] for o in spec[:4]]
+        assert all(m["spec_verify_ct"] >= 1 and m["spec_accept_length"] > 1.5 for m in quoted), quoted
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_speculation(outputs_both_ways):
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(outputs_both_ways, algorithm):
     """Each position is drawn with the seed and step it has without speculation, so a seeded
     request's tokens are the same (the exactness of the distribution, on the real model)."""
-    plain, spec = outputs_both_ways[None][1], outputs_both_ways["ngram"][1]
+    plain, spec = outputs_both_ways[None][1], outputs_both_ways[algorithm][1]
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert any(o["meta_info"].get("spec_verify_ct") for o in spec)
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_speculation_survives_retraction_chunked_prefill_and_pages(algorithm, draft_model_dir, tokenizer, hf_greedy):
+    """A pool too small for the batch: requests are retracted mid-output and re-prefilled in
+    16-token chunks over 4-token pages, while drafts are proposed and verified; the output
+    still equals HF's, and no slot leaks."""
+    from radixserve import Engine
+
+    kw = ({"speculative_algorithm": "ngram"} if algorithm == "ngram" else
+          {"speculative_algorithm": "draft", "speculative_draft_model": str(draft_model_dir),
+           "speculative_num_draft_tokens": 3})
+    prompts = [p for p in PROMPTS if len(tokenizer.encode(p)) < 40] * 2
+    with Engine(max_total_tokens=192, max_running_requests=8, chunked_prefill_size=16, page_size=4,
+                dtype="float32", **kw) as eng:
+        if algorithm == "draft":
+            eng.scheduler._draft_step_seconds = lambda: 0.0  # see outputs_both_ways
+        results = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        for prompt, result in zip(prompts, results):
+            assert result["output_ids"] == hf_greedy(tokenizer.encode(prompt), 40), prompt
+        stats = eng.get_stats()
+        assert stats.retractions_total > 0 and stats.spec_verify_steps_total > 0, stats
+        eng.check_memory()
 
 
 # ---- the server -----------------------------------------------------------------
@@ -212,8 +257,34 @@ def test_server_speculates_with_stops_streams_logprobs_and_n(server, tokenizer, 
         assert accepted and float(accepted[0].split()[-1]) > 0, accepted
 
 
-def test_unknown_speculative_algorithm_is_refused():
+def test_server_speculates_with_a_draft_model(draft_model_dir, tmp_path, tokenizer, hf_greedy):
+    srv = start_server(tmp_path, "--max-total-tokens", "2048", "--speculative-algorithm", "draft",
+                       "--speculative-draft-model", str(draft_model_dir))
+    try:
+        prompt = TEMPLATES[2].format(p=PASSAGES[1])
+        with srv.client() as c:
+            out = c.post("/generate", json={"text": prompt, "sampling_params": {
+                "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}).json()
+            assert out["output_ids"] == hf_greedy(tokenizer.encode(prompt), 24)
+            assert out["meta_info"]["spec_verify_ct"] >= 1, out["meta_info"]  # the first round drafts
+            wait_idle(c)  # checks that no slot leaked
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_unknown_speculative_algorithm_or_a_missing_draft_model_is_refused():
     from radixserve.config import EngineArgs
 
     with pytest.raises(ValueError, match="speculative_algorithm"):
+        EngineArgs(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="speculative_draft_model go together"):
         EngineArgs(speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="speculative_draft_model go together"):
+        EngineArgs(speculative_draft_model="dummy:tiny")
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    from radixserve import Engine
+
+    with pytest.raises(ValueError, match="--speculative-draft-model dummy:qwen2-0.5b: its vocabulary has 151936"):
+        Engine(speculative_algorithm="draft", speculative_draft_model="dummy:qwen2-0.5b")

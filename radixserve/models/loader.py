@@ -68,6 +68,15 @@ def resolve_model(spec: str | None) -> ModelSource:
     return ModelSource(path.name, ModelConfig.from_dir(path), path, path)
 
 
+def resolve_draft_model(spec: str, target: ModelSource) -> ModelSource:
+    """A speculative draft model: resolved like the served model, with the same vocabulary."""
+    draft = resolve_model(spec)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--speculative-draft-model {spec}: its vocabulary has {draft.config.vocab_size} tokens, "
+                         f"the served model's {target.config.vocab_size}; a draft model needs the same tokenizer")
+    return draft
+
+
 def _dummy_source(shape: str) -> ModelSource:
     if shape not in DUMMY_SHAPES:
         raise ValueError(f"unknown dummy shape {shape!r}; choose from {sorted(DUMMY_SHAPES)}")
@@ -183,5 +192,5 @@ def with_max_context(cfg: ModelConfig, max_context: int | None) -> int:
     return min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
-__all__ = ["ModelSource", "resolve_model", "build_model", "bundled_model_dir", "DUMMY_SHAPES",
+__all__ = ["ModelSource", "resolve_model", "resolve_draft_model", "build_model", "bundled_model_dir", "DUMMY_SHAPES",
            "with_max_context", "replace"]

@@ -37,13 +37,14 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     source = resolve_model(args.model)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (~3 s, mostly imports) loads while the model does
         tokenizer_loading = pool.submit(load_tokenizer_or_none, source.tokenizer_dir)
-        runner = start_rank0(args, endpoints, source)
+        runner, draft_runner = start_rank0(args, endpoints, source)
         tokenizer = tokenizer_loading.result()
     decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)
-    scheduler = Scheduler(args, runner, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, runner.info))
+    scheduler = Scheduler(args, runner, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, runner.info),
+                          draft_runner)
     outbox.send(encode(SchedulerReady(runner.info, source.name)))
     threading.Thread(target=watch_loop, args=(heartbeat, args.watchdog_timeout), daemon=True,
                      name="scheduler-watchdog").start()

@@ -23,6 +23,7 @@ from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, 
                         ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
 from ..request_log import RequestLog, ServerRecord
 from ..sampling_params import SamplingParams, compile_stop_regex
+from .draft_model import DraftExecutor, ModelDrafter
 from .policy import order_waiting
 from .req import Req
 from .speculative import NgramDrafter, SpecState, StepCost, budget_drafts
@@ -58,7 +59,8 @@ class Step:
 class Scheduler:
     def __init__(self, args: EngineArgs, executor: Executor,
                  decode_tail: Callable[[list[int]], str] | None = None,
-                 extra_eos_ids: tuple[int, ...] = (), grammars: GrammarBackend | None = None):
+                 extra_eos_ids: tuple[int, ...] = (), grammars: GrammarBackend | None = None,
+                 draft_executor: DraftExecutor | None = None):
         info = executor.info
         self.args, self.executor, self.info = args, executor, info
         self.decode_tail = decode_tail
@@ -80,6 +82,7 @@ class Scheduler:
         self.outputs: list[ReqOutput] = []
         self.drafter = (NgramDrafter(args.speculative_num_draft_tokens)
                         if args.speculative_algorithm == "ngram" else None)
+        self.model_drafter = ModelDrafter(draft_executor) if draft_executor is not None else None
         self.step_cost = StepCost()
         self.pending_aborts: set[str] = set()
         self.new_token_ratio = args.new_token_ratio
@@ -111,9 +114,13 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num)
         req.grammar = self._grammar_matcher(params)
-        if self.drafter is not None:
+        if self.speculates:
             req.spec = SpecState()
         self.waiting.append(req)
+
+    @property
+    def speculates(self) -> bool:
+        return self.drafter is not None or self.model_drafter is not None
 
     def _grammar_matcher(self, params: SamplingParams):
         spec = GrammarSpec.from_params(params)
@@ -154,6 +161,8 @@ class Scheduler:
                 started = time.perf_counter()
                 result = self.executor.forward(step.batch)
                 self.step_cost.observe(len(step.batch.input_ids), time.perf_counter() - started)
+                if self.model_drafter is not None and step.num_prefill:
+                    self.model_drafter.prefill(step.reqs, step.batch, step.num_prefill)
                 self._process(step, result)
             except Exception as exc:  # noqa: BLE001 - the step's requests fail, the server stays up
                 log.exception("a step of %d requests failed; they are aborted", len(step.reqs))
@@ -203,6 +212,8 @@ class Scheduler:
         return self._step(_decode_mode(reqs), reqs, _decode_lens(reqs), 0, 0) if reqs else None
 
     def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
+        if self.model_drafter is not None and any(r.drafts for r in reqs):
+            self.model_drafter.propose([r for r in reqs if r.drafts])
         return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)
 
     # ---- prefill ---------------------------------------------------------
@@ -313,6 +324,8 @@ class Scheduler:
         self.waiting.remove(req)
         req.row = self.rows.alloc()
         req.kv_slots, req.cached_len, req.node, req.synced = list(slots), len(slots), node, 0
+        if req.spec is not None:
+            req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = len(slots)
@@ -368,18 +381,28 @@ class Scheduler:
             if (req.grammar is not None or req.return_logprob or p.has_penalties
                     or len(req.output_ids) < max(p.min_new_tokens, req.spec.paused_until)):
                 continue  # (a paused request skips building its token list too)
-            draft = self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), req.remaining_new_tokens - 1)
+            draft = self._draft_candidates(req)
             if draft:
                 proposals.append((req.spec, draft))
         if proposals:
-            budget_drafts(proposals, len(reqs), self.step_cost)
+            budget_drafts(proposals, len(reqs), self.step_cost, self._draft_step_seconds())
+
+    def _draft_candidates(self, req: Req) -> list[int]:
+        """The n-gram drafter's tokens; for a draft model, placeholders for as many as it may draft."""
+        limit = req.remaining_new_tokens - 1
+        if self.model_drafter is not None:
+            return [0] * max(min(limit, self.args.speculative_num_draft_tokens), 0)
+        return self.drafter.propose(req.spec, req.fill_ids, len(req.output_ids), limit)
+
+    def _draft_step_seconds(self) -> float:
+        return self.model_drafter.step_seconds if self.model_drafter is not None else 0.0
 
     def _trim_drafts(self, reqs: list[Req], rows: int) -> None:
         """Re-budget the drafts when prompt chunks joined the step (they make it costlier), and
         give back the slots of the drafts dropped."""
         with_drafts = [r for r in reqs if r.drafts]
         before = [len(r.drafts) for r in with_drafts]
-        budget_drafts([(r.spec, r.drafts) for r in with_drafts], rows, self.step_cost)
+        budget_drafts([(r.spec, r.drafts) for r in with_drafts], rows, self.step_cost, self._draft_step_seconds())
         for req, proposed in zip(with_drafts, before):
             self._free_tail(req, len(req.kv_slots) - (proposed - len(req.drafts)))
 
@@ -584,6 +607,7 @@ class Scheduler:
         """Append the accepted drafts and the sampled token, up to a finish; then free the KV
         slots of the drafts that were not kept, so that only accepted tokens reach the tree."""
         proposed, accepted = len(req.drafts), result.accepted_drafts[b]
+        fed = len(req.fill_ids)  # the positions before the drafts
         taken = 0
         for token in accepted + [result.next_token_ids[b]]:
             req.output_ids.append(token)
@@ -594,6 +618,7 @@ class Scheduler:
         keep = len(req.fill_ids) - 1  # the newest token's KV is computed next step
         self._free_tail(req, keep)
         req.synced = min(req.synced, keep)
+        req.spec.draft_len = min(req.spec.draft_len, fed + len(accepted), keep)
         req.spec.record(proposed, len(accepted), len(req.output_ids))
         req.spec.drafts = []
         s = self.stats

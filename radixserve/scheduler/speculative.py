@@ -43,6 +43,7 @@ class SpecState:
     indexed: int = 0  # context positions whose n-grams are in `index`
     verify_steps: int = 0
     accepted_total: int = 0
+    draft_len: int = 0  # draft model only: leading positions whose draft-model K/V is written
 
     @property
     def accept_rate(self) -> float:
@@ -83,20 +84,24 @@ class StepCost:
         return a, b
 
 
-def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost: StepCost) -> None:
+def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost: StepCost,
+                  depth_seconds: float = 0.0) -> None:
     """Set each request's drafts to the prefix of its proposal worth verifying this step: add
     draft tokens, most likely first, while each raises the step's expected tokens per second.
-    `rows` is the step's rows without drafts (one per request, plus prompt chunks)."""
+    `rows` is the step's rows without drafts (one per request, plus prompt chunks);
+    `depth_seconds` is what drafting one more token for the whole batch costs (a draft model's
+    step; n-gram drafts cost nothing)."""
     a, b = cost.coefficients()
-    candidates = sorted(((state.accept_rate ** (j + 1), i) for i, (state, draft) in enumerate(proposals)
-                         for j in range(len(draft))), reverse=True)
+    candidates = sorted(((state.accept_rate ** (j + 1), j, i) for i, (state, draft) in enumerate(proposals)
+                         for j in range(len(draft))), key=lambda c: (-c[0], c[1]))
     keep = [0] * len(proposals)
-    tokens, seconds = float(len(proposals)), a + b * rows
-    for gain, i in candidates:
-        if (tokens + gain) / (seconds + b) <= tokens / seconds:
-            break
+    tokens, seconds, depth = float(len(proposals)), a + b * rows, 0
+    for gain, j, i in candidates:
+        extra = b + depth_seconds * max(j + 1 - depth, 0)
+        if j != keep[i] or (tokens + gain) / (seconds + extra) <= tokens / seconds:
+            continue
         keep[i] += 1
-        tokens, seconds = tokens + gain, seconds + b
+        tokens, seconds, depth = tokens + gain, seconds + extra, max(depth, j + 1)
     for (state, draft), n in zip(proposals, keep):
         state.drafts = draft[:n]
 

@@ -19,7 +19,7 @@ from ..config import EngineArgs, ServerArgs
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
-from ..models.loader import resolve_model
+from ..models.loader import resolve_draft_model, resolve_model
 from ..scheduler.process import run_scheduler
 from ..tokenizer import load_tokenizer_or_none
 from ..worker.process import run_follower
@@ -130,6 +130,8 @@ def launch_server(args: ServerArgs) -> int:
         return run_node_ranks(args.engine)
     started = time.time()
     source = resolve_model(args.engine.model)
+    if args.engine.speculative_draft_model is not None:
+        resolve_draft_model(args.engine.speculative_draft_model, source)  # refused here, before any child starts
     endpoints = Endpoints.create()
     heartbeat = Heartbeat(mp.get_context("spawn"))
     children = start_children(args, endpoints, source.tokenizer_dir, heartbeat)

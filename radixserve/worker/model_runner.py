@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,25 +44,42 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a draft model's KV goes: the target's slot numbers (a pool of as many pages) and
+    the target's request-to-token table, shared, so one allocation and one radix tree serve both."""
+
+    num_pages: int
+    req_to_token: torch.Tensor
+    max_context_len: int
+
+
 class ModelRunner:
+    """`reserve_bytes_per_token`: KV memory per slot kept back for a draft model's pool.
+    `layout`: run as a draft model on a target's slots (see SlotLayout)."""
+
     def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device | None = None,
-                 graph_cls=None, tp: TPGroup = TPGroup()):
+                 graph_cls=None, tp: TPGroup = TPGroup(), reserve_bytes_per_token: int = 0,
+                 layout: SlotLayout | None = None):
         self.device = device or default_device()
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
-        self.max_context_len = with_max_context(source.config, args.max_context_len)
+        self.max_context_len = (layout.max_context_len if layout is not None
+                                else with_max_context(source.config, args.max_context_len))
         self.tp = tp
         self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed,
                                  args.quantization, tp)
         cfg = self.config = self.model.cfg  # this rank's heads
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = tp.min_int(self._num_pages(args, per_token))
+        num_pages = (layout.num_pages if layout is not None
+                     else tp.min_int(self._num_pages(args, per_token + reserve_bytes_per_token)))
         ps = args.page_size
         self.pool = KVPool((num_pages + 1) * ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            self.dtype, self.device)
-        self.req_to_token = torch.zeros(args.max_running_requests, self.max_context_len,
-                                        dtype=torch.long, device=self.device)
+        self.req_to_token = (layout.req_to_token if layout is not None else
+                             torch.zeros(args.max_running_requests, self.max_context_len, dtype=torch.long,
+                                         device=self.device))
         backend = resolve_backend_name(args.attention_backend, self.device.type)
         self.backend = create_backend(backend, pool=self.pool, num_heads=cfg.num_heads,
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -72,6 +90,9 @@ class ModelRunner:
         self.info = WorkerInfo(num_pages, ps, self.max_context_len, args.max_running_requests,
                                cfg.vocab_size, cfg.eos_token_ids, str(self.dtype).removeprefix("torch."),
                                str(self.device), backend, per_token)
+
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
 
     def _num_pages(self, args: EngineArgs, per_token: int) -> int:
         tokens = args.max_total_tokens

@@ -12,17 +12,31 @@ import logging
 import torch
 
 from ..config import EngineArgs
-from ..distributed import init_tp_group
+from ..distributed import TPGroup, init_tp_group
 from ..ipc import Endpoints, exit_with_parent
-from ..models.loader import ModelSource, resolve_model
-from .model_runner import ModelRunner, default_device
+from ..mem.kv_pool import KVPool
+from ..models.loader import ModelSource, resolve_draft_model, resolve_model
+from .model_runner import ModelRunner, default_device, resolve_dtype
 
 
-def start_rank0(args: EngineArgs, endpoints: Endpoints, source: ModelSource) -> ModelRunner:
-    """TP rank 0, in the calling (scheduler) process."""
+def start_rank0(args: EngineArgs, endpoints: Endpoints, source: ModelSource) -> tuple[ModelRunner, ModelRunner | None]:
+    """TP rank 0, in the calling (scheduler) process, and the draft model when there is one."""
     device = worker_device(0, args)
     tp = init_tp_group(0, args.tp_size, args.dist_init_method(endpoints.tp_init_file), device)
-    return ModelRunner(source, args, device, tp=tp)
+    return build_runners(source, args, device, tp)
+
+
+def build_runners(source: ModelSource, args: EngineArgs, device: torch.device | None = None,
+                  tp: TPGroup = TPGroup()) -> tuple[ModelRunner, ModelRunner | None]:
+    """The model's runner (rank 0's shard) and, with `--speculative-algorithm draft`, the draft
+    model's, unsharded, on the same device and slots; the KV pool is sized for both."""
+    if args.speculative_algorithm != "draft":
+        return ModelRunner(source, args, device, tp=tp), None
+    draft = resolve_draft_model(args.speculative_draft_model, source)
+    cfg, dtype = draft.config, resolve_dtype(args.dtype, device or default_device())
+    reserve = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    target = ModelRunner(source, args, device, tp=tp, reserve_bytes_per_token=reserve)
+    return target, ModelRunner(draft, args, target.device, layout=target.slot_layout())
 
 
 def run_follower(args: EngineArgs, init_method: str, tp_rank: int) -> None:
