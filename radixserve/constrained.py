@@ -144,6 +144,17 @@ class GrammarBackend:
             return tokens, advanced
         return [], matcher
 
+    def draft_masks(self, matcher, drafts: list[int]) -> list[list[int]]:
+        """Speculative drafts checked against the grammar: the bitmask after each draft token it
+        accepts, up to the first it refuses or one that would end it (those are dropped, and
+        the model samples that position itself). `matcher` is not advanced."""
+        fork, masks = matcher.fork(), []
+        for token in drafts:
+            if not fork.accept_token(token) or fork.is_terminated():
+                break
+            masks.append(self.token_mask(fork))
+        return masks
+
     def token_mask(self, matcher) -> list[int]:
         """The allowed-next-token bitmask of `matcher` as int32 words."""
         import xgrammar

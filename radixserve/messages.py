@@ -39,6 +39,8 @@ class SamplingBatch:
     logit_biases: list[list[tuple[int, float]] | None] | None = None
     # the token (EOS) a row takes when masks and suppression forbid every token
     fallback_ids: list[int] | None = None
+    # verify steps: request b's grammar bitmasks after each of its drafts (its rows 1..k)
+    draft_token_masks: list[list[list[int]] | None] | None = None
 
 
 @dataclass

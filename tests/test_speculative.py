@@ -42,6 +42,18 @@ def copy_prompts() -> list[str]:
     return quoting + others
 
 
+def constrained_requests() -> list[dict]:
+    """Requests whose sampling depends on more than the position's logits: output logprobs,
+    penalties (they change with every output token) and grammars (a bitmask per position)."""
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    greedy = {"temperature": 0, "max_new_tokens": 30}
+    return [dict(sampling_params=greedy, return_logprob=True, top_logprobs_num=2),
+            dict(sampling_params=dict(greedy, frequency_penalty=0.5, presence_penalty=0.3)),
+            dict(sampling_params=dict(greedy, repetition_penalty=1.3)),
+            dict(sampling_params=dict(greedy, regex=r"The Apollo 11 mission launched on (July|June) [0-9]+, 1969\. [A-Za-z ,.]+")),
+            dict(sampling_params=dict(greedy, json_schema=json.dumps(schema)))]
+
+
 def greedy_batch(*sizes_and_temps) -> SamplingBatch:
     n = len(sizes_and_temps)
     temps = list(sizes_and_temps)
@@ -164,8 +176,9 @@ def outputs_both_ways(draft_model_dir):
                 eng.scheduler._draft_step_seconds = lambda: 0.0  # would stop drafting: count it free
             out = eng.generate(prompts, greedy)
             sampled = [eng.generate(prompts[i], seeded[i]) for i in range(8)]
+            constrained = [eng.generate(prompts[0], **request) for request in constrained_requests()]
             eng.check_memory()
-            results[algorithm] = (out, sampled, eng.get_stats())
+            results[algorithm] = (out, sampled, eng.get_stats(), constrained)
     return results
 
 
@@ -212,6 +225,25 @@ def test_speculation_survives_retraction_chunked_prefill_and_pages(algorithm, dr
         stats = eng.get_stats()
         assert stats.retractions_total > 0 and stats.spec_verify_steps_total > 0, stats
         eng.check_memory()
+
+
+def test_logprob_penalty_and_grammar_requests_speculate_exactly(outputs_both_ways):
+    """Each draft row is sampled with the penalties and grammar state it has after the drafts
+    before it, and its logprob comes from its own row: the same tokens and logprobs as without."""
+    plain = outputs_both_ways[None][3]
+    for algorithm in ("ngram", "draft"):
+        spec = outputs_both_ways[algorithm][3]
+        assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain], algorithm
+        assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in spec), [o["meta_info"] for o in spec]
+        want, got = plain[0]["meta_info"], spec[0]["meta_info"]
+        assert [t for _, t, _ in got["output_token_logprobs"]] == spec[0]["output_ids"]
+        for a, b in zip(want["output_token_logprobs"], got["output_token_logprobs"]):
+            assert b[0] == pytest.approx(a[0], abs=1e-4)
+        assert [[t for _, t, _ in top] for top in got["output_top_logprobs"]] == \
+            [[t for _, t, _ in top] for top in want["output_top_logprobs"]]
+    ngram = outputs_both_ways["ngram"][3]
+    assert all(o["meta_info"]["spec_accept_length"] > 2 for o in ngram[:2] + ngram[3:]), [o["meta_info"] for o in ngram]
+    assert ngram[4]["text"].startswith('{"text": "')  # 30 tokens cut the JSON short
 
 
 # ---- the server -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache
 from ..mem.shadow import LiveEstimates
 from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
-                        ReqOutput, SamplingBatch, SchedulerStats, WorkerInfo)
+                        ReqOutput, SamplingBatch, SchedulerStats, TokenLogprobs, WorkerInfo)
 from ..request_log import RequestLog, ServerRecord
 from ..sampling_params import SamplingParams, compile_stop_regex
 from .draft_model import DraftExecutor, ModelDrafter
@@ -214,6 +214,9 @@ class Scheduler:
     def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
         if self.model_drafter is not None and any(r.drafts for r in reqs):
             self.model_drafter.propose([r for r in reqs if r.drafts])
+        for req in reqs:
+            if req.drafts and req.grammar is not None:
+                self._check_drafts_against_grammar(req)
         return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)
 
     # ---- prefill ---------------------------------------------------------
@@ -369,17 +372,14 @@ class Scheduler:
         return reqs
 
     def _propose_drafts(self, reqs: list[Req]) -> None:
-        """Drafts worth their rows (`budget_drafts`) for the requests that may speculate: those
-        whose sampling depends only on the position's logits (no grammar, penalties, logprobs
-        or min_new_tokens still to reach)."""
+        """Drafts worth their rows (`budget_drafts`) for the requests that may speculate: all but
+        those still short of min_new_tokens and those paused after repeated misses."""
         proposals = []
         for req in reqs:
             if req.spec is None:
                 continue
             req.spec.drafts = []
-            p = req.params
-            if (req.grammar is not None or req.return_logprob or p.has_penalties
-                    or len(req.output_ids) < max(p.min_new_tokens, req.spec.paused_until)):
+            if len(req.output_ids) < max(req.params.min_new_tokens, req.spec.paused_until):
                 continue  # (a paused request skips building its token list too)
             draft = self._draft_candidates(req)
             if draft:
@@ -396,6 +396,15 @@ class Scheduler:
 
     def _draft_step_seconds(self) -> float:
         return self.model_drafter.step_seconds if self.model_drafter is not None else 0.0
+
+    def _check_drafts_against_grammar(self, req: Req) -> None:
+        """Keep the drafts the request's grammar allows, with the bitmask of each row after them."""
+        spec = req.spec
+        spec.draft_masks = self.grammars.draft_masks(req.grammar, spec.drafts)
+        dropped = len(spec.drafts) - len(spec.draft_masks)
+        if dropped:
+            del spec.drafts[len(spec.draft_masks):]
+            self._free_tail(req, len(req.kv_slots) - dropped)
 
     def _trim_drafts(self, reqs: list[Req], rows: int) -> None:
         """Re-budget the drafts when prompt chunks joined the step (they make it costlier), and
@@ -507,7 +516,7 @@ class Scheduler:
                 writes.append((req.row, req.synced, req.kv_slots[req.synced:start]))
             req.synced = end
             seq_lens.append(end)
-            logprobs.append(self._logprob_request(req, start, end))
+            logprobs.append(self._logprob_request(req, start, end - len(req.drafts)))
         draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
         return ForwardBatch(mode, ids, positions, locs, [r.row for r in reqs], seq_lens, lens,
                             writes, self._sampling_batch(reqs), logprobs, draft_lens)
@@ -536,7 +545,9 @@ class Scheduler:
             penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
             suppressed_ids=[self._suppressed(r) for r in reqs],
             token_masks=self._token_masks(reqs), logit_biases=_logit_biases(ps),
-            fallback_ids=[self.fallback_id] * len(reqs))
+            fallback_ids=[self.fallback_id] * len(reqs),
+            draft_token_masks=[r.spec.draft_masks if r.drafts and r.grammar is not None else None for r in reqs]
+            if any(r.drafts and r.grammar is not None for r in reqs) else None)
 
     def _token_masks(self, reqs: list[Req]) -> list[list[int] | None] | None:
         if not any(r.grammar is not None for r in reqs):
@@ -588,20 +599,23 @@ class Scheduler:
         if req.params.max_new_tokens == 0:
             req.finish_reason = FinishReason("length", length=0)
             return 0
-        token = result.next_token_ids[b]
-        req.output_ids.append(token)
-        got = result.output_logprobs[b]
-        if got is not None:
-            req.output_logprobs.append([got.logprobs[0], token])
-            req.output_top_logprobs.append(_pairs(got.top[0]) if got.top else None)
-        if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish_reason = FinishReason("abort", message="no token satisfies both the grammar and the "
-                                 "other sampling constraints (stop_token_ids, min_new_tokens)")
-            return 1
-        req.finish_reason = self._finish_reason(req, token)
+        self._append(req, result.next_token_ids[b], result.output_logprobs[b], 0)
         if req.grammar is not None and not req.finished and self.args.enable_jump_forward:
             return 1 + self._jump_forward(req)
         return 1
+
+    def _append(self, req: Req, token: int, got: TokenLogprobs | None, i: int) -> None:
+        """Add one output token (with the i-th logprob of `got`, when asked for) and set the
+        finish reason it causes."""
+        req.output_ids.append(token)
+        if got is not None:
+            req.output_logprobs.append([got.logprobs[i], token])
+            req.output_top_logprobs.append(_pairs(got.top[i]) if got.top else None)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            req.finish_reason = FinishReason("abort", message="no token satisfies both the grammar and the "
+                                 "other sampling constraints (stop_token_ids, min_new_tokens)")
+            return
+        req.finish_reason = self._finish_reason(req, token)
 
     def _take_verified(self, req: Req, result: ForwardResult, b: int) -> int:
         """Append the accepted drafts and the sampled token, up to a finish; then free the KV
@@ -609,10 +623,9 @@ class Scheduler:
         proposed, accepted = len(req.drafts), result.accepted_drafts[b]
         fed = len(req.fill_ids)  # the positions before the drafts
         taken = 0
-        for token in accepted + [result.next_token_ids[b]]:
-            req.output_ids.append(token)
+        for i, token in enumerate(accepted + [result.next_token_ids[b]]):
+            self._append(req, token, result.output_logprobs[b], i)
             taken += 1
-            req.finish_reason = self._finish_reason(req, token)
             if req.finished:
                 break
         keep = len(req.fill_ids) - 1  # the newest token's KV is computed next step

@@ -34,6 +34,7 @@ class SpecState:
     """A request's draft bookkeeping: its context index and acceptance record."""
 
     drafts: list[int] = field(default_factory=list)  # proposed for the step being run
+    draft_masks: list[list[int]] = field(default_factory=list)  # grammar bitmasks after each draft
     accepted_ema: float = 1.0  # decayed sums: drafts accepted, and drafts tried (accepted or the
     tried_ema: float = 2.0     # first rejected), so accept_rate = P(next draft kept | previous kept)
     misses: int = 0

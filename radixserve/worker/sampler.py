@@ -44,7 +44,7 @@ def verify(logits: torch.Tensor, sb: SamplingBatch, drafts: list[list[int]]) -> 
     the same as without speculation. Returns per request the next token, the accepted drafts,
     and the logits row of the next token."""
     counts = [1 + len(d) for d in drafts]
-    targets = sample(logits, _repeat_rows(sb, counts)).tolist()
+    targets = sample(logits, _rows_of(sb, drafts)).tolist()
     next_ids, accepted, rows, row = [], [], [], 0
     for draft, count in zip(drafts, counts):
         n = 0
@@ -57,16 +57,27 @@ def verify(logits: torch.Tensor, sb: SamplingBatch, drafts: list[list[int]]) -> 
     return next_ids, accepted, rows
 
 
-def _repeat_rows(sb: SamplingBatch, counts: list[int]) -> SamplingBatch:
-    """Each request's sampling settings once per logits row, at the output step of that row."""
-    def repeat(name: str, values):
-        if values is None:
+def _rows_of(sb: SamplingBatch, drafts: list[list[int]]) -> SamplingBatch:
+    """Each request's sampling settings once per logits row, as they are at the output position
+    the row fills: its step, its output so far (penalties) and its grammar state (row i comes
+    after drafts[:i])."""
+    def per_row(name: str, values):
+        if values is None or name == "draft_token_masks":
             return None
-        if name == "steps":
-            return [v + i for v, c in zip(values, counts) for i in range(c)]
-        return [v for v, c in zip(values, counts) for _ in range(c)]
+        rows = []
+        for b, (value, draft) in enumerate(zip(values, drafts)):
+            for i in range(1 + len(draft)):
+                if name == "steps":
+                    rows.append(value + i)
+                elif name == "penalty_outputs" and value is not None:
+                    rows.append(value + draft[:i])
+                elif name == "token_masks" and value is not None and i > 0:
+                    rows.append(sb.draft_token_masks[b][i - 1])
+                else:
+                    rows.append(value)
+        return rows
 
-    return SamplingBatch(**{f.name: repeat(f.name, getattr(sb, f.name)) for f in fields(sb)})
+    return SamplingBatch(**{f.name: per_row(f.name, getattr(sb, f.name)) for f in fields(sb)})
 
 
 def _edits_logits(sb: SamplingBatch) -> bool:
