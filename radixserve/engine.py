@@ -40,19 +40,21 @@ class Engine:
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
-        self.runner, draft_runner = build_runners(source, self.args)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
-        decode_tail = self.detokenizer.decode if self.detokenizer else None
-        self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer),
-                                   grammar_backend(self.tokenizer, self.runner.info), draft_runner)
-        log.info(self.runner.info.capacity_line())
         self._inbox: deque = deque()
         self._queues: dict[str, queue.Queue] = {}
         self._wake = threading.Condition()
         self._stopped = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
+        started: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(source, started), name="radixserve-scheduler",
+                                        daemon=True)
         self._thread.start()
+        failure = started.get()
+        if failure is not None:
+            self._thread.join()
+            raise failure
+        log.info(self.runner.info.capacity_line())
 
     # ---- public API ------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -184,6 +186,22 @@ class Engine:
         return result
 
     # ---- the scheduler thread ------------------------------------------------
+    def _run(self, source, started: queue.Queue) -> None:
+        """Build the model and scheduler here, then loop: one thread runs every torch op of the
+        engine. With OpenMP, ops started from a second thread once another thread has run any
+        take 1.5-3x as long on a 2-core CPU (measured: a batch-8 decode step 61-63 ms against
+        41-46 ms), so the caller's thread should not run torch work while the engine does."""
+        try:
+            self.runner, draft_runner = build_runners(source, self.args)
+            decode_tail = self.detokenizer.decode if self.detokenizer else None
+            self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer),
+                                       grammar_backend(self.tokenizer, self.runner.info), draft_runner)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            started.put(exc)
+            return
+        started.put(None)
+        self._loop()
+
     def _loop(self) -> None:
         sched = self.scheduler
         while not self._stopped:
