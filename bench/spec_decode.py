@@ -1,12 +1,15 @@
-"""N-gram speculative decoding against plain decoding, on a copy-heavy RAG workload and on one
+"""Speculative decoding against plain decoding, on a copy-heavy RAG workload and on one
 with no copying, at concurrency 1 and 8.
 
-Two servers from this checkout, one with `--speculative-algorithm ngram`; every workload runs
+Two servers from this checkout, one with `--speculative-algorithm ngram` (or, with
+`--algorithm draft`, a draft model: `--draft-model PATH`, or the bundled model's first
+`--draft-layers` layers, bench/draft_models.py); every workload runs
 on both, one after the other, greedy and without ignore_eos (outputs are identical either way,
 which the script checks, so both produce the same tokens). Output throughput = output tokens
 / wall time of the workload; accept length = tokens per verify step, from /metrics.
 
     .venv/bin/python bench/spec_decode.py          # ~8 minutes on 2 cores
+    .venv/bin/python bench/spec_decode.py --algorithm draft --draft-layers 24
 
 Writes bench/results/<date>-<machine>-spec_decode.json and prints a markdown table.
 """
@@ -80,6 +83,13 @@ async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -
             "output_ids": [o["output_ids"] for o in outs]}
 
 
+def layer_prefix_draft(layers: int, folder: Path) -> Path:
+    from draft_models import layer_prefix_model
+    from radixserve.models.loader import bundled_model_dir
+
+    return layer_prefix_model(bundled_model_dir(), layers, folder / f"draft-{layers}-layers")
+
+
 def spec_counters(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics").text
     value = lambda name: servers._metric_sum(text, name) or 0.0  # noqa: E731
@@ -95,12 +105,17 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--algorithm", choices=["ngram", "draft"], default="ngram")
+    ap.add_argument("--draft-model", default=None, help="with --algorithm draft: a model folder")
+    ap.add_argument("--draft-layers", type=int, default=24,
+                    help="with --algorithm draft and no --draft-model: draft with the bundled model's first N layers")
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-spec-bench-"))
+    spec_flags = ["--speculative-algorithm", args.algorithm, "--speculative-num-draft-tokens", str(args.draft_tokens)]
+    if args.algorithm == "draft":
+        spec_flags += ["--speculative-draft-model", args.draft_model or str(layer_prefix_draft(args.draft_layers, log_dir))]
     plain = servers.radixserve(free_port(), log_dir, 8, args.kv_tokens, extra=[])
-    spec = servers.radixserve(free_port(), log_dir, 8, args.kv_tokens, extra=[
-        "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens",
-        str(args.draft_tokens)])
+    spec = servers.radixserve(free_port(), log_dir, 8, args.kv_tokens, extra=spec_flags)
     rows = []
     try:
         for name in ("rag_copy", "no_copy"):
@@ -120,7 +135,7 @@ def main() -> None:
                        "output_tokens": base["output_tokens"],
                        "identical_outputs": base["output_ids"] == fast["output_ids"]}
                 rows.append(row)
-                print(f"  {name:9s} c={concurrency}  plain {row['plain_tok_s']:6.1f} tok/s  ngram "
+                print(f"  {name:9s} c={concurrency}  plain {row['plain_tok_s']:6.1f} tok/s  {args.algorithm} "
                       f"{row['spec_tok_s']:6.1f} tok/s  {row['speedup']:.2f}x  accept length "
                       f"{row['accept_length'] or 0:.2f}  identical {row['identical_outputs']}", flush=True)
     finally:
@@ -130,7 +145,7 @@ def main() -> None:
                "args": vars(args), "rows": rows}
     stem = BENCH / "results" / f"{results['date']}-{results['machine']}-spec_decode{'-' + args.tag if args.tag else ''}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    print("\n| workload | concurrency | plain tok/s | ngram tok/s | speed-up | accept length | same output |")
+    print(f"\n| workload | concurrency | plain tok/s | {args.algorithm} tok/s | speed-up | accept length | same output |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['workload']} | {r['concurrency']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "

@@ -120,6 +120,25 @@ def test_draft_budget_keeps_what_pays_for_its_rows():
     assert all(len(s.drafts) == 5 for s in states)
 
 
+def test_draft_budget_counts_a_draft_models_steps():
+    """A draft model's step is paid once per draft depth for the whole batch: a draft as costly
+    as the model is never worth it; a cheap one is, for requests it drafts well for."""
+    cost = StepCost()
+    for rows in [1, 8, 3, 40, 12, 1, 25, 7, 16, 2]:
+        cost.observe(rows, 0.024 + 0.0025 * rows)
+
+    def kept(rate: float, batch: int, depth_seconds: float) -> list[int]:
+        states = [SpecState(accepted_ema=rate, tried_ema=1.0) for _ in range(batch)]
+        budget_drafts([(s, [0] * 6) for s in states], batch, cost, depth_seconds)
+        return [len(s.drafts) for s in states]
+
+    assert kept(0.9, 1, 0.0) == [6]
+    assert kept(0.9, 1, 0.026) == [0]  # each draft costs a whole step of the model
+    assert 1 <= kept(0.9, 1, 0.01)[0] < 6  # cheaper: the first drafts pay, the unlikely last ones not
+    deep = kept(0.9, 8, 0.004)  # one draft step serves the whole batch: all draft to one depth
+    assert len(set(deep)) == 1 and deep[0] >= 1, deep
+
+
 # ---- verification ---------------------------------------------------------------
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement():

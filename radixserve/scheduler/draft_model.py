@@ -4,13 +4,16 @@ The draft model's K/V lives in a pool of its own at the target's slot numbers, a
 target's request-to-token table (`worker.model_runner.SlotLayout`): a slot holds both models'
 K/V for its token, so allocation, the radix tree, retraction and freeing serve both unchanged.
 
-Which slots hold draft K/V: the draft runs over every prompt chunk the target computes
-(`prefill`), so cached prefixes carry it. While decoding, `SpecState.draft_len` counts a
+Which slots hold draft K/V: while drafting pays, the draft runs over every prompt chunk the
+target computes (`prefill`), so cached prefixes carry it. While decoding, `SpecState.draft_len` counts a
 request's leading positions whose draft K/V is written. A round (`propose`) starts with one
 extend step over the positions since then (the newest token, and accepted drafts the draft
 model never fed), which drafts the first token, then runs one decode step per further draft.
-K/V loaded from the hierarchical cache's tiers has no draft K/V: drafts there are worse, the
-output is the same, since the target verifies every draft.
+When the draft budget has stopped asking for drafts (the draft model costs more than its
+drafts bring), prompt chunks skip the draft model; a request that drafts again later catches
+up from its own `draft_len` in its first extend step. K/V loaded from the hierarchical cache's
+tiers, and cached prefixes computed while drafting was off, have no draft K/V: drafts there
+are worse, the output is the same, since the target verifies every draft.
 
 Drafts are the draft model's greedy tokens, for every request: verification (`sampler.verify`)
 keeps the target's distribution whatever the draft proposes.
@@ -38,10 +41,13 @@ class ModelDrafter:
     def __init__(self, executor: DraftExecutor):
         self.executor = executor
         self.step_seconds = 0.0  # measured cost of one draft step (0 until measured: drafts get tried)
+        self.drafting = True  # whether the last draft budget kept any draft
 
     def prefill(self, reqs: list[Req], batch: ForwardBatch, num_prefill: int) -> None:
         """Run the draft model over the prompt chunks the target just computed: the first
         `num_prefill` requests of `batch`, whose table entries the target step has written."""
+        if not self.drafting:
+            return
         n, tokens = num_prefill, sum(batch.extend_lens[:num_prefill])
         self.executor.forward(ForwardBatch(
             ForwardMode.EXTEND, batch.input_ids[:tokens], batch.positions[:tokens], batch.out_cache_loc[:tokens],

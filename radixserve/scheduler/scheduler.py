@@ -386,6 +386,8 @@ class Scheduler:
                 proposals.append((req.spec, draft))
         if proposals:
             budget_drafts(proposals, len(reqs), self.step_cost, self._draft_step_seconds())
+            if self.model_drafter is not None:
+                self.model_drafter.drafting = any(state.drafts for state, _ in proposals)
 
     def _draft_candidates(self, req: Req) -> list[int]:
         """The n-gram drafter's tokens; for a draft model, placeholders for as many as it may draft."""

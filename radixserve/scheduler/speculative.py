@@ -89,21 +89,29 @@ def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost:
                   depth_seconds: float = 0.0) -> None:
     """Set each request's drafts to the prefix of its proposal worth verifying this step: add
     draft tokens, most likely first, while each raises the step's expected tokens per second.
-    `rows` is the step's rows without drafts (one per request, plus prompt chunks);
-    `depth_seconds` is what drafting one more token for the whole batch costs (a draft model's
-    step; n-gram drafts cost nothing)."""
+    `rows` is the step's rows without drafts (one per request, plus prompt chunks).
+
+    `depth_seconds` is what drafting one token deeper costs the whole batch (a draft model's
+    step; n-gram drafts cost nothing). Since that cost is shared, each depth limit is tried
+    and the one with the most tokens per second is kept."""
     a, b = cost.coefficients()
     candidates = sorted(((state.accept_rate ** (j + 1), j, i) for i, (state, draft) in enumerate(proposals)
                          for j in range(len(draft))), key=lambda c: (-c[0], c[1]))
-    keep = [0] * len(proposals)
-    tokens, seconds, depth = float(len(proposals)), a + b * rows, 0
-    for gain, j, i in candidates:
-        extra = b + depth_seconds * max(j + 1 - depth, 0)
-        if j != keep[i] or (tokens + gain) / (seconds + extra) <= tokens / seconds:
-            continue
-        keep[i] += 1
-        tokens, seconds, depth = tokens + gain, seconds + extra, max(depth, j + 1)
-    for (state, draft), n in zip(proposals, keep):
+    longest = max((len(draft) for _, draft in proposals), default=0)
+    best_rate, best = len(proposals) / (a + b * rows), [0] * len(proposals)
+    for depth in range(1, longest + 1) if depth_seconds > 0 else [longest]:
+        keep = [0] * len(proposals)
+        tokens, seconds = float(len(proposals)), a + b * rows + depth * depth_seconds
+        for gain, j, i in candidates:
+            if j >= depth or j != keep[i]:
+                continue
+            if (tokens + gain) / (seconds + b) <= tokens / seconds:
+                break
+            keep[i] += 1
+            tokens, seconds = tokens + gain, seconds + b
+        if tokens / seconds > best_rate:
+            best_rate, best = tokens / seconds, keep
+    for (state, draft), n in zip(proposals, best):
         state.drafts = draft[:n]
 
 
