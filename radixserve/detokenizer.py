@@ -78,11 +78,11 @@ def run_detokenizer(tokenizer_dir, endpoints, log_level: str = "info") -> None:
     import zmq
 
     from .ipc import decode, encode, exit_with_parent, pull_socket, push_socket
-    from .tokenizer import load_tokenizer_or_none
+    from .tokenizer import load_decoder
 
     exit_with_parent()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s detokenizer: %(message)s")
-    tokenizer = load_tokenizer_or_none(tokenizer_dir)
+    tokenizer = load_decoder(tokenizer_dir)
     detok = Detokenizer(tokenizer) if tokenizer is not None else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.detokenizer_in, bind=True)

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,16 @@ def private_home(folder) -> dict:
     keep its config and caches in a test folder instead of the user's home."""
     return dict(os.environ, HOME=str(folder), XDG_CONFIG_HOME=str(folder / "config"),
                 XDG_CACHE_HOME=str(folder / "cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_socket_folders():
+    """The servers and CLI runs the tests start make their private socket folders under one
+    short folder (their TMPDIR), removed at the end: a server killed with SIGKILL cannot."""
+    root = tempfile.mkdtemp(prefix="radixserve-tests-")
+    os.environ["TMPDIR"] = root  # read by the processes the tests start, not by this one
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

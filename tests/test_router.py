@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import signal
-import tempfile
 import time
 
 import httpx
@@ -238,10 +237,10 @@ def descendants(pid: int) -> list[int]:
     return kids + [d for k in kids for d in descendants(k)]
 
 
-def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path):
+def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path, server_socket_folders):
     """The one-command launch: two replicas, each on its own core, behind the router on the
     given port; SIGTERM stops everything it started."""
-    folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*")))
+    folders = set(glob.glob(os.path.join(server_socket_folders, "radixserve-*")))
     server = start_server(tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048")
     everything = descendants(server.proc.pid)
     try:
@@ -264,7 +263,7 @@ def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path):
     while any(alive(p) for p in everything) and time.time() < deadline:
         time.sleep(0.1)
     assert not [p for p in everything if alive(p)], "processes outlived the launcher"
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) <= folders, "socket folders left behind"
+    assert set(glob.glob(os.path.join(server_socket_folders, "radixserve-*"))) <= folders, "socket folders left behind"
 
 
 def test_a_replica_killed_under_dp_size_is_started_again(tmp_path):

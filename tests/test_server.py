@@ -282,3 +282,31 @@ def test_child_crash_is_detected(tmp_path):
     while any(alive(k) for k in kids) and time.time() < deadline:
         time.sleep(0.1)
     assert not [k for k in kids if alive(k)]
+
+
+def test_the_detokenizer_process_decodes_as_the_hf_tokenizer_does(tokenizer):
+    """The detokenizer process decodes through `tokenizers` alone (no transformers import at
+    start-up); its text must be the HF tokenizer's, special tokens kept or skipped, and
+    split UTF-8 sequences held back until whole."""
+    import random
+
+    from radixserve.detokenizer import Detokenizer
+    from radixserve.messages import ReqOutput
+    from radixserve.models.loader import bundled_model_dir
+    from radixserve.tokenizer import TokenDecoder, load_decoder
+
+    decoder = load_decoder(bundled_model_dir())
+    assert isinstance(decoder, TokenDecoder) and len(decoder) == len(tokenizer)
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    text = "Déjà vu: 数据库 🚀 <|im_end|> done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok, pieces = Detokenizer(decoder), []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        pieces.append(detok.text_for(ReqOutput("r", [token], last, None, 1, i + 1, 0, skip_special_tokens=False)))
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False)
+    assert all("\ufffd" not in piece for piece in pieces)

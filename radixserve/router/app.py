@@ -2,7 +2,6 @@
 Prometheus metrics and the cluster dashboard."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import orjson
@@ -11,7 +10,6 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..config import RouterArgs
 from ..server.api import auth_dependency, error_response, install_error_handlers, json_response, read_body
 from .proxy import WORKER_HEADER, Answer, Router, Stream, forwarded_headers
 
