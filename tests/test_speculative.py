@@ -1,7 +1,5 @@
 """N-gram speculative decoding: the drafter, exact verification, and the real model and server."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +9,6 @@ from server_utils import start_server, wait_idle
 from radixserve.messages import SamplingBatch
 from radixserve.scheduler.speculative import NgramDrafter, SpecState, StepCost, budget_drafts
 from radixserve.worker.sampler import verify
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from draft_models import layer_prefix_model  # noqa: E402
-
-DRAFT_LAYERS = 24  # of 30: the drafts agree with the model on ~40% of tokens (bench/draft_models.py)
 
 PASSAGES = [
     "The Apollo 11 mission launched on July 16, 1969. Neil Armstrong and Buzz Aldrin landed the lunar "
@@ -170,13 +163,6 @@ def test_rejection_sampling_keeps_the_output_distribution():
 
 
 # ---- the real model -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def draft_model_dir(tmp_path_factory) -> Path:
-    from radixserve.models.loader import bundled_model_dir
-
-    return layer_prefix_model(bundled_model_dir(), DRAFT_LAYERS, tmp_path_factory.mktemp("draft"))
-
 
 @pytest.fixture(scope="module")
 def outputs_both_ways(draft_model_dir):

@@ -23,7 +23,9 @@ def test_shard_config_splits_heads_and_refuses_uneven_splits():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, draft_model_dir):
+    """Three ranks over two nodes; node 0 also drafts with a draft model (rank 0 only): its
+    steps must leave the followers' request tables complete."""
     tmp = tmp_path_factory.mktemp("tp")
     nodes = ["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
     node1_log = tmp / "node1.log"
@@ -31,7 +33,8 @@ def server(tmp_path_factory):
                               "--node-rank", "1", "--max-total-tokens", "2048"],
                              stdout=open(node1_log, "w"), stderr=subprocess.STDOUT)
     try:
-        srv = start_server(tmp, *nodes, "--node-rank", "0", "--max-total-tokens", "2048")
+        srv = start_server(tmp, *nodes, "--node-rank", "0", "--max-total-tokens", "2048",
+                           "--speculative-algorithm", "draft", "--speculative-draft-model", str(draft_model_dir))
         yield srv
         assert srv.stop() == 0, srv.log()
         assert node1.wait(timeout=60) is not None  # its rank lost node 0 and the node stopped
@@ -52,6 +55,12 @@ def test_three_ranks_match_hf(server, tokenizer, hf_greedy):
             "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}).json()
         assert again["meta_info"]["cached_tokens"] > 0
         assert again["output_ids"] == hf_greedy(tokenizer.encode(prompts[0] + " and"), 8)
+        # the same prompt again: its last prompt token's KV duplicates a cached one and is swapped
+        # for it, so the step after must send that table entry to every rank (drafts in between)
+        repeat = client.post("/generate", json={"text": prompts[1], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}).json()
+        assert repeat["output_ids"] == out[1]["output_ids"]
+        assert sum(r["meta_info"].get("spec_verify_ct") or 0 for r in out + [again, repeat]) > 0
         info = client.get("/get_server_info").json()
     assert sorted(name for name in info["processes"] if name.startswith("worker")) == ["worker (tp rank 1)"]
     assert info["tp_size"] == 3 and info["nnodes"] == 2

@@ -8,7 +8,9 @@ Which slots hold draft K/V: while drafting pays, the draft runs over every promp
 target computes (`prefill`), so cached prefixes carry it. While decoding, `SpecState.draft_len` counts a
 request's leading positions whose draft K/V is written. A round (`propose`) starts with one
 extend step over the positions since then (the newest token, and accepted drafts the draft
-model never fed), which drafts the first token, then runs one decode step per further draft.
+model never fed), which drafts the first token, then runs one decode step per further draft. The draft writes rank 0's table entries it
+needs but leaves `req.synced` alone: with tensor parallelism the target's next step must
+still send those entries to the other ranks, whose tables are their own.
 When the draft budget has stopped asking for drafts (the draft model costs more than its
 drafts bring), prompt chunks skip the draft model; a request that drafts again later catches
 up from its own `draft_len` in its first extend step. K/V loaded from the hierarchical cache's
@@ -82,9 +84,9 @@ class ModelDrafter:
             ids += tokens
             positions += range(start, end)
             locs += req.kv_slots[start:end]
-            if req.synced < start:  # the table is the target's: keep its row's prefix written
+            if req.synced < start:  # the table is rank 0's: make sure its row's prefix is written
                 writes.append((req.row, req.synced, req.kv_slots[req.synced:start]))
-            req.synced = max(req.synced, end)
+            # `req.synced` stays the target's: its step sends the same entries to the other TP ranks
             seq_lens.append(end)
         n = len(items)
         batch = ForwardBatch(mode, ids, positions, locs, [r.row for r, _, _ in items], seq_lens,
