@@ -5,12 +5,14 @@ target's request-to-token table (`worker.model_runner.SlotLayout`): a slot holds
 K/V for its token, so allocation, the radix tree, retraction and freeing serve both unchanged.
 
 Which slots hold draft K/V: while drafting pays, the draft runs over every prompt chunk the
-target computes (`prefill`), so cached prefixes carry it. While decoding, `SpecState.draft_len` counts a
-request's leading positions whose draft K/V is written. A round (`propose`) starts with one
-extend step over the positions since then (the newest token, and accepted drafts the draft
-model never fed), which drafts the first token, then runs one decode step per further draft. The draft writes rank 0's table entries it
-needs but leaves `req.synced` alone: with tensor parallelism the target's next step must
-still send those entries to the other ranks, whose tables are their own.
+target computes (`prefill`), so cached prefixes carry it. While decoding, `SpecState.draft_len`
+counts a request's leading positions whose draft K/V is written. A round (`propose`) starts
+with one extend step over the positions since then (the newest token, and accepted drafts the
+draft model never fed), which drafts the first token, then runs one decode step per further
+draft. The draft writes the rank-0 table entries it needs but leaves `req.synced` alone: with
+tensor parallelism the target's next step must still send those entries to the other ranks,
+whose tables are their own.
+
 When the draft budget has stopped asking for drafts (the draft model costs more than its
 drafts bring), prompt chunks skip the draft model; a request that drafts again later catches
 up from its own `draft_len` in its first extend step. K/V loaded from the hierarchical cache's
