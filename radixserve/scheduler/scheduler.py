@@ -51,9 +51,13 @@ class Executor(Protocol):
 class Step:
     mode: ForwardMode
     reqs: list[Req]
-    batch: ForwardBatch
+    prefill_lens: list[int]  # the first len(prefill_lens) reqs run prompt chunks of these lengths
     reused_tokens: int = 0
-    num_prefill: int = 0  # the first num_prefill reqs run prompt chunks
+    batch: ForwardBatch | None = None  # built in `step`, once the drafts are final
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill_lens)
 
 
 class Scheduler:
@@ -158,6 +162,7 @@ class Scheduler:
         step = self._next_step()
         if step is not None:
             try:
+                step.batch = self._batch_of(step)
                 started = time.perf_counter()
                 result = self.executor.forward(step.batch)
                 self.step_cost.observe(len(step.batch.input_ids), time.perf_counter() - started)
@@ -193,7 +198,7 @@ class Scheduler:
             return None
         mode = ForwardMode.MIXED if prefill and decoding else (
             ForwardMode.EXTEND if prefill else _decode_mode(decoding))
-        return self._step(mode, prefill + decoding, lens + _decode_lens(decoding), len(prefill), reused)
+        return Step(mode, prefill + decoding, lens, reused)
 
     def _alternating_step(self) -> Step | None:
         if self.last_was_prefill and any(r.is_decoding for r in self.running):
@@ -205,19 +210,22 @@ class Scheduler:
 
     def _prefill_only(self) -> Step | None:
         reqs, lens, reused = self._prepare_prefill(batch_started=False)
-        return self._step(ForwardMode.EXTEND, reqs, lens, len(reqs), reused) if reqs else None
+        return Step(ForwardMode.EXTEND, reqs, lens, reused) if reqs else None
 
     def _decode_only(self) -> Step | None:
         reqs = self._prepare_decode()
-        return self._step(_decode_mode(reqs), reqs, _decode_lens(reqs), 0, 0) if reqs else None
+        return Step(_decode_mode(reqs), reqs, []) if reqs else None
 
-    def _step(self, mode: ForwardMode, reqs: list[Req], lens: list[int], num_prefill: int, reused: int) -> Step:
-        if self.model_drafter is not None and any(r.drafts for r in reqs):
-            self.model_drafter.propose([r for r in reqs if r.drafts])
-        for req in reqs:
+    def _batch_of(self, step: Step) -> ForwardBatch:
+        """The step's batch, once its drafts are final: a draft model's tokens are drafted now,
+        and drafts a grammar refuses are dropped (so a request's chunk length is known here)."""
+        decoding = step.reqs[step.num_prefill:]
+        if self.model_drafter is not None and any(r.drafts for r in decoding):
+            self.model_drafter.propose([r for r in decoding if r.drafts])
+        for req in decoding:
             if req.drafts and req.grammar is not None:
                 self._check_drafts_against_grammar(req)
-        return Step(mode, reqs, self._build_batch(mode, reqs, lens), reused, num_prefill)
+        return self._build_batch(step.mode, step.reqs, step.prefill_lens + _decode_lens(decoding))
 
     # ---- prefill ---------------------------------------------------------
     def _prepare_prefill(self, batch_started: bool) -> tuple[list[Req], list[int], int]:
