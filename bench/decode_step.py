@@ -21,18 +21,13 @@ from radixserve.models.loader import resolve_model
 from radixserve.worker.model_runner import ModelRunner
 
 
-def greedy(n: int) -> SamplingBatch:
-    return SamplingBatch([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n,
-                         [0.0] * n, [1.0] * n, [None] * n, [None] * n, [None] * n)
-
-
 def decode_batch(batch: int, context: int) -> ForwardBatch:
     seq = context + 1
     rows = list(range(batch))
     writes = [(r, 0, list(range(1 + r * seq, 1 + r * seq + context))) for r in rows]
     return ForwardBatch(ForwardMode.DECODE, [42] * batch, [context] * batch,
                         [1 + r * seq + context for r in rows], rows, [seq] * batch, [1] * batch,
-                        writes, greedy(batch), [None] * batch)
+                        writes, SamplingBatch.greedy(batch), [None] * batch)
 
 
 def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:

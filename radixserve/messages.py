@@ -42,6 +42,12 @@ class SamplingBatch:
     # verify steps: request b's grammar bitmasks after each of its drafts (its rows 1..k)
     draft_token_masks: list[list[list[int]] | None] | None = None
 
+    @classmethod
+    def greedy(cls, n: int) -> "SamplingBatch":
+        """n rows of plain argmax: no penalties, masks or seeds."""
+        return cls([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n, [0.0] * n,
+                   [1.0] * n, [None] * n, [None] * n, [None] * n)
+
 
 @dataclass
 class LogprobRequest:

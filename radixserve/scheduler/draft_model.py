@@ -55,7 +55,7 @@ class ModelDrafter:
         n, tokens = num_prefill, sum(batch.extend_lens[:num_prefill])
         self.executor.forward(ForwardBatch(
             ForwardMode.EXTEND, batch.input_ids[:tokens], batch.positions[:tokens], batch.out_cache_loc[:tokens],
-            batch.rows[:n], batch.seq_lens[:n], batch.extend_lens[:n], [], greedy(n), [None] * n))
+            batch.rows[:n], batch.seq_lens[:n], batch.extend_lens[:n], [], SamplingBatch.greedy(n), [None] * n))
         for req, seq_len in zip(reqs[:n], batch.seq_lens[:n]):
             req.spec.draft_len = seq_len
 
@@ -92,15 +92,10 @@ class ModelDrafter:
             seq_lens.append(end)
         n = len(items)
         batch = ForwardBatch(mode, ids, positions, locs, [r.row for r, _, _ in items], seq_lens,
-                             [len(t) for _, t, _ in items], writes, greedy(n), [None] * n)
+                             [len(t) for _, t, _ in items], writes, SamplingBatch.greedy(n), [None] * n)
         started = time.perf_counter()
         tokens = self.executor.forward(batch).next_token_ids
         seconds = time.perf_counter() - started
         self.step_seconds = (STEP_DECAY * self.step_seconds + (1 - STEP_DECAY) * seconds
                              if self.step_seconds else seconds)
         return tokens
-
-
-def greedy(n: int) -> SamplingBatch:
-    return SamplingBatch([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n, [0.0] * n,
-                         [1.0] * n, [None] * n, [None] * n, [None] * n)

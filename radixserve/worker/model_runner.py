@@ -128,15 +128,13 @@ class ModelRunner:
         logits, hidden = self.run_model(inputs)
         accepted = None
         if fb.draft_lens is None:
-            next_ids = sample(logits, fb.sampling).tolist()
-            emitted = [([b], [token]) for b, token in enumerate(next_ids)]
+            next_ids, rows = sample(logits, fb.sampling).tolist(), range(fb.batch_size)
         else:
             next_ids, accepted, rows = verify(logits, fb.sampling, self._drafts(fb))
-            emitted = [(list(range(row - len(kept), row + 1)), kept + [token])
-                       for row, kept, token in zip(rows, accepted, next_ids)]
         prompt_logprobs = ([None] * fb.batch_size if hidden is None
                            else self._prompt_logprobs(hidden, inputs.extend_lens, fb))
-        return ForwardResult(next_ids, self._output_logprobs(logits, emitted, fb), prompt_logprobs, accepted)
+        return ForwardResult(next_ids, self._output_logprobs(logits, next_ids, accepted, rows, fb), prompt_logprobs,
+                             accepted)
 
     @staticmethod
     def _drafts(fb: ForwardBatch) -> list[list[int]]:
@@ -173,22 +171,23 @@ class ModelRunner:
         return (self.graphs is not None and inputs.mode == ForwardMode.DECODE
                 and inputs.batch_size <= self.graphs.max_bs)
 
-    def _output_logprobs(self, logits, emitted: list[tuple[list[int], list[int]]],
+    def _output_logprobs(self, logits, next_ids: list[int], accepted: list[list[int]] | None, rows,
                          fb: ForwardBatch) -> list[TokenLogprobs | None]:
-        """Logprobs of the tokens each request emits this step (`emitted[b]`: their logits rows
-        and ids; several after a verify step), for the requests that asked."""
+        """Logprobs of the tokens each request emits this step, for the requests that asked:
+        its next token, from logits row `rows[b]`, after a verify step preceded by its accepted
+        drafts, from the rows before it."""
         wanted = [b for b, lp in enumerate(fb.logprobs) if lp is not None and lp.want_output]
         out: list[TokenLogprobs | None] = [None] * fb.batch_size
         if not wanted:
             return out
-        rows = [row for b in wanted for row in emitted[b][0]]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        emitted = [(accepted[b] if accepted else []) + [next_ids[b]] for b in wanted]
+        picked = [row for b, tokens in zip(wanted, emitted) for row in range(rows[b] - len(tokens) + 1, rows[b] + 1)]
+        logprobs = torch.log_softmax(logits[picked], dim=-1)
         first = 0
-        for b in wanted:
-            count = len(emitted[b][1])
-            targets = torch.tensor(emitted[b][1], device=logits.device)
-            out[b] = _token_logprobs(logprobs[first:first + count], targets, fb.logprobs[b].top_k)
-            first += count
+        for b, tokens in zip(wanted, emitted):
+            targets = torch.tensor(tokens, device=logits.device)
+            out[b] = _token_logprobs(logprobs[first:first + len(tokens)], targets, fb.logprobs[b].top_k)
+            first += len(tokens)
         return out
 
     def _prompt_logprobs(self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch) -> list[TokenLogprobs | None]:
