@@ -60,6 +60,8 @@ def start(system: str, log_dir: Path, concurrency: int, kv_tokens: int, model_di
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=["--quantization", "int8"])
     if system == "radixserve-compile":
         return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=["--enable-torch-compile"])
+    if system.startswith("radixserve:"):  # a variant: radixserve:--flag=value (space-separated flags)
+        return servers.radixserve(port, log_dir, concurrency, kv_tokens, extra=system.split(":", 1)[1].split())
     if system == "vllm":
         return servers.vllm(port, log_dir, concurrency, kv_tokens, model_dir, compute_dtype())
     if system == "llama":
@@ -244,7 +246,8 @@ def ratio_table(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help="comma-separated; `radixserve:--flag=value` runs radixserve with extra server flags")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the number of requests")

@@ -1,5 +1,5 @@
-"""radixserve's CPU kernels, built on first use: paged decode attention
-(`cpu_decode_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
+"""radixserve's CPU kernels, built on first use: paged decode and extend attention
+(`cpu_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
 (`cpu_fused_ops.cpp`) and the float32 GEMM against packed weights (`cpu_linear.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
@@ -18,12 +18,12 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp")]
 
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled module (`paged_decode_attention`, `rms_norm`, `silu_and_mul`, `rotary_`,
+    """The compiled module (`paged_decode_attention`, `paged_extend_attention`, `rms_norm`, `silu_and_mul`, `rotary_`,
     `pack_linear_weight`, `packed_linear`), or None if it cannot be built."""
     from torch.utils import cpp_extension
 

@@ -1,5 +1,5 @@
-"""The CPU kernels against their torch references: paged decode attention (against gathering
-K/V and running SDPA) and the fused RMSNorm, SwiGLU activation and rotary embedding."""
+"""The CPU kernels against their torch references: paged decode and extend attention (against
+gathering K/V and running SDPA) and the fused RMSNorm, SwiGLU activation and rotary embedding."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,31 @@ def test_decode_kernel_matches_sdpa_over_scattered_slots(dtype, tol, heads, kv_h
         out = kernel.paged_decode_attention(q[-n:], k_cache, v_cache, table, rows[-n:], seq_lens[-n:], dim ** -0.5)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), expected[-n:], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80)])
+def test_extend_kernel_matches_causal_sdpa_after_a_cached_prefix(heads, kv_heads, dim):
+    """New tokens of several requests (1 to 70 of them: partial and whole query blocks and key
+    tiles) after prefixes of 0 to 300 cached tokens, over scattered slots."""
+    if not kernel.extend_supported(dim):
+        pytest.skip("no extend kernel on this CPU")
+    gen = torch.Generator().manual_seed(heads + dim)
+    prefix_lens, extend_lens = torch.tensor([0, 17, 300, 5, 0, 31]), torch.tensor([1, 9, 45, 70, 3, 16])
+    rows = torch.tensor([4, 0, 2, 1, 3, 5])
+    table = torch.stack([torch.randperm(1999, generator=gen)[:400] + 1 for _ in range(6)])
+    k_cache = torch.randn(2000, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(2000, kv_heads, dim, generator=gen)
+    q = torch.randn(int(extend_lens.sum()), heads, dim, generator=gen)
+    expected, start = [], 0
+    for row, prefix, n in zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        slots = table[row, :prefix + n]
+        causal = torch.arange(prefix + n).view(1, -1) <= (prefix + torch.arange(n)).view(-1, 1)
+        expected.append(F.scaled_dot_product_attention(
+            q[start:start + n].transpose(0, 1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
+            attn_mask=causal, scale=dim ** -0.5, enable_gqa=True).transpose(0, 1))
+        start += n
+    out = kernel.paged_extend_attention(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, dim ** -0.5)
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -2,13 +2,11 @@
 
 A step's requests are split into a decode group (one new token each) and an extend group
 (several new tokens), so that a mixed step does not pad every decode query to the longest
-prompt chunk. The extend group gathers its K/V and runs one padded, masked SDPA. On CPU the
-decode group runs the paged decode kernel (`radixserve_kernels/cpu_decode_attention.cpp`),
-which reads K/V straight from the pool; elsewhere, or without a compiler, it too gathers and
-runs SDPA. On CPU, requests with a few new tokens (speculative verify steps: the last token
-and its drafts) join the decode group as one query per token, each attending over the
-sequence up to itself: measured on 8 verify requests of ~9 tokens, this replaced a gather and
-a padded SDPA that cost more than the rest of the step.
+prompt chunk. On CPU both groups run kernels that read K/V straight from the pool
+(`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32, paged extend (causal
+new tokens after a cached prefix: prompt chunks and speculative verify rows). Elsewhere, in
+other dtypes, or without a compiler, a group gathers its K/V and runs one padded, masked SDPA;
+there, requests with a few new tokens join the decode kernel's group as one query per token.
 """
 from __future__ import annotations
 
@@ -33,8 +31,10 @@ class _Group:
     pad_pos: torch.Tensor | None = None
     max_q: int = 1
     causal: bool = False  # no cached prefix: plain causal attention, no mask (the fast kernel path)
-    rows: torch.Tensor | None = None  # decode group through the paged kernel: rows and lengths
-    seq_lens: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # a group through a paged kernel: its requests' table rows
+    seq_lens: torch.Tensor | None = None  # decode kernel: keys each query attends over
+    prefix_lens: torch.Tensor | None = None  # extend kernel: cached tokens before each request's new ones
+    extend_lens: torch.Tensor | None = None
 
 
 def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
@@ -56,7 +56,7 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal)
 
 
-SHORT_EXTEND = 16  # new tokens up to which a request's queries run through the paged decode kernel
+SHORT_EXTEND = 16  # without the extend kernel: new tokens up to which queries run through the decode kernel
 
 
 def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
@@ -69,20 +69,30 @@ def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_sta
                   rows=torch.repeat_interleave(inputs.rows[members], ext), seq_lens=prefix + offset + 1)
 
 
+def _plan_paged_extend(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+    ext = inputs.extend_lens[members]
+    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    return _Group(torch.repeat_interleave(token_starts[members], ext) + offset, None, (len(members), 0), None,
+                  rows=inputs.rows[members], prefix_lens=inputs.prefix_lens[members], extend_lens=ext)
+
+
 class TorchNativeBackend:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
         self.scale = head_dim ** -0.5
-        self.decode_kernel = _cpu_decode_kernel() if pool.k[0].device.type == "cpu" else None
+        self.kernels = _cpu_kernels() if pool.k[0].device.type == "cpu" else None
+        self.paged_extend = (self.kernels is not None and pool.k[0].dtype == torch.float32
+                             and self.kernels.extend_supported(head_dim))
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
-        short = inputs.extend_lens <= (SHORT_EXTEND if self.decode_kernel is not None else 1)
+        short = inputs.extend_lens <= (1 if self.paged_extend or self.kernels is None else SHORT_EXTEND)
         decode, extend = short.nonzero().flatten(), (~short).nonzero().flatten()
-        plan_decode = _plan_paged_decode if self.decode_kernel is not None else _plan_group
+        plan_decode = _plan_paged_decode if self.kernels is not None else _plan_group
+        plan_extend = _plan_paged_extend if self.paged_extend else _plan_group
         self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + \
-                      ([_plan_group(inputs, extend, token_starts)] if len(extend) else [])
+                      ([plan_extend(inputs, extend, token_starts)] if len(extend) else [])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.inputs.out_cache_loc, k, v)
@@ -94,10 +104,14 @@ class TorchNativeBackend:
         return out.flatten(1)
 
     def _attend(self, group: _Group, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if group.extend_lens is not None:
+            return self.kernels.paged_extend_attention(q, self.pool.k[layer], self.pool.v[layer],
+                                                       self.inputs.req_to_token, group.rows, group.prefix_lens,
+                                                       group.extend_lens, self.scale)
         if group.rows is not None:
-            return self.decode_kernel.paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer],
-                                                             self.inputs.req_to_token, group.rows, group.seq_lens,
-                                                             self.scale)
+            return self.kernels.paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer],
+                                                       self.inputs.req_to_token, group.rows, group.seq_lens,
+                                                       self.scale)
         keys = self._gather(group, self.pool.k[layer])
         values = self._gather(group, self.pool.v[layer])
         queries = self._pad(group, q).transpose(1, 2)
@@ -120,7 +134,7 @@ class TorchNativeBackend:
         return padded
 
 
-def _cpu_decode_kernel():
+def _cpu_kernels():
     from radixserve_kernels.cpu_ops import load
 
     return load()

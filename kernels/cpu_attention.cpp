@@ -1,0 +1,504 @@
+// Paged attention on CPU, reading K/V straight from the pool through the request-to-token
+// table (no gathered copy, no padding, no mask tensor).
+// - Decode: one query token per request. One task per (request, KV head) attends that head's
+//   group of query heads, so each key and value row is read once per group.
+// - Extend: several new tokens per request after a cached prefix (prompt chunks, speculative
+//   verify rows). One task per (request, block of new tokens, KV head), so each key and value
+//   row is read once for the block's tokens times the group's heads; each token sees the keys
+//   up to its own position (causal).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPrefetch = 8;  // rows ahead: slots are often scattered, so ask for them early
+constexpr int64_t kValueBlock = 32;  // value rows a query group accumulates before the next block (8 KiB at head dim 64)
+constexpr int64_t kQueryBlock = 16;  // new tokens an extend task attends for (times the group's heads)
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float a, const T* v, float* out, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
+}
+
+typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t Int8 __attribute__((vector_size(8 * sizeof(int32_t))));
+
+inline Vec8 load8(const float* p) { Vec8 v; std::memcpy(&v, p, sizeof(Vec8)); return v; }
+
+#if defined(__AVX__)
+// e^x for x <= 0 (a softmax's shifted scores), eight at a time: 2^n * e^r with n = round(x / ln 2)
+// and e^r from Cephes' degree-6 polynomial; relative error ~1e-7. glibc's expf stayed scalar
+// here and took half of the extend kernel's time.
+inline Vec8 exp8_nonpositive(Vec8 x) {
+  x = x < -87.f ? Vec8{} - 87.f : x;  // e^-87 ~ 1.6e-38: 2^n stays a normal float
+  const Vec8 n = Vec8(_mm256_round_ps(__m256(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const Vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 split in two parts
+  Vec8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
+  Vec8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#endif
+
+// Each of `rows` rows of `len` scores (stride `ld`) becomes its softmax, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ld;
+    const float top = *std::max_element(s, s + len);
+    float total = 0.f;
+    int64_t t = 0;
+#if defined(__AVX__)
+    Vec8 sums = Vec8{};
+    for (; t + 8 <= len; t += 8) {
+      const Vec8 e = exp8_nonpositive(load8(s + t) - top);
+      std::memcpy(s + t, &e, sizeof(e));
+      sums += e;
+    }
+    total = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+#endif
+    for (; t < len; ++t) {
+      s[t] = expf(s[t] - top);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) s[i] *= inv;
+  }
+}
+
+// The fast path for float32 with head_dim = 8 * Vecs: each key row is Vecs vector loads shared by
+// the group's query heads, each value row is accumulated in registers, one query head at a time.
+
+// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several).
+inline void prefetch_row(const float* row, int floats) {
+  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
+}
+
+inline float hsum8(Vec8 v) {
+  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+#if defined(__AVX__)
+// Eight horizontal sums at once, stored as eight floats: a transposing tree of hadds costs less
+// than eight separate reductions.
+inline void store_sums8(const Vec8* s, float* out) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[0]), __m256(s[1])), _mm256_hadd_ps(__m256(s[2]), __m256(s[3])));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[4]), __m256(s[5])), _mm256_hadd_ps(__m256(s[6]), __m256(s[7])));
+  // ab holds the low-half sums of rows 0-3 and then their high-half sums; cd the same for rows 4-7
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31)));
+}
+#else
+inline void store_sums8(const Vec8* s, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = hsum8(s[i]);
+}
+#endif
+
+template <int Vecs>
+inline Vec8 dot_vec(const float* q, const float* key) {
+  Vec8 even = Vec8{}, odd = Vec8{};  // two chains hide the FMA latency
+  for (int v = 0; v + 1 < Vecs; v += 2) {
+    even += load8(q + 8 * v) * load8(key + 8 * v);
+    odd += load8(q + 8 * v + 8) * load8(key + 8 * v + 8);
+  }
+  if (Vecs % 2) even += load8(q + 8 * (Vecs - 1)) * load8(key + 8 * (Vecs - 1));
+  return even + odd;
+}
+
+template <int Vecs>
+void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const int64_t* slots,
+                  int64_t len, int64_t slot_stride, int64_t head_offset, float* scores, float* out,
+                  int64_t out_head_stride) {
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {  // keys eight at a time, their scores reduced together
+    const float* keys[8];
+    for (int i = 0; i < 8; ++i) {
+      keys[i] = kp + slots[t + i] * slot_stride + head_offset;
+      if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      Vec8 sums[8];
+      for (int i = 0; i < 8; ++i) sums[i] = dot_vec<Vecs>(qf + g * Vecs * 8, keys[i]);
+      store_sums8(sums, scores + g * len + t);
+    }
+  }
+  for (; t < len; ++t) {
+    const float* key = kp + slots[t] * slot_stride + head_offset;
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = hsum8(dot_vec<Vecs>(qf + g * Vecs * 8, key));
+  }
+  softmax_rows(scores, group, len, len);
+  for (int64_t g = 0; g < group; ++g) std::memset(out + g * out_head_stride, 0, sizeof(Vec8) * Vecs);
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for the group
+    const int64_t t1 = std::min(len, t0 + kValueBlock);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = scores + g * len;
+      float* head_out = out + g * out_head_stride;
+      Vec8 acc[Vecs];
+      for (int v = 0; v < Vecs; ++v) acc[v] = load8(head_out + 8 * v);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (g == 0 && t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
+        const float* value = vp + slots[t] * slot_stride + head_offset;
+        const float w = weights[t];
+        for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
+      }
+      for (int v = 0; v < Vecs; ++v) std::memcpy(head_out + 8 * v, &acc[v], sizeof(Vec8));
+    }
+  }
+}
+
+using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
+                             int64_t, float*, float*, int64_t);
+
+// The fast path for this head_dim, or nullptr (head_dim not a multiple of 8 up to 128).
+AttendFloat attend_float_for(int64_t dim) {
+  switch (dim) {
+    case 32: return attend_float<4>;
+    case 64: return attend_float<8>;
+    case 80: return attend_float<10>;
+    case 96: return attend_float<12>;
+    case 128: return attend_float<16>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& req_to_token, const torch::Tensor& rows, const torch::Tensor& seq_lens,
+                   torch::Tensor& out, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t group = heads / kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* len_of = seq_lens.data_ptr<int64_t>();
+  const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const AttendFloat fast = std::is_same_v<T, float> ? attend_float_for(dim) : nullptr;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * dim), acc(group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kh = task % kv_heads, len = len_of[b];
+      const int64_t* slots = table + row_of[b] * table_stride;
+      scores.assign(group * len, 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < dim; ++i)
+          qf[g * dim + i] = static_cast<float>(qp[(b * heads + kh * group + g) * dim + i]) * static_cast<float>(scale);
+      if (fast != nullptr) {
+        fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp), slots, len,
+             slot_stride, kh * head_stride, scores.data(), reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
+        continue;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
+        const T* key = kp + slots[t] * slot_stride + kh * head_stride;
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * dim, key, dim);
+      }
+      softmax_rows(scores.data(), group, len, len);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
+        const T* value = vp + slots[t] * slot_stride + kh * head_stride;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], value, acc.data() + g * dim, dim);
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < dim; ++i)
+          op[(b * heads + kh * group + g) * dim + i] = static_cast<T>(acc[g * dim + i]);
+    }
+  });
+}
+
+
+// Extend, float32: scores of `Rows` queries against a tile of kKeyTile keys held transposed
+// (`kt` [dim][kKeyTile]), as a small GEMM: each step loads two key vectors and broadcasts one
+// value per query into 2 * Rows accumulators, so the FMA units (not the loads) set the pace.
+constexpr int64_t kKeyTile = 16;
+constexpr int kScoreRows = 6;  // queries per score tile: 12 accumulators of the 16 registers
+
+#if defined(__AVX__)  // the extend kernel transposes key tiles with AVX shuffles
+
+template <int Rows>
+inline void score_tile(const float* const* q, const float* kt, int64_t dim, float* const* out) {
+  Vec8 acc[Rows][2];
+  for (int m = 0; m < Rows; ++m) acc[m][0] = acc[m][1] = Vec8{};
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec8 lo = load8(kt + d * kKeyTile), hi = load8(kt + d * kKeyTile + 8);
+    asm("" : "+x"(lo), "+x"(hi));  // keep the key vectors in registers, not re-read per query
+    for (int m = 0; m < Rows; ++m) {
+      const Vec8 x = Vec8{} + q[m][d];
+      acc[m][0] += x * lo;
+      acc[m][1] += x * hi;
+    }
+  }
+  for (int m = 0; m < Rows; ++m) {
+    std::memcpy(out[m], &acc[m][0], sizeof(Vec8));
+    std::memcpy(out[m] + 8, &acc[m][1], sizeof(Vec8));
+  }
+}
+
+using ScoreTile = void (*)(const float* const*, const float*, int64_t, float* const*);
+constexpr ScoreTile kScoreTile[kScoreRows] = {score_tile<1>, score_tile<2>, score_tile<3>, score_tile<4>,
+                                              score_tile<5>, score_tile<6>};
+
+// out rows += weights x the block's value rows, for 16 dims of `Rows` queries: each step loads two
+// value vectors and broadcasts one weight per query (the score tile's shape, transposed).
+template <int Rows>
+inline void value_tile(const float* const* weights, const float* const* values, int64_t count, float* const* out) {
+  Vec8 acc[Rows][2];
+  for (int m = 0; m < Rows; ++m) acc[m][0] = load8(out[m]), acc[m][1] = load8(out[m] + 8);
+  for (int64_t t = 0; t < count; ++t) {
+    Vec8 lo = load8(values[t]), hi = load8(values[t] + 8);
+    asm("" : "+x"(lo), "+x"(hi));
+    for (int m = 0; m < Rows; ++m) {
+      const Vec8 w = Vec8{} + weights[m][t];
+      acc[m][0] += w * lo;
+      acc[m][1] += w * hi;
+    }
+  }
+  for (int m = 0; m < Rows; ++m) {
+    std::memcpy(out[m], &acc[m][0], sizeof(Vec8));
+    std::memcpy(out[m] + 8, &acc[m][1], sizeof(Vec8));
+  }
+}
+
+using ValueTile = void (*)(const float* const*, const float* const*, int64_t, float* const*);
+constexpr ValueTile kValueTile[kScoreRows] = {value_tile<1>, value_tile<2>, value_tile<3>, value_tile<4>,
+                                              value_tile<5>, value_tile<6>};
+
+// kt[d][i] = key i's d-th value for the tile's keys (zero past `count`), 8 x 8 blocks at a time.
+inline void transpose_keys(const float* const* keys, int64_t count, int64_t dim, float* kt) {
+  static const float zeros[128] = {};
+  for (int64_t i0 = 0; i0 < kKeyTile; i0 += 8)
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(i0 + i < count ? keys[i0 + i] + d0 : zeros);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = kt + d0 * kKeyTile + i0;
+      _mm256_storeu_ps(o + 0 * kKeyTile, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * kKeyTile, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * kKeyTile, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * kKeyTile, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * kKeyTile, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * kKeyTile, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * kKeyTile, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * kKeyTile, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
+
+// `tokens` consecutive new tokens of one request, the first at position `first` (token i sees
+// keys 0 .. first + i), for one KV head's `group` query heads. `qf` holds the scaled queries
+// token-major ([tokens * group][dim], query j = token j / group, head j % group); `scores` has
+// room for [tokens * group][ld] with ld = first + tokens rounded up to kKeyTile, `kt` for
+// [dim][kKeyTile]. Output row of query j: out + (j / group) * out_token_stride + (j % group) * dim.
+template <int Vecs>
+void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first, const float* kp, const float* vp,
+                  const int64_t* slots, int64_t slot_stride, int64_t head_offset, float* scores, float* kt,
+                  float* out, int64_t out_token_stride) {
+  constexpr int64_t dim = 8 * Vecs;
+  const int64_t queries = tokens * group, len = first + tokens;
+  const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  auto seen = [&](int64_t j) { return first + j / group + 1; };  // keys query j attends over
+  auto first_seeing = [&](int64_t t) { return group * std::max<int64_t>(0, t - first); };  // queries seeing key t
+  for (int64_t t = 0; t < len; t += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, len - t);
+    const float* keys[kKeyTile];
+    for (int64_t i = 0; i < count; ++i) {
+      keys[i] = kp + slots[t + i] * slot_stride + head_offset;
+      if (t + i + kKeyTile < len) prefetch_row(kp + slots[t + i + kKeyTile] * slot_stride + head_offset, dim);
+    }
+    transpose_keys(keys, count, dim, kt);
+    for (int64_t j = first_seeing(t); j < queries;) {
+      const float* q[kScoreRows];
+      float* o[kScoreRows];
+      const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
+      for (int m = 0; m < rows; ++m) q[m] = qf + (j + m) * dim, o[m] = scores + (j + m) * ld + t;
+      kScoreTile[rows - 1](q, kt, dim, o);
+      j += rows;
+    }
+  }
+  for (int64_t j = 0; j < queries; ++j) {
+    float* row = scores + j * ld;
+    softmax_rows(row, 1, seen(j), ld);
+    std::fill(row + seen(j), row + len, 0.f);  // keys past the query's position weigh nothing
+    std::memset(out + (j / group) * out_token_stride + (j % group) * dim, 0, sizeof(Vec8) * Vecs);
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for all queries
+    const int64_t count = std::min(kValueBlock, len - t0);
+    const float* values[kValueBlock];
+    for (int64_t t = 0; t < count; ++t) {
+      values[t] = vp + slots[t0 + t] * slot_stride + head_offset;
+      if (t0 + t + kValueBlock < len) prefetch_row(vp + slots[t0 + t + kValueBlock] * slot_stride + head_offset, dim);
+    }
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      const float* shifted[kValueBlock];
+      for (int64_t t = 0; t < count; ++t) shifted[t] = values[t] + d0;
+      for (int64_t j = first_seeing(t0); j < queries;) {
+        const float* w[kScoreRows];
+        float* o[kScoreRows];
+        const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
+        for (int m = 0; m < rows; ++m)
+          w[m] = scores + (j + m) * ld + t0, o[m] = out + ((j + m) / group) * out_token_stride + ((j + m) % group) * dim + d0;
+        kValueTile[rows - 1](w, shifted, count, o);
+        j += rows;
+      }
+    }
+  }
+}
+
+#endif  // __AVX__
+
+using ExtendFloat = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, const int64_t*,
+                             int64_t, int64_t, float*, float*, float*, int64_t);
+
+// The extend kernel for this head_dim, or nullptr (head_dim not 32, 64, 80, 96 or 128; no AVX).
+ExtendFloat extend_float_for(int64_t dim) {
+#if defined(__AVX__)
+  switch (dim) {
+    case 32: return extend_float<4>;
+    case 64: return extend_float<8>;
+    case 80: return extend_float<10>;
+    case 96: return extend_float<12>;
+    case 128: return extend_float<16>;
+  }
+#endif
+  (void)dim;
+  return nullptr;
+}
+
+struct ExtendTask {
+  int64_t request, token0, tokens, kv_head, keys;
+};
+
+// Tasks costliest first; threads take the next one as they finish (causal blocks differ in cost,
+// so a static split would leave one thread with the long ones).
+std::vector<ExtendTask> extend_tasks(const int64_t* prefix, const int64_t* extend, int64_t batch, int64_t kv_heads) {
+  std::vector<ExtendTask> tasks;
+  for (int64_t b = 0, token0 = 0; b < batch; token0 += extend[b], ++b)
+    for (int64_t i = 0; i < extend[b]; i += kQueryBlock) {
+      const int64_t tokens = std::min(kQueryBlock, extend[b] - i);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) tasks.push_back({b, token0 + i, tokens, kh, prefix[b] + i + tokens});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const ExtendTask& a, const ExtendTask& b) { return a.keys > b.keys; });
+  return tasks;
+}
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, seq_lens [B] int64.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor seq_lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-d");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
+              "caches must share a layout with contiguous head dims");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
+                            seq_lens.contiguous(), out, scale);
+  });
+  return out;
+}
+
+// q [T, H, D] float32: request b's extend_lens[b] new tokens follow request b-1's, and token i of
+// request b is at position prefix_lens[b] + i; its K/V is already stored in the pool.
+// k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, prefix_lens,
+// extend_lens [B] int64. Head dims 32, 64, 80, 96 or 128 (`extend_supported`).
+torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor prefix_lens,
+                                     torch::Tensor extend_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-d");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat, "extend kernel is float32");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
+              "caches must share a layout with contiguous head dims");
+  const ExtendFloat kernel = extend_float_for(q.size(2));
+  TORCH_CHECK(kernel != nullptr, "extend kernel: unsupported head dim ", q.size(2));
+  q = q.contiguous();
+  req_to_token = req_to_token.contiguous();
+  rows = rows.contiguous(), prefix_lens = prefix_lens.contiguous(), extend_lens = extend_lens.contiguous();
+  const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t group = heads / kv_heads;
+  const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
+  const int64_t* extend = extend_lens.data_ptr<int64_t>();
+  TORCH_CHECK(extend_lens.sum().item<int64_t>() == q.size(0), "extend_lens must add up to q's tokens");
+  auto out = torch::empty_like(q);
+  const auto tasks = extend_tasks(prefix, extend, batch, kv_heads);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const float fscale = static_cast<float>(scale);
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, qf(kQueryBlock * group * dim), kt(kKeyTile * dim);
+    for (size_t n = next++; n < tasks.size(); n = next++) {
+      const ExtendTask& task = tasks[n];
+      for (int64_t i = 0; i < task.tokens; ++i)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            qf[(i * group + g) * dim + d] = qp[((task.token0 + i) * heads + task.kv_head * group + g) * dim + d] * fscale;
+      scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
+      kernel(qf.data(), task.tokens, group, task.keys - task.tokens, kp, vp, table + row_of[task.request] * table_stride,
+             slot_stride, task.kv_head * head_stride, scores.data(), kt.data(),
+             op + (task.token0 * heads + task.kv_head * group) * dim, heads * dim);
+    }
+  });
+  return out;
+}
+
+bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != nullptr; }
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cpp
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t n);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
+  m.def("paged_extend_attention", &paged_extend_attention, "paged causal attention of new tokens after a prefix (CPU)");
+  m.def("extend_supported", &extend_supported, "whether paged_extend_attention has a kernel for this head dim");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
+  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
+  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
+}
