@@ -200,6 +200,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t* len_of = seq_lens.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const int64_t q_stride = q.stride(0);
   const AttendFloat fast = std::is_same_v<T, float> ? attend_float_for(dim) : nullptr;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * dim), acc(group * dim);
@@ -209,7 +210,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       scores.assign(group * len, 0.f);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < dim; ++i)
-          qf[g * dim + i] = static_cast<float>(qp[(b * heads + kh * group + g) * dim + i]) * static_cast<float>(scale);
+          qf[g * dim + i] = static_cast<float>(qp[b * q_stride + (kh * group + g) * dim + i]) * static_cast<float>(scale);
       if (fast != nullptr) {
         fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp), slots, len,
              slot_stride, kh * head_stride, scores.data(), reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
@@ -416,7 +417,7 @@ std::vector<ExtendTask> extend_tasks(const int64_t* prefix, const int64_t* exten
 }
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, seq_lens [B] int64.
+// q [B, H, D] (a token's heads contiguous; tokens may follow any stride); k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, seq_lens [B] int64.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor seq_lens,
                                      double scale) {
@@ -424,8 +425,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // a token's heads may follow a stride
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
                             seq_lens.contiguous(), out, scale);
@@ -433,7 +434,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// q [T, H, D] float32: request b's extend_lens[b] new tokens follow request b-1's, and token i of
+// q [T, H, D] float32 (strided as for decode): request b's extend_lens[b] new tokens follow request b-1's, and token i of
 // request b is at position prefix_lens[b] + i; its K/V is already stored in the pool.
 // k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, prefix_lens,
 // extend_lens [B] int64. Head dims 32, 64, 80, 96 or 128 (`extend_supported`).
@@ -447,7 +448,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "caches must share a layout with contiguous head dims");
   const ExtendFloat kernel = extend_float_for(q.size(2));
   TORCH_CHECK(kernel != nullptr, "extend kernel: unsupported head dim ", q.size(2));
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // a token's heads may follow a stride
   req_to_token = req_to_token.contiguous();
   rows = rows.contiguous(), prefix_lens = prefix_lens.contiguous(), extend_lens = extend_lens.contiguous();
   const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
@@ -455,7 +456,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
   const int64_t* extend = extend_lens.data_ptr<int64_t>();
   TORCH_CHECK(extend_lens.sum().item<int64_t>() == q.size(0), "extend_lens must add up to q's tokens");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), heads, dim}, q.options());
   const auto tasks = extend_tasks(prefix, extend, batch, kv_heads);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -464,6 +465,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const int64_t q_stride = q.stride(0);
   const float fscale = static_cast<float>(scale);
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -473,7 +475,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t i = 0; i < task.tokens; ++i)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t d = 0; d < dim; ++d)
-            qf[(i * group + g) * dim + d] = qp[((task.token0 + i) * heads + task.kv_head * group + g) * dim + d] * fscale;
+            qf[(i * group + g) * dim + d] = qp[(task.token0 + i) * q_stride + (task.kv_head * group + g) * dim + d] * fscale;
       scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
       kernel(qf.data(), task.tokens, group, task.keys - task.tokens, kp, vp, table + row_of[task.request] * table_stride,
              slot_stride, task.kv_head * head_stride, scores.data(), kt.data(),
@@ -486,6 +488,8 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
 bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != nullptr; }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cpp
@@ -497,6 +501,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_extend_attention", &paged_extend_attention, "paged causal attention of new tokens after a prefix (CPU)");
   m.def("extend_supported", &extend_supported, "whether paged_extend_attention has a kernel for this head dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
+  m.def("store_kv_", &store_kv_, "write each token's K and V rows into the caches at its slot");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
   m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -22,6 +23,34 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::T
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < width; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float inv = 1.f / std::sqrt(squares / width + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i)
+        op[r * width + i] = static_cast<T>(static_cast<float>(row[i]) * inv * static_cast<float>(wp[i]));
+    }
+  });
+}
+
+// x += delta, then out = rmsnorm(x): the residual add and the next norm in one pass over the rows.
+template <typename T>
+void add_rms_norm_rows(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, torch::Tensor& out,
+                       double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = xp + r * width;
+      const T* add = dp + r * width;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < width; ++i) {
+        const T sum = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(add[i]));
+        row[i] = sum;
+        squares += static_cast<float>(sum) * static_cast<float>(sum);
+      }
       const float inv = 1.f / std::sqrt(squares / width + static_cast<float>(eps));
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i)
@@ -84,6 +113,47 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
                                   [&] { rms_norm_rows<scalar_t>(x, weight, out, eps); });
   return out;
+}
+
+// x [T, H] += delta [T, H] in place; returns rmsnorm(x) * weight.
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && weight.dim() == 1 &&
+              x.size(1) == weight.size(0), "add_rms_norm_: contiguous x [T, H], delta [T, H], weight [H]");
+  delta = delta.to(x.scalar_type()).contiguous();
+  weight = weight.to(x.scalar_type()).contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_",
+                                  [&] { add_rms_norm_rows<scalar_t>(x, delta, weight, out, eps); });
+  return out;
+}
+
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: k, v [T, KVH, D] may be views into a
+// fused projection (any token stride, contiguous heads); caches [slots, KVH, D] contiguous.
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes().slice(1) == k.sizes().slice(1) && v_cache.sizes() == k_cache.sizes(),
+              "store_kv_: k, v [T, KVH, D]; caches [slots, KVH, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "store_kv_: each token's heads must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "store_kv_: k and v must have the caches' dtype");
+  TORCH_CHECK(slots.size(0) == k.size(0) && slots.scalar_type() == torch::kLong, "store_kv_: one int64 slot per token");
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t bytes = k.size(1) * k.size(2) * k.element_size(), slots_total = k_cache.size(0);
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_total, "store_kv_: slot ", sp[t], " out of range");
+  at::parallel_for(0, k.size(0), grain(bytes / 4), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * bytes, kp + t * k_stride, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * v_stride, bytes);
+    }
+  });
 }
 
 // gate_up [T, 2I] -> silu(gate) * up [T, I]

@@ -32,6 +32,13 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + delta, norm(x + delta))`; with the CPU kernels in one pass, adding into x in place."""
+        if (ops := fused(self.cpu_ops)) is not None:
+            return x, ops.add_rms_norm_(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)

@@ -37,10 +37,13 @@ def test_decode_kernel_matches_sdpa_over_scattered_slots(dtype, tol, heads, kv_h
     v_cache = torch.randn(2001, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(len(rows), heads, dim, generator=gen).to(dtype)
     expected = reference(q, k_cache, v_cache, table, rows, seq_lens, dim ** -0.5)
+    strided = torch.cat([q.flatten(1), q.new_zeros(len(q), 8)], 1)[:, :heads * dim].view_as(q)  # a view, as in the model
     for n in (len(rows), 2):  # tasks per request (whole token rows), and per KV head for few requests
-        out = kernel.paged_decode_attention(q[-n:], k_cache, v_cache, table, rows[-n:], seq_lens[-n:], dim ** -0.5)
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), expected[-n:], atol=tol, rtol=tol)
+        for queries in (q, strided):
+            out = kernel.paged_decode_attention(queries[-n:], k_cache, v_cache, table, rows[-n:], seq_lens[-n:],
+                                                dim ** -0.5)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected[-n:], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80)])
@@ -64,8 +67,11 @@ def test_extend_kernel_matches_causal_sdpa_after_a_cached_prefix(heads, kv_heads
             q[start:start + n].transpose(0, 1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
             attn_mask=causal, scale=dim ** -0.5, enable_gqa=True).transpose(0, 1))
         start += n
-    out = kernel.paged_extend_attention(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, dim ** -0.5)
-    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    strided = torch.cat([q.flatten(1), torch.randn(len(q), 8, generator=gen)], 1)[:, :heads * dim].view_as(q)
+    for queries in (q, strided):  # the model's q is a view into the fused projection
+        out = kernel.paged_extend_attention(queries, k_cache, v_cache, table, rows, prefix_lens, extend_lens,
+                                            dim ** -0.5)
+        torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -75,9 +81,30 @@ def test_fused_ops_match_torch(dtype, tol):
     weight = torch.rand(576, generator=gen).to(dtype)
     expected = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
     torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), expected, atol=tol, rtol=tol)
+    delta = torch.randn(37, 576, generator=gen).to(dtype)
+    total = x.float() + delta.float()
+    normed = kernel.add_rms_norm_(x, delta, weight, 1e-5)  # x becomes x + delta
+    torch.testing.assert_close(x.float(), total, atol=tol, rtol=tol)
+    torch.testing.assert_close(normed.float(), F.rms_norm(total, (576,), weight.float(), 1e-5), atol=tol, rtol=tol)
     gate_up = torch.randn(37, 2 * 96, generator=gen).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     torch.testing.assert_close(kernel.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_at_their_slots(dtype):
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    k, v = (qkv[:, 9 * 64 + i * 192:9 * 64 + (i + 1) * 192].view(6, 3, 64) for i in range(2))  # views, as in the model
+    k_cache, v_cache = torch.zeros(50, 3, 64, dtype=dtype), torch.zeros(50, 3, 64, dtype=dtype)
+    slots = torch.tensor([7, 3, 49, 0, 12, 8])
+    kernel.store_kv_(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.store_kv_(k_cache, v_cache, torch.tensor([1, 2, 3, 4, 5, 50]), k, v)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

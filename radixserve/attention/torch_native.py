@@ -95,7 +95,10 @@ class TorchNativeBackend:
                       ([plan_extend(inputs, extend, token_starts)] if len(extend) else [])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.pool.store(layer, self.inputs.out_cache_loc, k, v)
+        if self.kernels is not None and k.dtype == self.pool.k[layer].dtype:
+            self.kernels.store_kv_(self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v)
+        else:
+            self.pool.store(layer, self.inputs.out_cache_loc, k, v)
         if len(self.groups) == 1:
             return self._attend(self.groups[0], layer, q).flatten(1)
         out = torch.empty_like(q)

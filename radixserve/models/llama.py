@@ -52,9 +52,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, normed, cos, sin, backend, next_norm: RMSNorm):
+        """`normed` is `input_layernorm(x)`; returns the residual stream after this layer and
+        `next_norm` of it (each residual add is fused with the norm that follows it)."""
+        x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, cos, sin, backend))
+        return next_norm.add_and_norm(x, self.tp.all_reduce(self.mlp(normed)))
 
 
 class LlamaModel(nn.Module):
@@ -80,9 +82,12 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states `[T, hidden]` of this step's tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, backend)
-        return self.model.norm(x)
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, normed = layer(x, normed, cos, sin, backend, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
