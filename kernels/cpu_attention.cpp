@@ -490,6 +490,7 @@ bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != n
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cpp
@@ -502,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_supported", &extend_supported, "whether paged_extend_attention has a kernel for this head dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (float32)");
   m.def("store_kv_", &store_kv_, "write each token's K and V rows into the caches at its slot");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");

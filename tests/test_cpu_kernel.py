@@ -91,6 +91,17 @@ def test_fused_ops_match_torch(dtype, tol):
     torch.testing.assert_close(kernel.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol, rtol=tol)
 
 
+def test_argmax_rows_matches_torch_ties_included():
+    gen = torch.Generator().manual_seed(6)
+    for rows, width in ((8, 49152), (1, 7), (5, 300)):
+        x = torch.randn(rows, width, generator=gen)
+        assert torch.equal(kernel.argmax_rows(x), x.argmax(-1))
+    ties = torch.zeros(3, 600)
+    ties[1, 255:258] = 2.0  # three-way tie across a 256-value boundary: the first wins
+    ties[2, -1] = 1.0
+    assert kernel.argmax_rows(ties).tolist() == ties.argmax(-1).tolist() == [0, 255, 599]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_strided_rows_at_their_slots(dtype):
     gen = torch.Generator().manual_seed(5)
