@@ -236,23 +236,29 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 }
 
 
-// Extend, float32: scores of `Rows` queries against a tile of kKeyTile keys held transposed
-// (`kt` [dim][kKeyTile]), as a small GEMM: each step loads two key vectors and broadcasts one
-// value per query into 2 * Rows accumulators, so the FMA units (not the loads) set the pace.
+// Extend, float32: scores of up to kScoreRows queries against a tile of kKeyTile keys held
+// transposed (`kt` [dim][kKeyTile]), and their weighted values 16 dims at a time, as small GEMMs.
 constexpr int64_t kKeyTile = 16;
-constexpr int kScoreRows = 6;  // queries per score tile: 12 accumulators of the 16 registers
+constexpr int kScoreRows = 6;  // queries per register tile: 12 accumulators of the 16 registers
 
 #if defined(__AVX__)  // the extend kernel transposes key tiles with AVX shuffles
 
+// out[m][0:16] = (out[m][0:16] if accumulate, else 0) + sum_i a[m][i] * b[i][0:16] for `Rows`
+// rows: a register tile of 2 * Rows accumulators; each step loads b[i]'s two vectors once and
+// broadcasts one value per row, so the FMA units (not the loads) set the pace. Scores are
+// a = queries, b = the transposed key tile's rows; weighted values are a = weights, b = values.
 template <int Rows>
-inline void score_tile(const float* const* q, const float* kt, int64_t dim, float* const* out) {
+inline void broadcast_tile(const float* const* a, const float* const* b, int64_t n, float* const* out, bool accumulate) {
   Vec8 acc[Rows][2];
-  for (int m = 0; m < Rows; ++m) acc[m][0] = acc[m][1] = Vec8{};
-  for (int64_t d = 0; d < dim; ++d) {
-    Vec8 lo = load8(kt + d * kKeyTile), hi = load8(kt + d * kKeyTile + 8);
-    asm("" : "+x"(lo), "+x"(hi));  // keep the key vectors in registers, not re-read per query
+  for (int m = 0; m < Rows; ++m) {
+    acc[m][0] = accumulate ? load8(out[m]) : Vec8{};
+    acc[m][1] = accumulate ? load8(out[m] + 8) : Vec8{};
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Vec8 lo = load8(b[i]), hi = load8(b[i] + 8);
+    asm("" : "+x"(lo), "+x"(hi));  // keep b's vectors in registers, not re-read per row
     for (int m = 0; m < Rows; ++m) {
-      const Vec8 x = Vec8{} + q[m][d];
+      const Vec8 x = Vec8{} + a[m][i];
       acc[m][0] += x * lo;
       acc[m][1] += x * hi;
     }
@@ -263,34 +269,9 @@ inline void score_tile(const float* const* q, const float* kt, int64_t dim, floa
   }
 }
 
-using ScoreTile = void (*)(const float* const*, const float*, int64_t, float* const*);
-constexpr ScoreTile kScoreTile[kScoreRows] = {score_tile<1>, score_tile<2>, score_tile<3>, score_tile<4>,
-                                              score_tile<5>, score_tile<6>};
-
-// out rows += weights x the block's value rows, for 16 dims of `Rows` queries: each step loads two
-// value vectors and broadcasts one weight per query (the score tile's shape, transposed).
-template <int Rows>
-inline void value_tile(const float* const* weights, const float* const* values, int64_t count, float* const* out) {
-  Vec8 acc[Rows][2];
-  for (int m = 0; m < Rows; ++m) acc[m][0] = load8(out[m]), acc[m][1] = load8(out[m] + 8);
-  for (int64_t t = 0; t < count; ++t) {
-    Vec8 lo = load8(values[t]), hi = load8(values[t] + 8);
-    asm("" : "+x"(lo), "+x"(hi));
-    for (int m = 0; m < Rows; ++m) {
-      const Vec8 w = Vec8{} + weights[m][t];
-      acc[m][0] += w * lo;
-      acc[m][1] += w * hi;
-    }
-  }
-  for (int m = 0; m < Rows; ++m) {
-    std::memcpy(out[m], &acc[m][0], sizeof(Vec8));
-    std::memcpy(out[m] + 8, &acc[m][1], sizeof(Vec8));
-  }
-}
-
-using ValueTile = void (*)(const float* const*, const float* const*, int64_t, float* const*);
-constexpr ValueTile kValueTile[kScoreRows] = {value_tile<1>, value_tile<2>, value_tile<3>, value_tile<4>,
-                                              value_tile<5>, value_tile<6>};
+using BroadcastTile = void (*)(const float* const*, const float* const*, int64_t, float* const*, bool);
+constexpr BroadcastTile kBroadcastTile[kScoreRows] = {broadcast_tile<1>, broadcast_tile<2>, broadcast_tile<3>,
+                                                      broadcast_tile<4>, broadcast_tile<5>, broadcast_tile<6>};
 
 // kt[d][i] = key i's d-th value for the tile's keys (zero past `count`), 8 x 8 blocks at a time.
 inline void transpose_keys(const float* const* keys, int64_t count, int64_t dim, float* kt) {
@@ -333,6 +314,8 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
   const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
   auto seen = [&](int64_t j) { return first + j / group + 1; };  // keys query j attends over
   auto first_seeing = [&](int64_t t) { return group * std::max<int64_t>(0, t - first); };  // queries seeing key t
+  const float* kt_rows[8 * Vecs];
+  for (int64_t d = 0; d < dim; ++d) kt_rows[d] = kt + d * kKeyTile;
   for (int64_t t = 0; t < len; t += kKeyTile) {
     const int64_t count = std::min(kKeyTile, len - t);
     const float* keys[kKeyTile];
@@ -346,7 +329,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
       float* o[kScoreRows];
       const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
       for (int m = 0; m < rows; ++m) q[m] = qf + (j + m) * dim, o[m] = scores + (j + m) * ld + t;
-      kScoreTile[rows - 1](q, kt, dim, o);
+      kBroadcastTile[rows - 1](q, kt_rows, dim, o, false);
       j += rows;
     }
   }
@@ -372,7 +355,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
         const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
         for (int m = 0; m < rows; ++m)
           w[m] = scores + (j + m) * ld + t0, o[m] = out + ((j + m) / group) * out_token_stride + ((j + m) % group) * dim + d0;
-        kValueTile[rows - 1](w, shifted, count, o);
+        kBroadcastTile[rows - 1](w, shifted, count, o, true);
         j += rows;
       }
     }
