@@ -44,13 +44,10 @@ def decode_per_token(kernels, q, k_cache, v_cache, table, rows, prefix, ext, sca
     return kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.repeat_interleave(rows, ext), lens, scale)
 
 
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -78,11 +75,8 @@ def main() -> None:
         short = int(ext.max()) <= 16
         old = (lambda: decode_per_token(kernels, *args)) if short else (lambda: gathered_sdpa(*args))  # noqa: E731
         torch.testing.assert_close(new(), old(), atol=1e-4, rtol=1e-4)
-        times = {"new": [], "old": []}
-        for _ in range(a.repeats):  # interleaved, so drift hits both alike
-            times["old"].append(best_of(old, 1))
-            times["new"].append(best_of(new, 1))
-        t_old, t_new = min(times["old"]) * 1e3, min(times["new"]) * 1e3
+        pairs = [(seconds(old), seconds(new)) for _ in range(a.repeats)]  # interleaved: drift hits both alike
+        t_old, t_new = (min(times) * 1e3 for times in zip(*pairs))
         label = "decode kernel per token" if short else "gather + masked SDPA"
         print(f"| {name} | {t_old:.3f} ms ({label}) | {t_new:.3f} ms | {t_new / t_old:.2f} |")
 

@@ -337,7 +337,6 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
     float* row = scores + j * ld;
     softmax_rows(row, 1, seen(j), ld);
     std::fill(row + seen(j), row + len, 0.f);  // keys past the query's position weigh nothing
-    std::memset(out + (j / group) * out_token_stride + (j % group) * dim, 0, sizeof(Vec8) * Vecs);
   }
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for all queries
     const int64_t count = std::min(kValueBlock, len - t0);
@@ -355,7 +354,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
         const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
         for (int m = 0; m < rows; ++m)
           w[m] = scores + (j + m) * ld + t0, o[m] = out + ((j + m) / group) * out_token_stride + ((j + m) % group) * dim + d0;
-        kBroadcastTile[rows - 1](w, shifted, count, o, true);
+        kBroadcastTile[rows - 1](w, shifted, count, o, t0 > 0);  // every query sees the first block
         j += rows;
       }
     }
@@ -398,6 +397,12 @@ std::vector<ExtendTask> extend_tasks(const int64_t* prefix, const int64_t* exten
   std::stable_sort(tasks.begin(), tasks.end(), [](const ExtendTask& a, const ExtendTask& b) { return a.keys > b.keys; });
   return tasks;
 }
+// q itself when each token's heads are contiguous (tokens may follow any stride, as in a view
+// into the fused QKV projection), else a contiguous copy.
+torch::Tensor with_contiguous_heads(const torch::Tensor& q) {
+  return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+}
+
 }  // namespace
 
 // q [B, H, D] (a token's heads contiguous; tokens may follow any stride); k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, seq_lens [B] int64.
@@ -408,7 +413,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // a token's heads may follow a stride
+  q = with_contiguous_heads(q);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
@@ -431,7 +436,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "caches must share a layout with contiguous head dims");
   const ExtendFloat kernel = extend_float_for(q.size(2));
   TORCH_CHECK(kernel != nullptr, "extend kernel: unsupported head dim ", q.size(2));
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // a token's heads may follow a stride
+  q = with_contiguous_heads(q);
   req_to_token = req_to_token.contiguous();
   rows = rows.contiguous(), prefix_lens = prefix_lens.contiguous(), extend_lens = extend_lens.contiguous();
   const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);

@@ -59,20 +59,27 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
 SHORT_EXTEND = 16  # without the extend kernel: new tokens up to which queries run through the decode kernel
 
 
+def _new_tokens(ext: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For requests with `ext` new tokens whose first is at step token `starts`: each new
+    token's index in the step, and its offset among its request's new tokens."""
+    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    return torch.repeat_interleave(starts, ext) + offset, offset
+
+
 def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
     """One paged-decode query per new token of `members`: token i of a request with prefix p
     attends over the first p + i + 1 slots of its row (its K/V is stored before attention)."""
     ext = inputs.extend_lens[members]
-    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    tokens, offset = _new_tokens(ext, token_starts[members])
     prefix = torch.repeat_interleave(inputs.seq_lens[members] - ext, ext)
-    return _Group(torch.repeat_interleave(token_starts[members], ext) + offset, None, (len(members), 0), None,
+    return _Group(tokens, None, (len(members), 0), None,
                   rows=torch.repeat_interleave(inputs.rows[members], ext), seq_lens=prefix + offset + 1)
 
 
 def _plan_paged_extend(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
     ext = inputs.extend_lens[members]
-    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
-    return _Group(torch.repeat_interleave(token_starts[members], ext) + offset, None, (len(members), 0), None,
+    tokens, _ = _new_tokens(ext, token_starts[members])
+    return _Group(tokens, None, (len(members), 0), None,
                   rows=inputs.rows[members], prefix_lens=inputs.prefix_lens[members], extend_lens=ext)
 
 
@@ -95,7 +102,7 @@ class TorchNativeBackend:
                       ([plan_extend(inputs, extend, token_starts)] if len(extend) else [])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and k.dtype == self.pool.k[layer].dtype:
+        if self.kernels is not None:
             self.kernels.store_kv_(self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v)
         else:
             self.pool.store(layer, self.inputs.out_cache_loc, k, v)
