@@ -3,12 +3,15 @@ with no copying, at concurrency 1 and 8.
 
 Two servers from this checkout, one with `--speculative-algorithm ngram` (or, with
 `--algorithm draft`, a draft model: `--draft-model PATH`, or the bundled model's first
-`--draft-layers` layers, bench/draft_models.py); every workload runs
-on both, one after the other, greedy and without ignore_eos (outputs are identical either way,
-which the script checks, so both produce the same tokens). Output throughput = output tokens
-/ wall time of the workload; accept length = tokens per verify step, from /metrics.
+`--draft-layers` layers, bench/draft_models.py). Each cell (workload, concurrency) runs
+`--rounds` rounds; every round sends both servers the same prompts, which no earlier round or
+cell has sent (so neither the radix cache nor the n-gram table has seen them), and the server
+that goes first alternates between rounds, so drift of this shared machine falls on both.
+Greedy, without ignore_eos: outputs are identical either way, which the script checks.
+Output throughput = output tokens / wall time, summed over the rounds; accept length =
+tokens per verify step, from /metrics.
 
-    .venv/bin/python bench/spec_decode.py          # ~8 minutes on 2 cores
+    .venv/bin/python bench/spec_decode.py          # ~15 minutes on 2 cores
     .venv/bin/python bench/spec_decode.py --algorithm draft --draft-layers 24
 
 Writes bench/results/<date>-<machine>-spec_decode.json and prints a markdown table.
@@ -53,15 +56,17 @@ def rag_prompt(rng: random.Random, city: str) -> str:
     return (f"Context:\n{passage}\n\nRepeat the context above word for word, then stop.\n\nContext:\n")
 
 
-def story_prompt(topic: str) -> str:
-    return f"Write a short original story about {topic}. Do not repeat yourself."
+def story_prompt(topic: str, city: str) -> str:
+    return f"Write a short original story about {topic} in {city}. Do not repeat yourself."
 
 
-def workload(name: str, count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
+def workload(name: str, count: int, first: int, seed: int) -> list[str]:
+    """Prompts number `first` .. `first + count - 1` of the workload: distinct numbers, distinct prompts."""
+    rng = random.Random(f"{seed}-{name}-{first}")
+    numbers = range(first, first + count)
     if name == "rag_copy":
-        return [rag_prompt(rng, CITIES[i % len(CITIES)]) for i in range(count)]
-    return [story_prompt(TOPICS[i % len(TOPICS)]) for i in range(count)]
+        return [rag_prompt(rng, CITIES[i % len(CITIES)]) for i in numbers]
+    return [story_prompt(TOPICS[i % len(TOPICS)], CITIES[i // len(TOPICS) % len(CITIES)]) for i in numbers]
 
 
 async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
@@ -96,10 +101,41 @@ def spec_counters(url: str) -> tuple[float, float]:
     return value("radixserve:spec_verify_steps_total"), value("radixserve:spec_accepted_tokens_total")
 
 
+def measure_cell(plain_url: str, spec_url: str, name: str, concurrency: int, count: int, first: int,
+                 args: argparse.Namespace) -> dict:
+    """`args.rounds` rounds of `count` fresh prompts on both servers, the first server alternating."""
+    warm = workload(name, 1, first, args.seed)
+    for url in (plain_url, spec_url):
+        asyncio.run(run(url, warm, 1, 4))
+    totals = {"plain": [0.0, 0], "spec": [0.0, 0]}
+    round_speedups, identical, steps, accepted = [], True, 0.0, 0.0
+    for round_no in range(args.rounds):
+        prompts = workload(name, count, first + 1 + round_no * count, args.seed)
+        order = ("plain", "spec") if round_no % 2 == 0 else ("spec", "plain")
+        outs = {}
+        for system in order:
+            url = plain_url if system == "plain" else spec_url
+            before = spec_counters(spec_url)
+            outs[system] = asyncio.run(run(url, prompts, concurrency, args.output_len))
+            if system == "spec":
+                after = spec_counters(spec_url)
+                steps, accepted = steps + after[0] - before[0], accepted + after[1] - before[1]
+            totals[system][0] += outs[system]["elapsed_s"]
+            totals[system][1] += outs[system]["output_tokens"]
+        round_speedups.append(round(outs["spec"]["output_tok_per_s"] / outs["plain"]["output_tok_per_s"], 2))
+        identical = identical and outs["plain"]["output_ids"] == outs["spec"]["output_ids"]
+    plain_rate, spec_rate = (totals[s][1] / totals[s][0] for s in ("plain", "spec"))
+    return {"workload": name, "concurrency": concurrency, "requests": count, "rounds": args.rounds,
+            "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
+            "round_speedups": round_speedups, "accept_length": 1 + accepted / steps if steps else None,
+            "verify_steps": steps, "output_tokens": totals["plain"][1], "identical_outputs": identical}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests-c1", type=int, default=6)
     ap.add_argument("--requests-c8", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per cell, fresh prompts each, the first server alternating")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--kv-tokens", type=int, default=16384)
@@ -119,25 +155,15 @@ def main() -> None:
     rows = []
     try:
         for name in ("rag_copy", "no_copy"):
+            first = 0
             for concurrency, count in ((1, args.requests_c1), (8, args.requests_c8)):
-                prompts = workload(name, count, args.seed)
-                asyncio.run(run(plain.target.base_url, prompts[:1], 1, 4))  # warm both
-                asyncio.run(run(spec.target.base_url, prompts[:1], 1, 4))
-                base = asyncio.run(run(plain.target.base_url, prompts, concurrency, args.output_len))
-                before = spec_counters(spec.target.base_url)
-                fast = asyncio.run(run(spec.target.base_url, prompts, concurrency, args.output_len))
-                after = spec_counters(spec.target.base_url)
-                steps, accepted = after[0] - before[0], after[1] - before[1]
-                row = {"workload": name, "concurrency": concurrency, "requests": count,
-                       "plain_tok_s": base["output_tok_per_s"], "spec_tok_s": fast["output_tok_per_s"],
-                       "speedup": fast["output_tok_per_s"] / base["output_tok_per_s"],
-                       "accept_length": 1 + accepted / steps if steps else None, "verify_steps": steps,
-                       "output_tokens": base["output_tokens"],
-                       "identical_outputs": base["output_ids"] == fast["output_ids"]}
-                rows.append(row)
-                print(f"  {name:9s} c={concurrency}  plain {row['plain_tok_s']:6.1f} tok/s  {args.algorithm} "
-                      f"{row['spec_tok_s']:6.1f} tok/s  {row['speedup']:.2f}x  accept length "
-                      f"{row['accept_length'] or 0:.2f}  identical {row['identical_outputs']}", flush=True)
+                rows.append(measure_cell(plain.target.base_url, spec.target.base_url, name, concurrency, count,
+                                         first, args))
+                first += count * args.rounds + 1
+                r = rows[-1]
+                print(f"  {name:9s} c={concurrency}  plain {r['plain_tok_s']:6.1f} tok/s  {args.algorithm} "
+                      f"{r['spec_tok_s']:6.1f} tok/s  {r['speedup']:.2f}x (rounds {r['round_speedups']})  accept "
+                      f"length {r['accept_length'] or 0:.2f}  identical {r['identical_outputs']}", flush=True)
     finally:
         plain.stop()
         spec.stop()
