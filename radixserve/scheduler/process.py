@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
@@ -35,10 +34,11 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler: %(message)s")
     source = resolve_model(args.model)
-    with ThreadPoolExecutor(1) as pool:  # the tokenizer (~3 s, mostly imports) loads while the model does
-        tokenizer_loading = pool.submit(load_tokenizer_or_none, source.tokenizer_dir)
-        runner, draft_runner = start_rank0(args, endpoints, source)
-        tokenizer = tokenizer_loading.result()
+    # One after the other: loading the tokenizer in a thread beside the model raced the two
+    # threads' imports of sympy (through transformers and torch) and, once in a CI run, left a
+    # half-imported module that killed the process at start-up.
+    tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
+    runner, draft_runner = start_rank0(args, endpoints, source)
     decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
