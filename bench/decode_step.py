@@ -4,7 +4,9 @@
 
 The floor is measured on the machine: the bytes of weights a decode step must read (every
 linear layer and the LM head; the embedding is only indexed) over the memory read bandwidth
-of a large sum.
+of a large sum. The bandwidth is probed right before and right after each batch size's steps
+and the higher reading sets that row's floor: on shared machines it wanders (31-60 GB/s within
+an hour on one), so a floor probed once at start can be far from the one the steps ran under.
 """
 from __future__ import annotations
 
@@ -89,19 +91,20 @@ def main() -> None:
     a = ap.parse_args()
     runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
                          disable_cuda_graph=a.disable_cuda_graph, enable_torch_compile=a.enable_torch_compile)
-    bandwidth = read_bandwidth(runner.device)
-    floor_ms = weight_bytes(runner) / bandwidth * 1000
-    print(f"weights streamed per step: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype}); read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; floor {floor_ms:.1f} ms")
+    print(f"weights streamed per step: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype})")
     rows = []
     for b in a.batch:
+        before = read_bandwidth(runner.device)
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000
+        bandwidth = max(before, read_bandwidth(runner.device))
+        floor_ms = weight_bytes(runner) / bandwidth * 1000
         rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1),
-                     "floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
+                     "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2),
+                     "x_floor": round(ms / floor_ms, 2)})
         print(f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s  "
-              f"{ms / floor_ms:4.2f}x the floor")
+              f"floor {floor_ms:5.2f} ms ({bandwidth / 1e9:.1f} GB/s)  {ms / floor_ms:4.2f}x the floor")
     if a.out:
-        Path(a.out).write_text(json.dumps({"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": rows}, indent=2))
+        Path(a.out).write_text(json.dumps({"rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -149,13 +149,13 @@ def decode_table(backend: str, graphs: bool, batches: list[int], context: int, f
 
 
 def prefill_row(runner, backend: str, batch: int = 4, length: int = 1024) -> dict:
-    from decode_step import greedy as greedy_batch, time_steps
-    from radixserve.messages import ForwardBatch, ForwardMode
+    from decode_step import time_steps
+    from radixserve.messages import ForwardBatch, ForwardMode, SamplingBatch
 
     ids = [11] * (batch * length)
     slots = list(range(1, batch * length + 1))
     fb = ForwardBatch(ForwardMode.EXTEND, ids, list(range(length)) * batch, slots, list(range(batch)),
-                      [length] * batch, [length] * batch, [], greedy_batch(batch), [None] * batch)
+                      [length] * batch, [length] * batch, [], SamplingBatch.greedy(batch), [None] * batch)
     seconds = time_steps(runner, fb, 3)
     return {"backend": backend, "prefill_tokens": batch * length, "prefill_tok_per_s": round(batch * length / seconds)}
 
