@@ -91,13 +91,14 @@ def main() -> None:
     a = ap.parse_args()
     runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
                          disable_cuda_graph=a.disable_cuda_graph, enable_torch_compile=a.enable_torch_compile)
-    print(f"weights streamed per step: {weight_bytes(runner) / 1e6:.0f} MB ({runner.dtype})")
+    streamed = weight_bytes(runner)
+    print(f"weights streamed per step: {streamed / 1e6:.0f} MB ({runner.dtype})")
     rows = []
     for b in a.batch:
         before = read_bandwidth(runner.device)
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000
         bandwidth = max(before, read_bandwidth(runner.device))
-        floor_ms = weight_bytes(runner) / bandwidth * 1000
+        floor_ms = streamed / bandwidth * 1000
         rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1),
                      "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2),
                      "x_floor": round(ms / floor_ms, 2)})

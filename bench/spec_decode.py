@@ -108,22 +108,21 @@ def measure_cell(plain_url: str, spec_url: str, name: str, concurrency: int, cou
     for url in (plain_url, spec_url):
         asyncio.run(run(url, warm, 1, 4))
     totals = {"plain": [0.0, 0], "spec": [0.0, 0]}
-    round_speedups, identical, steps, accepted = [], True, 0.0, 0.0
+    round_speedups, identical = [], True
+    before = spec_counters(spec_url)  # only the speculating server's rounds move its counters
     for round_no in range(args.rounds):
         prompts = workload(name, count, first + 1 + round_no * count, args.seed)
         order = ("plain", "spec") if round_no % 2 == 0 else ("spec", "plain")
         outs = {}
         for system in order:
             url = plain_url if system == "plain" else spec_url
-            before = spec_counters(spec_url)
             outs[system] = asyncio.run(run(url, prompts, concurrency, args.output_len))
-            if system == "spec":
-                after = spec_counters(spec_url)
-                steps, accepted = steps + after[0] - before[0], accepted + after[1] - before[1]
             totals[system][0] += outs[system]["elapsed_s"]
             totals[system][1] += outs[system]["output_tokens"]
         round_speedups.append(round(outs["spec"]["output_tok_per_s"] / outs["plain"]["output_tok_per_s"], 2))
         identical = identical and outs["plain"]["output_ids"] == outs["spec"]["output_ids"]
+    after = spec_counters(spec_url)
+    steps, accepted = after[0] - before[0], after[1] - before[1]
     plain_rate, spec_rate = (totals[s][1] / totals[s][0] for s in ("plain", "spec"))
     return {"workload": name, "concurrency": concurrency, "requests": count, "rounds": args.rounds,
             "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,

@@ -100,14 +100,11 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
 // The fast path for float32 with head_dim = 8 * Vecs: each key row is Vecs vector loads shared by
 // the group's query heads, each value row is accumulated in registers, one query head at a time.
 
-// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several).
+// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several);
+// Locality 3 brings them into L1, 2 into L2 only (for rows needed later than the next few).
+template <int Locality = 3>
 inline void prefetch_row(const float* row, int floats) {
-  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
-}
-
-// The same into L2 only (prefetcht1), for rows needed later than the next few.
-inline void prefetch_row_l2(const float* row, int floats) {
-  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, 2);
+  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, Locality);
 }
 
 inline float hsum8(Vec8 v) {
@@ -153,8 +150,8 @@ void attend_float(const float* qf, int64_t group, const float* kp, const float* 
       if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
       if (t + i + kFarPrefetch < len) {
         const int64_t far = slots[t + i + kFarPrefetch] * slot_stride + head_offset;
-        prefetch_row_l2(kp + far, 8 * Vecs);
-        prefetch_row_l2(vp + far, 8 * Vecs);
+        prefetch_row<2>(kp + far, 8 * Vecs);
+        prefetch_row<2>(vp + far, 8 * Vecs);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
