@@ -18,6 +18,11 @@ ARGS = EngineArgs(model="dummy:tiny", dtype="float32", attention_backend="torch_
 def test_compiled_forward_matches_eager_without_recompiling(tmp_path, monkeypatch):
     counters = pytest.importorskip("torch._dynamo.utils").counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold cache, as on a fresh machine
+    # inductor's precompiled headers go under the system temp folder whatever that variable says
+    codecache = pytest.importorskip("torch._inductor.codecache")
+    headers = tmp_path / "inductor" / "precompiled_headers"
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers), raising=False)
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"), raising=False)
     torch._dynamo.reset()
     source = resolve_model(ARGS.model)
     rng = random.Random(1)
