@@ -498,6 +498,8 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cp
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t n);
 
+void bind_cpu_decoder(pybind11::module& m);  // cpu_decoder.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
   m.def("paged_extend_attention", &paged_extend_attention, "paged causal attention of new tokens after a prefix (CPU)");
@@ -510,4 +512,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
   m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
   m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
+  bind_cpu_decoder(m);
 }

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")]
 
 
 @lru_cache(maxsize=1)

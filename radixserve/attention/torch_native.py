@@ -101,6 +101,15 @@ class TorchNativeBackend:
         self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + \
                       ([plan_extend(inputs, extend, token_starts)] if len(extend) else [])
 
+    def kernel_groups(self) -> list[list[torch.Tensor]] | None:
+        """This step's groups as the C++ decoder (kernels/cpu_decoder.cpp) takes them, when every
+        group runs a paged kernel: (tokens, rows, seq_lens) to decode, (tokens, rows,
+        prefix_lens, extend_lens) to extend; None when one gathers K/V for SDPA."""
+        if not all(g.rows is not None for g in self.groups):
+            return None
+        return [[g.tokens, g.rows, g.seq_lens] if g.extend_lens is None else
+                [g.tokens, g.rows, g.prefix_lens, g.extend_lens] for g in self.groups]
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             self.kernels.store_kv_(self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v)

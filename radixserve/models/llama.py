@@ -9,7 +9,7 @@ from torch import nn
 from ..attention import AttentionBackend
 from ..config import ModelConfig
 from ..distributed import TPGroup
-from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fused
 
 # checkpoint name fragment -> (our fused parameter, shard index)
 _FUSED_SHARDS = {
@@ -76,6 +76,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.cpu_decoder = None  # see fuse_cpu_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -84,10 +85,40 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         layers = self.model.layers
         normed = layers[0].input_layernorm(x)
+        groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
+        if groups:
+            return self.cpu_decoder.forward(x, normed, cos, sin, backend.inputs.out_cache_loc,
+                                            backend.inputs.req_to_token, groups)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, normed = layer(x, normed, cos, sin, backend, next_norm)
         return normed
+
+    def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
+        """Run the decoder layers through one C++ call (`CpuDecoder`, kernels/cpu_decoder.cpp) in
+        the steps whose attention the backend runs through its paged CPU kernels: the same kernels
+        in the same order, without Python between them. Needs every linear layer packed for the
+        CPU GEMM (float32), one rank and a backend that offers `kernel_groups`."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        cpu_ops = self.lm_head.cpu_ops
+        if (cpu_ops is None or self.tp.size > 1 or not hasattr(backend, "kernel_groups")
+                or any(m.weight_packed is None for m in linears)):
+            return False
+        layers = self.model.layers
+        weights, out_features = [], []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            out_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
+            weights += [attn.qkv_proj.weight_packed, bias, attn.o_proj.weight_packed,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight_packed,
+                        mlp.down_proj.weight_packed, out_norm.weight]
+            out_features += [m.out_features for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        cfg = self.cfg
+        self.cpu_decoder = cpu_ops.CpuDecoder([w.detach() for w in weights], out_features, backend.pool.k,
+                                              backend.pool.v, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                              cfg.rms_norm_eps, backend.scale)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
