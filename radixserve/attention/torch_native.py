@@ -93,6 +93,11 @@ class TorchNativeBackend:
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
+        if self.kernels is not None and inputs.is_decode and inputs.max_extend_len == 1:
+            # one new token per request: the step is the decode kernel's group as it stands
+            tokens = torch.arange(len(inputs.rows), device=inputs.rows.device)
+            self.groups = [_Group(tokens, None, (len(inputs.rows), 0), None, rows=inputs.rows, seq_lens=inputs.seq_lens)]
+            return
         token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
         short = inputs.extend_lens <= (1 if self.paged_extend or self.kernels is None else SHORT_EXTEND)
         decode, extend = short.nonzero().flatten(), (~short).nonzero().flatten()

@@ -5,6 +5,7 @@ It hosts TP rank 0's model runner and calls it directly (SGLang's process model)
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -51,6 +52,10 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     events = (KVEventPublisher(KVEventsConfig.from_json(args.kv_events_config), ctx)
               if args.kv_events_config is not None else None)
     signal.signal(signal.SIGTERM, lambda *_: stop(scheduler))
+    # What start-up loaded (torch, transformers, the model's modules) lives as long as the
+    # process: out of the cyclic collector's sight, its collections walk only what the loop
+    # allocates (SGLang's and vLLM's schedulers do the same).
+    gc.freeze()
     SchedulerLoop(scheduler, inbox, outbox, heartbeat, events).run()
 
 
