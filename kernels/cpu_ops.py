@@ -1,6 +1,7 @@
 """radixserve's CPU kernels, built on first use: paged decode and extend attention
 (`cpu_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
-(`cpu_fused_ops.cpp`) and the float32 GEMM against packed weights (`cpu_linear.cpp`).
+(`cpu_fused_ops.cpp`), the float32 GEMM against packed weights (`cpu_linear.cpp`) and the
+decoder layers' loop over them in one call (`cpu_decoder.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
@@ -24,7 +25,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu
 @lru_cache(maxsize=1)
 def load():
     """The compiled module (`paged_decode_attention`, `paged_extend_attention`, `rms_norm`, `silu_and_mul`, `rotary_`,
-    `pack_linear_weight`, `packed_linear`), or None if it cannot be built."""
+    `pack_linear_weight`, `packed_linear`, `CpuDecoder`, ...), or None if it cannot be built."""
     from torch.utils import cpp_extension
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv's ninja
