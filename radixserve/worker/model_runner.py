@@ -84,8 +84,8 @@ class ModelRunner:
         self.backend = create_backend(backend, pool=self.pool, num_heads=cfg.num_heads,
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                       device=self.device)
-        if self.device.type == "cpu" and not args.enable_torch_compile:
-            self.model.fuse_cpu_layers(self.backend)
+        if self.device.type == "cpu" and not args.enable_torch_compile and self.model.fuse_cpu_layers(self.backend):
+            log.info("CPU forward: the decoder layers run in one C++ call (kernels/cpu_decoder.cpp)")
         self.graphs = self._capture_graphs(args, graph_cls)
         self.compiled = CompiledForward(self.model, self.backend, self.req_to_token) \
             if args.enable_torch_compile else None
