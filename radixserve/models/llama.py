@@ -90,9 +90,13 @@ class LlamaForCausalLM(nn.Module):
             return self.cpu_decoder.forward(x, normed, cos, sin, backend.inputs.out_cache_loc,
                                             backend.inputs.req_to_token, groups)
         for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, normed = layer(x, normed, cos, sin, backend, next_norm)
+            x, normed = layer(x, normed, cos, sin, backend, self._norm_after(i))
         return normed
+
+    def _norm_after(self, i: int) -> RMSNorm:
+        """The norm of layer i's output: the next layer's input norm, or the final norm."""
+        layers = self.model.layers
+        return layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
 
     def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
         """Run the decoder layers through one C++ call (`CpuDecoder`, kernels/cpu_decoder.cpp) in
@@ -108,11 +112,10 @@ class LlamaForCausalLM(nn.Module):
         weights, out_features = [], []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            out_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
             weights += [attn.qkv_proj.weight_packed, bias, attn.o_proj.weight_packed,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight_packed,
-                        mlp.down_proj.weight_packed, out_norm.weight]
+                        mlp.down_proj.weight_packed, self._norm_after(i).weight]
             out_features += [m.out_features for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         cfg = self.cfg
         self.cpu_decoder = cpu_ops.CpuDecoder([w.detach() for w in weights], out_features, backend.pool.k,
