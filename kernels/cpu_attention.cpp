@@ -15,9 +15,7 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -45,31 +43,6 @@ inline void axpy(float a, const T* v, float* out, int64_t d) {
   for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
 }
 
-typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t Int8 __attribute__((vector_size(8 * sizeof(int32_t))));
-
-inline Vec8 load8(const float* p) { Vec8 v; std::memcpy(&v, p, sizeof(Vec8)); return v; }
-
-#if defined(__AVX__)
-// e^x for x <= 0 (a softmax's shifted scores), eight at a time: 2^n * e^r with n = round(x / ln 2)
-// and e^r from Cephes' degree-6 polynomial; relative error ~1e-7. glibc's expf stayed scalar
-// here and took half of the extend kernel's time.
-inline Vec8 exp8_nonpositive(Vec8 x) {
-  x = x < -87.f ? Vec8{} - 87.f : x;  // e^-87 ~ 1.6e-38: 2^n stays a normal float
-  const Vec8 n = Vec8(_mm256_round_ps(__m256(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const Vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 split in two parts
-  Vec8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
-  Vec8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-#endif
 
 // Each of `rows` rows of `len` scores (stride `ld`) becomes its softmax, in place.
 void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
@@ -81,7 +54,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
 #if defined(__AVX__)
     Vec8 sums = Vec8{};
     for (; t + 8 <= len; t += 8) {
-      const Vec8 e = exp8_nonpositive(load8(s + t) - top);
+      const Vec8 e = exp8(load8(s + t) - top);
       std::memcpy(s + t, &e, sizeof(e));
       sums += e;
     }
@@ -97,8 +70,8 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
   }
 }
 
-// The fast path for float32 with head_dim = 8 * Vecs: each key row is Vecs vector loads shared by
-// the group's query heads, each value row is accumulated in registers, one query head at a time.
+// The fast path for float32 with head_dim = 8 * Vecs: register tiles of up to three query heads
+// of the group, so that each key and value vector is loaded once for them all.
 
 // Ask for every cache line of a row of `floats` floats (a head's key or value row spans several);
 // Locality 3 brings them into L1, 2 into L2 only (for rows needed later than the next few).
@@ -112,40 +85,101 @@ inline float hsum8(Vec8 v) {
   return a + b;
 }
 
+// The horizontal sums of four vectors, stored at out[0], out[1], out[2], out[3].
+inline void store_sums4(Vec8 a, Vec8 b, Vec8 c, Vec8 d, float* out) {
 #if defined(__AVX__)
-// Eight horizontal sums at once, stored as eight floats: a transposing tree of hadds costs less
-// than eight separate reductions.
-inline void store_sums8(const Vec8* s, float* out) {
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[0]), __m256(s[1])), _mm256_hadd_ps(__m256(s[2]), __m256(s[3])));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(__m256(s[4]), __m256(s[5])), _mm256_hadd_ps(__m256(s[6]), __m256(s[7])));
-  // ab holds the low-half sums of rows 0-3 and then their high-half sums; cd the same for rows 4-7
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31)));
-}
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(__m256(a), __m256(b)), _mm256_hadd_ps(__m256(c), __m256(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 #else
-inline void store_sums8(const Vec8* s, float* out) {
-  for (int i = 0; i < 8; ++i) out[i] = hsum8(s[i]);
-}
+  out[0] = hsum8(a), out[1] = hsum8(b), out[2] = hsum8(c), out[3] = hsum8(d);
 #endif
-
-template <int Vecs>
-inline Vec8 dot_vec(const float* q, const float* key) {
-  Vec8 even = Vec8{}, odd = Vec8{};  // two chains hide the FMA latency
-  for (int v = 0; v + 1 < Vecs; v += 2) {
-    even += load8(q + 8 * v) * load8(key + 8 * v);
-    odd += load8(q + 8 * v + 8) * load8(key + 8 * v + 8);
-  }
-  if (Vecs % 2) even += load8(q + 8 * (Vecs - 1)) * load8(key + 8 * (Vecs - 1));
-  return even + odd;
 }
 
-template <int Vecs>
-void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const int64_t* slots,
-                  int64_t len, int64_t slot_stride, int64_t head_offset, float* scores, float* out,
-                  int64_t out_head_stride) {
+// scores[g * len + t + i] = q_g . key_i for G query heads and four keys: 4 x G accumulators,
+// each key vector loaded once for the G heads.
+template <int Vecs, int G>
+inline void score_tile(const float* qf, const float* const* keys, float* scores, int64_t len, int64_t t) {
+  Vec8 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = Vec8{};
+  for (int v = 0; v < Vecs; ++v) {
+    Vec8 qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = load8(qf + g * Vecs * 8 + 8 * v);
+    for (int i = 0; i < 4; ++i) {
+      const Vec8 kv = load8(keys[i] + 8 * v);
+      for (int g = 0; g < G; ++g) acc[g][i] += kv * qv[g];
+    }
+  }
+  for (int g = 0; g < G; ++g) store_sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scores + g * len + t);
+}
+
+// Each of `rows` rows of `len` scores becomes e^(s - its max), in place; sums[g] gets row g's
+// total (the softmax's division is left to the output, one multiply per value instead of per key).
+inline void exp_rows(float* scores, int64_t rows, int64_t len, float* sums) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * len;
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    int64_t t = 0;
+#if defined(__AVX__)
+    Vec8 tops = Vec8{} + top, totals = Vec8{};
+    for (; t + 8 <= len; t += 8) {
+      const Vec8 x = load8(s + t);
+      tops = x > tops ? x : tops;
+    }
+    for (int i = 0; i < 8; ++i) top = std::max(top, tops[i]);
+    for (int64_t i = t; i < len; ++i) top = std::max(top, s[i]);
+    for (t = 0; t + 8 <= len; t += 8) {
+      const Vec8 e = exp8(load8(s + t) - top);
+      store8(s + t, e);
+      totals += e;
+    }
+    total = hsum8(totals);
+#else
+    for (int64_t i = 0; i < len; ++i) top = std::max(top, s[i]);
+#endif
+    for (; t < len; ++t) total += (s[t] = expf(s[t] - top));
+    sums[g] = total;
+  }
+}
+
+// out[g][v0 + c] += sum over t in [t0, t1) of w[g * len + t] * (value row t)[v0 + c] for G heads
+// and C vectors: G x C accumulators, each value vector loaded once for the G heads.
+template <int G, int C>
+inline void value_tile(const float* w, int64_t len, const float* const* values, int64_t t0, int64_t t1, int v0,
+                       float* out, int64_t out_head_stride) {
+  Vec8 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load8(out + g * out_head_stride + 8 * (v0 + c));
+  for (int64_t t = t0; t < t1; ++t) {
+    Vec8 wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = Vec8{} + w[g * len + t];
+    for (int c = 0; c < C; ++c) {
+      const Vec8 vv = load8(values[t - t0] + 8 * (v0 + c));
+      for (int g = 0; g < G; ++g) acc[g][c] += wv[g] * vv;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store8(out + g * out_head_stride + 8 * (v0 + c), acc[g][c]);
+}
+
+// Where a task's K/V rows lie: its slots, how many, and its head's offset in a slot.
+struct KvRows {
+  const int64_t* slots;
+  int64_t len, head_offset;
+};
+
+// Attention of G query heads (qf, scaled) over the rows of `task`. While the values are summed,
+// the next task's K/V rows are asked for (L2): one thread's tasks then read memory back to back,
+// 0.96x the time at batch 8, context 256 on a 2-core Zen 1.
+template <int Vecs, int G>
+void attend_heads(const float* qf, const float* kp, const float* vp, const KvRows& task, int64_t slot_stride,
+                  float* scores, float* out, int64_t out_head_stride, const KvRows& next) {
+  const int64_t* slots = task.slots;
+  const int64_t len = task.len, head_offset = task.head_offset;
   int64_t t = 0;
-  for (; t + 8 <= len; t += 8) {  // keys eight at a time, their scores reduced together
-    const float* keys[8];
-    for (int i = 0; i < 8; ++i) {
+  for (; t + 4 <= len; t += 4) {
+    const float* keys[4];
+    for (int i = 0; i < 4; ++i) {
       keys[i] = kp + slots[t + i] * slot_stride + head_offset;
       if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
       if (t + i + kFarPrefetch < len) {
@@ -154,38 +188,61 @@ void attend_float(const float* qf, int64_t group, const float* kp, const float* 
         prefetch_row<2>(vp + far, 8 * Vecs);
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      Vec8 sums[8];
-      for (int i = 0; i < 8; ++i) sums[i] = dot_vec<Vecs>(qf + g * Vecs * 8, keys[i]);
-      store_sums8(sums, scores + g * len + t);
-    }
+    score_tile<Vecs, G>(qf, keys, scores, len, t);
   }
   for (; t < len; ++t) {
     const float* key = kp + slots[t] * slot_stride + head_offset;
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = hsum8(dot_vec<Vecs>(qf + g * Vecs * 8, key));
-  }
-  softmax_rows(scores, group, len, len);
-  for (int64_t g = 0; g < group; ++g) std::memset(out + g * out_head_stride, 0, sizeof(Vec8) * Vecs);
-  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for the group
-    const int64_t t1 = std::min(len, t0 + kValueBlock);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* weights = scores + g * len;
-      float* head_out = out + g * out_head_stride;
-      Vec8 acc[Vecs];
-      for (int v = 0; v < Vecs; ++v) acc[v] = load8(head_out + 8 * v);
-      for (int64_t t = t0; t < t1; ++t) {
-        if (g == 0 && t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
-        const float* value = vp + slots[t] * slot_stride + head_offset;
-        const float w = weights[t];
-        for (int v = 0; v < Vecs; ++v) acc[v] += w * load8(value + 8 * v);
-      }
-      for (int v = 0; v < Vecs; ++v) std::memcpy(head_out + 8 * v, &acc[v], sizeof(Vec8));
+    for (int g = 0; g < G; ++g) {
+      Vec8 acc = Vec8{};
+      for (int v = 0; v < Vecs; ++v) acc += load8(qf + g * Vecs * 8 + 8 * v) * load8(key + 8 * v);
+      scores[g * len + t] = hsum8(acc);
     }
+  }
+  float sums[G];
+  exp_rows(scores, G, len, sums);
+  for (int g = 0; g < G; ++g) std::memset(out + g * out_head_stride, 0, sizeof(Vec8) * Vecs);
+  constexpr int C = 12 / G > 4 ? 4 : 12 / G;  // value vectors a tile holds: 12 accumulators of 16 registers
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 across the tiles
+    const int64_t t1 = std::min(len, t0 + kValueBlock);
+    const float* values[kValueBlock];
+    for (int64_t t = t0; t < t1; ++t) {
+      values[t - t0] = vp + slots[t] * slot_stride + head_offset;
+      if (t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
+      if (t < next.len) {
+        const int64_t ahead = next.slots[t] * slot_stride + next.head_offset;
+        prefetch_row<2>(kp + ahead, 8 * Vecs);
+        prefetch_row<2>(vp + ahead, 8 * Vecs);
+      }
+    }
+    int v0 = 0;
+    for (; v0 + C <= Vecs; v0 += C) value_tile<G, C>(scores, len, values, t0, t1, v0, out, out_head_stride);
+    for (; v0 < Vecs; ++v0) value_tile<G, 1>(scores, len, values, t0, t1, v0, out, out_head_stride);
+  }
+  for (int g = 0; g < G; ++g) {
+    const Vec8 inv = Vec8{} + 1.f / sums[g];
+    for (int v = 0; v < Vecs; ++v) store8(out + g * out_head_stride + 8 * v, load8(out + g * out_head_stride + 8 * v) * inv);
   }
 }
 
-using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
-                             int64_t, float*, float*, int64_t);
+// A (request, KV head) task: the group's query heads three at a time; the last tile asks for
+// the next task's rows. In cache, 0.79x the time of one query head at a time (batch 1, context 256).
+template <int Vecs>
+void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const KvRows& task,
+                  int64_t slot_stride, float* scores, float* out, int64_t out_head_stride, const KvRows& next) {
+  for (int64_t g = 0; g < group;) {
+    const int64_t n = std::min<int64_t>(3, group - g);
+    const KvRows& ahead = g + n < group ? KvRows{nullptr, 0, 0} : next;
+    const float* q = qf + g * Vecs * 8;
+    float* o = out + g * out_head_stride;
+    if (n == 3) attend_heads<Vecs, 3>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
+    else if (n == 2) attend_heads<Vecs, 2>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
+    else attend_heads<Vecs, 1>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
+    g += n;
+  }
+}
+
+using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const KvRows&, int64_t, float*,
+                             float*, int64_t, const KvRows&);
 
 // The fast path for this head_dim, or nullptr (head_dim not a multiple of 8 up to 128).
 AttendFloat attend_float_for(int64_t dim) {
@@ -225,8 +282,12 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = static_cast<float>(qp[b * q_stride + (kh * group + g) * dim + i]) * static_cast<float>(scale);
       if (fast != nullptr) {
-        fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp), slots, len,
-             slot_stride, kh * head_stride, scores.data(), reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
+        const int64_t nb = (task + 1) / kv_heads;
+        const KvRows next = task + 1 < end ? KvRows{table + row_of[nb] * table_stride, len_of[nb], (task + 1) % kv_heads * head_stride}
+                                           : KvRows{nullptr, 0, 0};
+        fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+             KvRows{slots, len, kh * head_stride}, slot_stride, scores.data(),
+             reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim, next);
         continue;
       }
       for (int64_t t = 0; t < len; ++t) {

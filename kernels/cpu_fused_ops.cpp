@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include "cpu_simd.h"
 
 namespace {
 
@@ -64,12 +66,21 @@ void silu_mul_rows(const torch::Tensor& gate_up, torch::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+  // Split from two rows on: at batch 8 half of gate_up comes from the other core's cache (the GEMM's
+  // threads split its columns), and two threads fetch it faster (0.87 -> 0.61 ms a step's 30 layers).
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gp + r * 2 * width;
       const T* up = gate + width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
+      int64_t i = 0;
+#if defined(__AVX__)
+      if constexpr (std::is_same_v<T, float>)  // e^-g eight at a time: glibc's expf went 4-wide (SSE) here
+        for (; i + 8 <= width; i += 8) {
+          const Vec8 g = load8(gate + i);
+          store8(op + r * width + i, g / (1.f + exp8(-g)) * load8(up + i));
+        }
+#endif
+      for (; i < width; ++i) {
         const float g = static_cast<float>(gate[i]);
         op[r * width + i] = static_cast<T>(g / (1.f + expf(-g)) * static_cast<float>(up[i]));
       }
