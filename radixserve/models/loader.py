@@ -16,6 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..distributed import TPGroup
+from ..mem.huge_pages import into_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
             linear.quantize_int8()
         elif cpu_ops is not None and dtype == torch.float32:
             linear.pack_for_cpu()
+    packed = [m for m in linears if m.weight_packed is not None]
+    for linear, weight in zip(packed, into_huge_pages([m.weight_packed for m in packed])):
+        linear.weight_packed = weight  # one mapping in huge pages: the decode step streams them all
     return model
 
 

@@ -1,0 +1,47 @@
+"""Host memory from anonymous mappings advised for transparent huge pages (2 MiB).
+
+A decode step on CPU streams every packed weight and each request's K/V rows once. In 4 KiB
+pages those reads walk the page tables every 4 KiB, and the hardware prefetchers stop at each
+page's end. Measured on a 2-core Zen 1 (bench/README.md), side by side in one process: the
+model's linear layers at 8 rows from huge pages took 0.96x the time (1 row: 0.98x), decode
+attention over 30 layers at batch 8 0.97x. Where the kernel grants none (THP off), the memory
+is ordinary pages and nothing else changes.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from an anonymous mapping, which the OS zeroes page by page on first touch (a 3 GB
+    KV pool costs nothing at start-up; filling it took 3.6 s), advised for huge pages."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(_mapping(nbytes), dtype=dtype, count=count).view(shape)
+
+
+def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors, back to back (64-byte aligned) in one mapping advised for huge pages."""
+    sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
+    flat = torch.frombuffer(_mapping(sum(sizes) + HUGE_PAGE), dtype=torch.uint8)
+    offset = -flat.data_ptr() % HUGE_PAGE  # start on a huge page's boundary
+    copies = []
+    for t, size in zip(tensors, sizes):
+        view = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copies.append(view.copy_(t))
+        offset += size
+    return copies
+
+
+def _mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping (a shared one would be shmem, which takes no huge pages here),
+    advised for huge pages before anything touches it."""
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
