@@ -44,27 +44,41 @@ inline void axpy(float a, const T* v, float* out, int64_t d) {
 }
 
 
+inline float hsum8(Vec8 v) {
+  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+// A row of `len` scores becomes e^(s - its max), in place; returns the row's total.
+inline float exp_row(float* s, int64_t len) {
+  float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+  int64_t t = 0;
+#if defined(__AVX__)
+  Vec8 tops = Vec8{} + top, totals = Vec8{};
+  for (; t + 8 <= len; t += 8) {
+    const Vec8 x = load8(s + t);
+    tops = x > tops ? x : tops;
+  }
+  for (int i = 0; i < 8; ++i) top = std::max(top, tops[i]);
+  for (int64_t i = t; i < len; ++i) top = std::max(top, s[i]);
+  for (t = 0; t + 8 <= len; t += 8) {
+    const Vec8 e = exp8(load8(s + t) - top);
+    store8(s + t, e);
+    totals += e;
+  }
+  total = hsum8(totals);
+#else
+  for (int64_t i = 0; i < len; ++i) top = std::max(top, s[i]);
+#endif
+  for (; t < len; ++t) total += (s[t] = expf(s[t] - top));
+  return total;
+}
+
 // Each of `rows` rows of `len` scores (stride `ld`) becomes its softmax, in place.
 void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * ld;
-    const float top = *std::max_element(s, s + len);
-    float total = 0.f;
-    int64_t t = 0;
-#if defined(__AVX__)
-    Vec8 sums = Vec8{};
-    for (; t + 8 <= len; t += 8) {
-      const Vec8 e = exp8(load8(s + t) - top);
-      std::memcpy(s + t, &e, sizeof(e));
-      sums += e;
-    }
-    total = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
-#endif
-    for (; t < len; ++t) {
-      s[t] = expf(s[t] - top);
-      total += s[t];
-    }
-    const float inv = 1.f / total;
+    const float inv = 1.f / exp_row(s, len);
 #pragma omp simd
     for (int64_t i = 0; i < len; ++i) s[i] *= inv;
   }
@@ -78,11 +92,6 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
 template <int Locality = 3>
 inline void prefetch_row(const float* row, int floats) {
   for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, Locality);
-}
-
-inline float hsum8(Vec8 v) {
-  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
-  return a + b;
 }
 
 // The horizontal sums of four vectors, stored at out[0], out[1], out[2], out[3].
@@ -111,35 +120,6 @@ inline void score_tile(const float* qf, const float* const* keys, float* scores,
     }
   }
   for (int g = 0; g < G; ++g) store_sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scores + g * len + t);
-}
-
-// Each of `rows` rows of `len` scores becomes e^(s - its max), in place; sums[g] gets row g's
-// total (the softmax's division is left to the output, one multiply per value instead of per key).
-inline void exp_rows(float* scores, int64_t rows, int64_t len, float* sums) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* s = scores + g * len;
-    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-    int64_t t = 0;
-#if defined(__AVX__)
-    Vec8 tops = Vec8{} + top, totals = Vec8{};
-    for (; t + 8 <= len; t += 8) {
-      const Vec8 x = load8(s + t);
-      tops = x > tops ? x : tops;
-    }
-    for (int i = 0; i < 8; ++i) top = std::max(top, tops[i]);
-    for (int64_t i = t; i < len; ++i) top = std::max(top, s[i]);
-    for (t = 0; t + 8 <= len; t += 8) {
-      const Vec8 e = exp8(load8(s + t) - top);
-      store8(s + t, e);
-      totals += e;
-    }
-    total = hsum8(totals);
-#else
-    for (int64_t i = 0; i < len; ++i) top = std::max(top, s[i]);
-#endif
-    for (; t < len; ++t) total += (s[t] = expf(s[t] - top));
-    sums[g] = total;
-  }
 }
 
 // out[g][v0 + c] += sum over t in [t0, t1) of w[g * len + t] * (value row t)[v0 + c] for G heads
@@ -198,8 +178,8 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
       scores[g * len + t] = hsum8(acc);
     }
   }
-  float sums[G];
-  exp_rows(scores, G, len, sums);
+  float sums[G];  // the softmax's division is left to the output: one multiply per value, not per key
+  for (int g = 0; g < G; ++g) sums[g] = exp_row(scores + g * len, len);
   for (int g = 0; g < G; ++g) std::memset(out + g * out_head_stride, 0, sizeof(Vec8) * Vecs);
   constexpr int C = 12 / G > 4 ? 4 : 12 / G;  // value vectors a tile holds: 12 accumulators of 16 registers
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 across the tiles
@@ -231,7 +211,7 @@ void attend_float(const float* qf, int64_t group, const float* kp, const float* 
                   int64_t slot_stride, float* scores, float* out, int64_t out_head_stride, const KvRows& next) {
   for (int64_t g = 0; g < group;) {
     const int64_t n = std::min<int64_t>(3, group - g);
-    const KvRows& ahead = g + n < group ? KvRows{nullptr, 0, 0} : next;
+    const KvRows ahead = g + n < group ? KvRows{nullptr, 0, 0} : next;
     const float* q = qf + g * Vecs * 8;
     float* o = out + g * out_head_stride;
     if (n == 3) attend_heads<Vecs, 3>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);

@@ -27,6 +27,8 @@ def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU tensors, back to back (64-byte aligned) in one mapping advised for huge pages."""
+    if not tensors:
+        return []
     sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
     flat = torch.frombuffer(_mapping(sum(sizes) + HUGE_PAGE), dtype=torch.uint8)
     offset = -flat.data_ptr() % HUGE_PAGE  # start on a huge page's boundary
