@@ -19,7 +19,7 @@ import torch
 
 from radixserve.config import EngineArgs
 from radixserve.messages import ForwardBatch, ForwardMode, SamplingBatch
-from radixserve.models.loader import resolve_model
+from radixserve.models.source import resolve_model
 from radixserve.worker.model_runner import ModelRunner
 
 

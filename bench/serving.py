@@ -259,7 +259,7 @@ def main() -> None:
                     help="source tree of an earlier radixserve (`git worktree add DIR <commit>`), run as the "
                          "radixserve-baseline system for before/after figures in one run")
     args = ap.parse_args()
-    from radixserve.models.loader import bundled_model_dir, find_bundled_gguf
+    from radixserve.models.source import bundled_model_dir, find_bundled_gguf
 
     model_dir, gguf = bundled_model_dir(), find_bundled_gguf()
     workloads = args.workloads.split(",")

@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--skip-hf", action="store_true")
     a = ap.parse_args()
-    from radixserve.models.loader import bundled_model_dir
+    from radixserve.models.source import bundled_model_dir
     from radixserve.tokenizer import load_tokenizer
 
     model_dir = bundled_model_dir()

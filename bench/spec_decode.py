@@ -90,7 +90,7 @@ async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -
 
 def layer_prefix_draft(layers: int, folder: Path) -> Path:
     from draft_models import layer_prefix_model
-    from radixserve.models.loader import bundled_model_dir
+    from radixserve.models.source import bundled_model_dir
 
     return layer_prefix_model(bundled_model_dir(), layers, folder / f"draft-{layers}-layers")
 

@@ -16,7 +16,7 @@ from .config import EngineArgs
 from .constrained import grammar_backend
 from .detokenizer import Detokenizer
 from .messages import GenerateReq, ReqOutput
-from .models.loader import resolve_model
+from .models.source import resolve_model
 from .responses import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler

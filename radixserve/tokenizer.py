@@ -8,12 +8,30 @@ from typing import Any
 from .tool_calls import with_tool_prompt
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5
+
+
 def load_tokenizer(tokenizer_dir: Path | None) -> Any:
+    """The HF tokenizer. Where `tokenizer_config.json` names transformers' generic class for a
+    `tokenizer.json` (as the bundled model's does), that class is loaded directly: AutoTokenizer
+    returns the same class but first loads the model's config through AutoConfig, which imports
+    torch and its model modules (~5 s of a 2-core machine's start, in two processes)."""
     if tokenizer_dir is None:
         raise FileNotFoundError("this model has no tokenizer; pass token ids (input_ids) instead of text")
+    config = _tokenizer_config(Path(tokenizer_dir))
+    if (config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in config
+            and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(tokenizer_dir))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def _tokenizer_config(tokenizer_dir: Path) -> dict:
+    path = tokenizer_dir / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_tokenizer_or_none(tokenizer_dir: Path | None) -> Any:
@@ -48,9 +66,7 @@ def load_decoder(tokenizer_dir: Path | None) -> Any:
     """What decodes token ids for the detokenizer: a TokenDecoder where the model's tokenizer
     allows one, else the HF tokenizer (None without a tokenizer)."""
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        config_path = Path(tokenizer_dir) / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        if not config.get("clean_up_tokenization_spaces", False):
+        if not _tokenizer_config(Path(tokenizer_dir)).get("clean_up_tokenization_spaces", False):
             return TokenDecoder(Path(tokenizer_dir) / "tokenizer.json")
     return load_tokenizer_or_none(tokenizer_dir)
 

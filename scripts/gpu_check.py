@@ -49,7 +49,7 @@ def check_model(scratch: Path) -> str | None:
     """The bundled model when its package is here, else a checkpoint of its shape with seeded
     random weights, written once, so that the CPU reference and every GPU run load the same
     weights (a dummy model draws its weights on its own device, and CPU and CUDA generators differ)."""
-    from radixserve.models.loader import find_bundled_gguf
+    from radixserve.models.source import find_bundled_gguf
 
     return None if find_bundled_gguf() else str(random_checkpoint(scratch / "random-smollm2"))
 
@@ -57,7 +57,7 @@ def check_model(scratch: Path) -> str | None:
 def random_checkpoint(path: Path) -> Path:
     from safetensors.torch import save_file
 
-    from radixserve.models.loader import DUMMY_SHAPES
+    from radixserve.models.source import DUMMY_SHAPES
 
     shape = DUMMY_SHAPES["smollm2-135m"]
     hidden, inter, heads, kv, head_dim = (shape[k] for k in ("hidden_size", "intermediate_size", "num_heads",

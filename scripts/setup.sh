@@ -24,4 +24,4 @@ fi
 # Build the CPU kernels once (~1 min; later starts load them from the cache).
 "$PY" -c "from radixserve_kernels.cpu_ops import load; print('cpu kernels:', 'ready' if load() else 'unavailable')"
 # Convert the bundled GGUF into a cached HF-style directory once (~30 s), then ~1 s reloads.
-"$PY" -c "from radixserve.models.loader import bundled_model_dir; print('model:', bundled_model_dir())"
+"$PY" -c "from radixserve.models.source import bundled_model_dir; print('model:', bundled_model_dir())"

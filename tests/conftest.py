@@ -46,7 +46,7 @@ def server_socket_folders():
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from radixserve.models.loader import bundled_model_dir
+    from radixserve.models.source import bundled_model_dir
     return bundled_model_dir()
 
 
@@ -93,6 +93,6 @@ def draft_model_dir(tmp_path_factory) -> Path:
     drafts agree with the whole model on ~40% of tokens (bench/draft_models.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from draft_models import layer_prefix_model
-    from radixserve.models.loader import bundled_model_dir
+    from radixserve.models.source import bundled_model_dir
 
     return layer_prefix_model(bundled_model_dir(), 24, tmp_path_factory.mktemp("draft"))

@@ -8,7 +8,7 @@ import torch
 
 from radixserve.config import EngineArgs
 from radixserve.messages import ForwardBatch, ForwardMode
-from radixserve.models.loader import resolve_model
+from radixserve.models.source import resolve_model
 from radixserve.worker.cuda_graph import PAD_SLOT, EagerGraph, capture_batch_sizes
 from radixserve.worker.model_runner import ModelRunner
 from scheduler_runs import greedy_run

@@ -3,7 +3,7 @@ bundled model's real tokenizer (the server end is in test_tool_calling.py)."""
 import pytest
 from transformers import AutoTokenizer
 
-from radixserve.models.loader import resolve_model
+from radixserve.models.source import resolve_model
 from radixserve.reasoning import PARSERS, StreamingReasoningParser, make_reasoning_parser
 from radixserve.tokenizer import apply_chat_template, encode_prompt
 

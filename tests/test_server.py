@@ -292,7 +292,7 @@ def test_the_detokenizer_process_decodes_as_the_hf_tokenizer_does(tokenizer):
 
     from radixserve.detokenizer import Detokenizer
     from radixserve.messages import ReqOutput
-    from radixserve.models.loader import bundled_model_dir
+    from radixserve.models.source import bundled_model_dir
     from radixserve.tokenizer import TokenDecoder, load_decoder
 
     decoder = load_decoder(bundled_model_dir())

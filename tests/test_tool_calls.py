@@ -71,7 +71,7 @@ FUNCTIONS = [{"name": "get_weather", "parameters": {
 @pytest.fixture(scope="module")
 def grammars():
     from radixserve.constrained import GrammarBackend
-    from radixserve.models.loader import resolve_model
+    from radixserve.models.source import resolve_model
     from radixserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(None).tokenizer_dir)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixserve.config import EngineArgs
-from radixserve.models.loader import resolve_model
+from radixserve.models.source import resolve_model
 from radixserve.worker.model_runner import ModelRunner
 from scheduler_runs import greedy_run
 

@@ -84,7 +84,7 @@ def _baseline_env(tree: Path) -> dict[str, str]:
     install maps the kernels package to this checkout's `kernels/`), and a cache folder of its
     own, so that the two trees' CPU kernels (same extension name, different sources) do not
     rebuild each other at every start; the converted models are linked from this checkout's cache."""
-    from radixserve.models.loader import cache_root
+    from radixserve.models.source import cache_root
 
     packages = tree / ".radixserve-path"
     packages.mkdir(exist_ok=True)

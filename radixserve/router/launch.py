@@ -148,7 +148,7 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
         supervisor.start()
         tokenizer = router.tokenizer_path
         if router.kv_events and tokenizer is None:
-            from ..models.loader import resolve_model
+            from ..models.source import resolve_model
             tokenizer = str(resolve_model(server.engine.model).tokenizer_dir)
         return run_router(replace(router, host=server.host, port=server.port, api_key=server.api_key,
                                   worker_urls=tuple(urls), tokenizer_path=tokenizer))

@@ -325,7 +325,7 @@ def forwarded_headers(headers) -> dict[str, str]:
 
 def load_router_tokenizer(path: str | None) -> Any:
     """The tokenizer at `path`, else the bundled model's."""
-    from ..models.loader import resolve_model
+    from ..models.source import resolve_model
     from ..tokenizer import load_tokenizer
 
     return load_tokenizer(Path(path) if path else resolve_model(None).tokenizer_dir)

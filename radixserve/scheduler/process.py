@@ -20,7 +20,7 @@ from ..kv_events import KVEventPublisher, KVEventsConfig
 from ..ipc import Endpoints, Heartbeat, exit_with_parent, pull_socket, push_socket, recv_all, encode
 from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, FinishReason, GenerateReq, ReqOutput,
                         SchedulerReady)
-from ..models.loader import resolve_model
+from ..models.source import resolve_model
 from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
 from ..worker.process import start_rank0
 from .scheduler import Scheduler

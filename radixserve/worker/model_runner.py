@@ -12,7 +12,8 @@ from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..mem.kv_pool import KVPool
-from ..models.loader import ModelSource, build_model, with_max_context
+from ..models.loader import build_model, with_max_context
+from ..models.source import ModelSource
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample, verify

@@ -15,7 +15,7 @@ from ..config import EngineArgs
 from ..distributed import TPGroup, init_tp_group
 from ..ipc import Endpoints, exit_with_parent
 from ..mem.kv_pool import KVPool
-from ..models.loader import ModelSource, resolve_draft_model, resolve_model
+from ..models.source import ModelSource, resolve_draft_model, resolve_model
 from .model_runner import ModelRunner, default_device, resolve_dtype
 
 
