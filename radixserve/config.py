@@ -99,6 +99,7 @@ class EngineArgs:
     max_context_len: int | None = None
     chunked_prefill_size: int = 512
     max_prefill_tokens: int | None = None  # None: `prefill_budget` picks it for the device
+    prefill_admit_tokens: int | None = None  # None: `prefill_admit_limit` picks it for the device
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
@@ -160,6 +161,8 @@ class EngineArgs:
                 yield str(exc)
         if self.chunked_prefill_size < self.page_size:
             yield "chunked_prefill_size must be >= page_size"
+        if self.prefill_admit_tokens is not None and self.prefill_admit_tokens < 1:
+            yield "prefill_admit_tokens must be >= 1"
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             yield "max_total_tokens is too small"
         if not 0 < self.mem_fraction <= 1:
@@ -217,6 +220,19 @@ class EngineArgs:
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 2048 if device.startswith("cpu") else 4096
+
+    def prefill_admit_limit(self, device: str) -> int:
+        """A waiting request joins a step only while the requests admitted to it so far hold
+        fewer prompt tokens than this (a long prompt's continued chunks do not count, so short
+        prompts still ride along with them).
+
+        On CPU a step's cost is linear in its rows from a few dozen on (the linear layers are
+        bound by arithmetic there), so prompts arriving together gain nothing from sharing one
+        step: taken one or two per step, the first completes after its own prefill instead of
+        after all of theirs, and the running requests decode between them."""
+        if self.prefill_admit_tokens is not None:
+            return self.prefill_admit_tokens
+        return 256 if device.startswith("cpu") else self.prefill_budget(device)
 
     def local_tp_ranks(self) -> list[int]:
         """The tensor-parallel ranks this node hosts: node k gets the ranks r with

@@ -89,6 +89,22 @@ def test_shared_prefix_is_computed_once_in_a_burst():
     assert sorted(res[str(i)]["out"].cached_tokens for i in range(5)) == [0, 64, 64, 64, 64]
 
 
+@pytest.mark.parametrize("admit, first_step", [(100, [120]), (2048, [120] * 4)])
+def test_a_burst_of_prompts_completes_one_after_another(admit, first_step):
+    """Past `prefill_admit_tokens` no waiting request joins a step: each burst prompt gets a
+    step of its own (the earlier ones decoding beside it); with the limit at the budget they share one."""
+    sched, ex = make(chunk=512, prefill_admit_tokens=admit)
+    ps = prompts(4, 120, seed=3)
+    for i, p in enumerate(ps):
+        submit(sched, str(i), p, max_new=6)
+    res = run(sched)
+    assert all(res[str(i)]["ids"] == reference(p, 6) for i, p in enumerate(ps))
+    prompt_chunks = [[n for n in b.extend_lens if n > 1] for b in ex.batches]
+    assert prompt_chunks[0] == first_step
+    if admit == 100:
+        assert prompt_chunks[:4] == [[120]] * 4 and ex.batches[3].extend_lens.count(1) == 3
+
+
 def test_repeated_prompt_hits_cache_and_disabled_cache_does_not():
     for disable, expected in [(False, 40), (True, 0)]:
         sched, _ = make(disable_radix_cache=disable)

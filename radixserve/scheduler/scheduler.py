@@ -91,6 +91,7 @@ class Scheduler:
         self.pending_aborts: set[str] = set()
         self.new_token_ratio = args.new_token_ratio
         self.prefill_budget = args.prefill_budget(info.device)
+        self.prefill_admit_limit = args.prefill_admit_limit(info.device)
         self.last_was_prefill = False
         self.stats = SchedulerStats(num_slots=self.allocator.num_slots)
         self._recent_admissions: deque[tuple[int, int]] = deque(maxlen=200)
@@ -253,8 +254,9 @@ class Scheduler:
         reserved = self._reserved_decode_slots()
         ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache,
                                 lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]))
+        admitted = 0  # prompt tokens of the requests this step admits (continued chunks not counted)
         for req in ordered:
-            if budget <= 0 or self.rows.available() == 0:
+            if budget <= 0 or self.rows.available() == 0 or admitted >= self.prefill_admit_limit:
                 break
             slots, node = self._match(req)
             uncached = req.fill_ids[len(slots):]
@@ -275,6 +277,7 @@ class Scheduler:
             self._mark_shared(shared, uncached)
             reserved += growth
             budget -= n
+            admitted += n
             batch_started = True
             yield req, n
 
