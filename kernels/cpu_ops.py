@@ -12,6 +12,8 @@ against 7.1 ms for gathering K/V and running SDPA, float32 results equal to 3e-7
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,6 +33,20 @@ def headers_flag() -> str:
     return f"-DRADIXSERVE_HEADERS={digest}"
 
 
+@contextlib.contextmanager
+def exclusive_build(build: Path):
+    """Holds an flock on `build/build.lock` for one build-or-load. torch's own guard is a `lock`
+    file that a process killed mid-build leaves behind, and every later start then waits on it
+    forever; the kernel frees an flock when its holder dies, so under ours any `lock` is stale."""
+    with open(build / "build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled module (`paged_decode_attention`, `paged_extend_attention`, `rms_norm`, `silu_and_mul`, `rotary_`,
@@ -41,9 +57,10 @@ def load():
     build = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve")) / "cpu_kernels"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name="radixserve_cpu_ops", sources=[str(p) for p in SOURCES],
-                                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", headers_flag()], build_directory=str(build),
-                                  verbose=False)
+        with exclusive_build(build):
+            return cpp_extension.load(name="radixserve_cpu_ops", sources=[str(p) for p in SOURCES],
+                                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", headers_flag()],
+                                      build_directory=str(build), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
         log.warning("CPU kernels unavailable (%s); using the pure-torch path", exc)
         return None
