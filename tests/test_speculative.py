@@ -86,12 +86,29 @@ def test_acceptance_is_tracked_per_draft_and_misses_pause_speculation():
     assert (state.verify_steps, state.accepted_total) == (4, 5)
 
 
-def test_step_cost_is_fitted_from_measured_steps():
+def test_step_cost_follows_the_measured_steps_of_each_row_count():
     cost = StepCost()
-    for rows in [1, 8, 3, 40, 12, 1, 25, 7, 16, 2]:
-        cost.observe(rows, 0.02 + 0.003 * rows)
-    a, b = cost.coefficients()
-    assert a == pytest.approx(0.02, rel=1e-3) and b == pytest.approx(0.003, rel=1e-3)
+    assert cost.seconds(4) == pytest.approx(0.025 + 0.0025 * 4)  # the prior, before any step
+    for rows, seconds in [(1, 0.024), (8, 0.040), (8, 0.040), (12, 0.060), (264, 1.0)]:
+        cost.observe(rows, seconds)
+    assert cost.seconds(8) == pytest.approx(0.040)
+    assert cost.seconds(10) == pytest.approx(0.050)  # between measured counts: linear
+    assert cost.seconds(300) == pytest.approx(1.0 + 36 * (1.0 - 0.060) / 252)  # past the last: its slope
+    cost.observe(8, 0.090)
+    assert cost.seconds(8) == pytest.approx(0.040)  # one step slowed by something else does not move it
+    for _ in range(3):
+        cost.observe(8, 0.050)
+    assert cost.seconds(8) == pytest.approx(0.050)  # a run of slower steps (drift) does
+
+
+def test_draft_budget_takes_the_best_count_where_the_curve_dips():
+    """One request on a 2-core Zen 1: 6 rows fill one GEMM tile and cost less than 4 or 5."""
+    cost = StepCost()
+    for rows, seconds in [(1, 0.022), (2, 0.025), (3, 0.027), (4, 0.032), (5, 0.036), (6, 0.031), (9, 0.047)]:
+        cost.observe(rows, seconds)
+    state = SpecState(accepted_ema=0.9, tried_ema=1.0)
+    budget_drafts([(state, list(range(5)))], 1, cost)
+    assert len(state.drafts) == 5
 
 
 def test_draft_budget_keeps_what_pays_for_its_rows():
@@ -114,6 +131,23 @@ def test_draft_budget_keeps_what_pays_for_its_rows():
     states = [SpecState(accepted_ema=0.3, tried_ema=1.0) for _ in range(8)]
     budget_drafts([(s, list(range(5))) for s in states], 8, free)
     assert all(len(s.drafts) == 5 for s in states)
+
+
+def test_no_draft_pays_where_a_row_costs_a_decode_rows_share():
+    """Measured on a 2-core Zen 1 (float32): 24 ms a step at 1 row, 40 ms at 8, then 5 ms for
+    each row more. A line through all steps puts the 9th row at ~3 ms and keeps good drafts; the
+    curve says a verify row costs as much as a token of the plain step, so even drafts accepted
+    95% of the time lose at batch 8, and at batch 1 they still pay."""
+    cost = StepCost()
+    for rows, seconds in [(1, 0.024), (2, 0.027), (4, 0.031), (8, 0.040), (9, 0.045), (12, 0.060),
+                          (16, 0.080)]:
+        cost.observe(rows, seconds)
+    at_eight = [SpecState(accepted_ema=0.95, tried_ema=1.0) for _ in range(8)]
+    budget_drafts([(s, list(range(4))) for s in at_eight], 8, cost)
+    assert [len(s.drafts) for s in at_eight] == [0] * 8
+    alone = SpecState(accepted_ema=0.95, tried_ema=1.0)
+    budget_drafts([(alone, list(range(4)))], 1, cost)
+    assert len(alone.drafts) == 4
 
 
 def test_draft_budget_counts_a_draft_models_steps():

@@ -166,7 +166,8 @@ class Scheduler:
                 step.batch = self._batch_of(step)
                 started = time.perf_counter()
                 result = self.executor.forward(step.batch)
-                self.step_cost.observe(len(step.batch.input_ids), time.perf_counter() - started)
+                if not step.num_prefill:  # the cost of rows that make logits (see StepCost)
+                    self.step_cost.observe(len(step.batch.input_ids), time.perf_counter() - started)
                 if self.model_drafter is not None and step.num_prefill:
                     self.model_drafter.prefill(step.reqs, step.batch, step.num_prefill)
                 self._process(step, result)
@@ -193,8 +194,6 @@ class Scheduler:
             return self._alternating_step()
         decoding = self._prepare_decode()
         prefill, lens, reused = self._prepare_prefill(batch_started=bool(decoding))
-        if any(r.drafts for r in decoding) and prefill:
-            self._trim_drafts(decoding, len(decoding) + sum(lens))
         if not decoding and not prefill:
             return None
         mode = ForwardMode.MIXED if prefill and decoding else (
@@ -418,15 +417,6 @@ class Scheduler:
         if dropped:
             del spec.drafts[len(spec.draft_masks):]
             self._free_tail(req, len(req.kv_slots) - dropped)
-
-    def _trim_drafts(self, reqs: list[Req], rows: int) -> None:
-        """Re-budget the drafts when prompt chunks joined the step (they make it costlier), and
-        give back the slots of the drafts dropped."""
-        with_drafts = [r for r in reqs if r.drafts]
-        before = [len(r.drafts) for r in with_drafts]
-        budget_drafts([(r.spec, r.drafts) for r in with_drafts], rows, self.step_cost, self._draft_step_seconds())
-        for req, proposed in zip(with_drafts, before):
-            self._free_tail(req, len(req.kv_slots) - (proposed - len(req.drafts)))
 
     def _free_tail(self, req: Req, keep: int) -> None:
         """Give back the request's own slots past its first `keep` (draft slots not used)."""

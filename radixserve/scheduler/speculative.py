@@ -5,17 +5,19 @@ quoting its context, an agent repeating a tool's output) proposes the tokens tha
 earlier occurrence. The model checks all of them in one extend step (`worker/sampler.verify`).
 Nothing here touches the model: a draft costs a dictionary lookup.
 
-When speculation pays: each draft token adds a row to the step. `StepCost` fits the step time
-to its rows as the server runs (a + b x rows); `budget_drafts` keeps a draft only while its
+When speculation pays: each draft token adds a row to the step. `StepCost` learns the step
+time of each row count as the server runs; `budget_drafts` keeps a draft only while its
 expected tokens (p^j for the j-th draft of a request whose drafts are accepted with chance p)
 raise the step's tokens per second. On a GPU a row is nearly free and every draft is kept; on
-this CPU (~25 ms a step at 1 row, ~2.5 ms per more row) long drafts pay at batch 1, and at
-batch 8 only the first drafts of requests that copy well. A request that keeps missing stops
+a 2-core Zen 1 in float32 (24 ms a step at 1 row, 3-5 ms per more row) long drafts pay at
+batch 1, and at batch 8, where a row costs as much as a decode row's share, none do. A request that keeps missing stops
 proposing for a while (exponentially longer after each run of misses).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import bisect
+import statistics
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 MIN_NGRAM = 3  # shorter matches are mostly chance in natural text (they cost rows, not output)
@@ -25,8 +27,10 @@ MISSES_BEFORE_PAUSE = 2
 FIRST_PAUSE = 4  # output tokens without drafts after the first run of misses; doubles each time
 MAX_PAUSE = 256
 SHARED_NGRAMS = 200_000  # bound of the table of n-grams from recent outputs
-COST_DECAY = 0.98  # weight of the past in the step-cost fit
+COST_SAMPLES = 5  # recent steps of a row count whose median is its cost
 PRIOR_STEP_S, PRIOR_ROW_S = 0.025, 0.0025  # the cost model before steps are measured (2-core CPU)
+MIN_STEP_S = 1e-4
+MIN_DRAFT_GAIN = 1e-3  # expected tokens below which a draft is not weighed
 
 
 @dataclass
@@ -65,52 +69,77 @@ class SpecState:
 
 
 class StepCost:
-    """Seconds of a forward step as a + b x rows, fitted by decayed least squares over the
-    steps run so far (the prior holds until the row counts have varied)."""
+    """Seconds of a forward step by its row count, as measured: the median of the last few steps
+    of each count seen, linear between counts, and extended past the ends with the slope of the
+    nearest two.
+
+    Only steps without prompt chunks are measured: every row of a decode or verify step makes
+    logits, a prompt row does not (0.9 ms a row less for the bundled model's LM head on this CPU),
+    so prompt steps would make verify rows look cheap. Drafts in a step that prompt chunks join
+    are budgeted as in a decode step: the chunk costs the same with them or without, and a draft
+    row costs about as much in either.
+
+    A step's cost is not one line in its rows. On a 2-core Zen 1 in float32, a decode step took
+    22 ms at one row and 40 ms at eight, but each row past eight cost 5 ms, as much as the
+    average row of the eight, since the GEMM is compute-bound there; and one request with 5
+    drafts (6 rows, one full GEMM tile) took 31 ms where 3 drafts took 32. A line fitted over all
+    steps, prompt steps included, put the marginal row at 3.5 ms, so verify steps that could not
+    pay kept running. The median keeps a step slowed by something else (the api process's work
+    on the same cores) from setting a count's cost."""
 
     def __init__(self) -> None:
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.counts: list[int] = []  # row counts seen, sorted
+        self.recent: dict[int, deque[float]] = {}
+        self.medians: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
-        d = COST_DECAY
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
-        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+        recent = self.recent.get(rows)
+        if recent is None:
+            bisect.insort(self.counts, rows)
+            recent = self.recent[rows] = deque(maxlen=COST_SAMPLES)
+        recent.append(seconds)
+        self.medians[rows] = statistics.median(recent)
 
-    def coefficients(self) -> tuple[float, float]:
-        var = self.n * self.sxx - self.sx ** 2
-        if self.n < 8 or var < 1e-9 * max(self.sxx, 1.0) * self.n:
-            return PRIOR_STEP_S, PRIOR_ROW_S
-        b = max((self.n * self.sxy - self.sx * self.sy) / var, 0.0)
-        a = max((self.sy - b * self.sx) / self.n, 1e-4)
-        return a, b
+    def seconds(self, rows: int) -> float:
+        """The expected seconds of a step of `rows` rows."""
+        counts, medians = self.counts, self.medians
+        if rows in medians:
+            return medians[rows]
+        if not counts:
+            return PRIOR_STEP_S + PRIOR_ROW_S * rows
+        if len(counts) == 1:
+            return max(medians[counts[0]] + PRIOR_ROW_S * (rows - counts[0]), MIN_STEP_S)
+        i = min(max(bisect.bisect_left(counts, rows), 1), len(counts) - 1)
+        lo, hi = counts[i - 1], counts[i]
+        slope = max((medians[hi] - medians[lo]) / (hi - lo), 0.0)
+        return max(medians[lo] + slope * (rows - lo), MIN_STEP_S)
 
 
 def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost: StepCost,
                   depth_seconds: float = 0.0) -> None:
-    """Set each request's drafts to the prefix of its proposal worth verifying this step: add
-    draft tokens, most likely first, while each raises the step's expected tokens per second.
+    """Set each request's drafts to the prefix of its proposal worth verifying this step: the
+    most likely draft tokens, as many as give the step the most expected tokens per second.
     `rows` is the step's rows without drafts (one per request, plus prompt chunks).
 
     `depth_seconds` is what drafting one token deeper costs the whole batch (a draft model's
     step; n-gram drafts cost nothing). Since that cost is shared, each depth limit is tried
     and the one with the most tokens per second is kept."""
-    a, b = cost.coefficients()
     candidates = sorted(((state.accept_rate ** (j + 1), j, i) for i, (state, draft) in enumerate(proposals)
                          for j in range(len(draft))), key=lambda c: (-c[0], c[1]))
     longest = max((len(draft) for _, draft in proposals), default=0)
-    best_rate, best = len(proposals) / (a + b * rows), [0] * len(proposals)
+    best_rate, best = len(proposals) / cost.seconds(rows), [0] * len(proposals)
     for depth in range(1, longest + 1) if depth_seconds > 0 else [longest]:
-        keep = [0] * len(proposals)
-        tokens, seconds = float(len(proposals)), a + b * rows + depth * depth_seconds
+        keep, tokens, added = [0] * len(proposals), float(len(proposals)), 0
         for gain, j, i in candidates:
+            if gain < MIN_DRAFT_GAIN:
+                break
             if j >= depth or j != keep[i]:
                 continue
-            if (tokens + gain) / (seconds + b) <= tokens / seconds:
-                break
             keep[i] += 1
-            tokens, seconds = tokens + gain, seconds + b
-        if tokens / seconds > best_rate:
-            best_rate, best = tokens / seconds, keep
+            tokens, added = tokens + gain, added + 1
+            rate = tokens / (cost.seconds(rows + added) + depth * depth_seconds)
+            if rate > best_rate:
+                best_rate, best = rate, list(keep)
     for (state, draft), n in zip(proposals, best):
         state.drafts = draft[:n]
 
