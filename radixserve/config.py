@@ -222,14 +222,16 @@ class EngineArgs:
         return 2048 if device.startswith("cpu") else 4096
 
     def prefill_admit_limit(self, device: str) -> int:
-        """A waiting request joins a step only while the requests admitted to it so far hold
-        fewer prompt tokens than this (a long prompt's continued chunks do not count, so short
-        prompts still ride along with them).
+        """A waiting request joins a step only if the prompt tokens the step admits stay within
+        this, or it is the first admitted (a long prompt's continued chunks do not count, so
+        short prompts still ride along with them).
 
         On CPU a step's cost is linear in its rows from a few dozen on (the linear layers are
         bound by arithmetic there), so prompts arriving together gain nothing from sharing one
-        step: taken one or two per step, the first completes after its own prefill instead of
-        after all of theirs, and the running requests decode between them."""
+        step: taken one per step, the first completes after its own prefill instead of after all
+        of theirs, and the running requests decode between them. Taken in pairs (the rule was
+        "until the step holds this many"), multi_turn's eight ~190-token first turns finished
+        two by two, so the last two waited as long as in one shared step."""
         if self.prefill_admit_tokens is not None:
             return self.prefill_admit_tokens
         return 256 if device.startswith("cpu") else self.prefill_budget(device)

@@ -89,10 +89,11 @@ def test_shared_prefix_is_computed_once_in_a_burst():
     assert sorted(res[str(i)]["out"].cached_tokens for i in range(5)) == [0, 64, 64, 64, 64]
 
 
-@pytest.mark.parametrize("admit, first_step", [(100, [120]), (2048, [120] * 4)])
+@pytest.mark.parametrize("admit, first_step", [(100, [120]), (256, [120, 120]), (2048, [120] * 4)])
 def test_a_burst_of_prompts_completes_one_after_another(admit, first_step):
-    """Past `prefill_admit_tokens` no waiting request joins a step: each burst prompt gets a
-    step of its own (the earlier ones decoding beside it); with the limit at the budget they share one."""
+    """A waiting request joins a step only while its prompt tokens keep the step within
+    `prefill_admit_tokens`: each burst prompt gets a step of its own (the earlier ones decoding
+    beside it), two fit 256, and with the limit at the budget they share one."""
     sched, ex = make(chunk=512, prefill_admit_tokens=admit)
     ps = prompts(4, 120, seed=3)
     for i, p in enumerate(ps):

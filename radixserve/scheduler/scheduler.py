@@ -255,13 +255,15 @@ class Scheduler:
                                 lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]))
         admitted = 0  # prompt tokens of the requests this step admits (continued chunks not counted)
         for req in ordered:
-            if budget <= 0 or self.rows.available() == 0 or admitted >= self.prefill_admit_limit:
+            if budget <= 0 or self.rows.available() == 0:
                 break
             slots, node = self._match(req)
             uncached = req.fill_ids[len(slots):]
             if self._share_later(shared, uncached, batch_started):
                 continue
             n = min(len(uncached), self.args.chunked_prefill_size, budget)
+            if admitted and admitted + n > self.prefill_admit_limit:
+                break
             growth = req.remaining_new_tokens * self.new_token_ratio if n == len(uncached) else 0
             self.cache.inc_lock_ref(node)
             need = self.allocator.pages_needed(len(slots), n) * self.info.page_size
