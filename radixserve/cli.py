@@ -26,10 +26,9 @@ ENGINE_FLAGS = [
     ("--max-prefill-tokens", dict(type=int, default=None,
                                   help="prompt tokens per step (default: 2048 on CPU, 4096 on GPU, as measured)")),
     ("--prefill-admit-tokens", dict(type=int, default=None,
-                                    help="a waiting request joins a step only while the requests admitted to it "
-                                         "hold fewer prompt tokens than this, so a burst of prompts completes one "
-                                         "after another "
-                                         "(default: 256 on CPU; on GPU the step's budget)")),
+                                    help="a waiting request joins a step only if the prompt tokens the step "
+                                         "admits stay within this (the first always joins), so a burst of prompts "
+                                         "completes one after another (default: 256 on CPU; on GPU the step's budget)")),
     ("--schedule-policy", dict(default="lpm", choices=SCHEDULE_POLICIES,
                                help="lpm: longest cached prefix first; dfs-weight; fcfs")),
     ("--disable-radix-cache", dict(action="store_true", help="no prefix reuse (a baseline)")),
