@@ -6,12 +6,13 @@ earlier occurrence. The model checks all of them in one extend step (`worker/sam
 Nothing here touches the model: a draft costs a dictionary lookup.
 
 When speculation pays: each draft token adds a row to the step. `StepCost` learns the step
-time of each row count as the server runs; `budget_drafts` keeps a draft only while its
-expected tokens (p^j for the j-th draft of a request whose drafts are accepted with chance p)
-raise the step's tokens per second. On a GPU a row is nearly free and every draft is kept; on
-a 2-core Zen 1 in float32 (24 ms a step at 1 row, 3-5 ms per more row) long drafts pay at
-batch 1, and at batch 8, where a row costs as much as a decode row's share, none do. A request that keeps missing stops
-proposing for a while (exponentially longer after each run of misses).
+time of each row count as the server runs; `budget_drafts` keeps as many of the likeliest
+drafts (p^j for the j-th draft of a request whose drafts are accepted with chance p) as give
+the step the most expected tokens per second. On a GPU a row is nearly free and every draft is
+kept; on a 2-core Zen 1 in float32 (24 ms a step at 1 row, 3-5 ms per more row) long drafts pay
+at batch 1, and at batch 8, where a row costs about a decoded token's share, only the surest
+do, and they gain little. A request that keeps missing stops proposing for a while
+(exponentially longer after each run of misses).
 """
 from __future__ import annotations
 
