@@ -38,13 +38,15 @@ def exclusive_build(build: Path):
     """Holds an flock on `build/build.lock` for one build-or-load. torch's own guard is a `lock`
     file that a process killed mid-build leaves behind, and every later start then waits on it
     forever; the kernel frees an flock when its holder dies, so under ours any `lock` is stale."""
-    with open(build / "build.lock", "w") as handle:
+    with open(build / "build.lock", "w") as handle:  # closing it releases the flock
         fcntl.flock(handle, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
+
+
+def build_dir() -> Path:
+    """Where the kernels are built and cached: `cpu_kernels` in radixserve's cache folder."""
+    return Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve")) / "cpu_kernels"
 
 
 @lru_cache(maxsize=1)
@@ -54,7 +56,7 @@ def load():
     from torch.utils import cpp_extension
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv's ninja
-    build = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve")) / "cpu_kernels"
+    build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
     try:
         with exclusive_build(build):

@@ -1,11 +1,14 @@
 """The CPU kernels against their torch references: paged decode and extend attention (against
 gathering K/V and running SDPA) and the fused RMSNorm, SwiGLU activation and rotary embedding."""
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from radixserve.layers import apply_rotary
-from radixserve_kernels.cpu_ops import load
+from radixserve_kernels.cpu_ops import build_dir, load
 
 kernel = load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler to build the CPU kernel")
@@ -148,17 +151,12 @@ def test_packed_linear_matches_float64_reference(rows, out_features, in_features
                                F.linear(strided.double(), weight.double()).float(), atol=1e-4, rtol=1e-4)
 
 
-def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
+def test_a_build_killed_midway_does_not_block_later_loads():
     """torch's build guard is a `lock` file left behind by a process killed while it built;
     a later load must not wait on it forever."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cache = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve"))
-    (cache / "cpu_kernels" / "lock").touch()
+    stale = build_dir() / "lock"
+    stale.touch()
     code = "from radixserve_kernels.cpu_ops import load; assert load() is not None"
     done = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert not (cache / "cpu_kernels" / "lock").exists()
+    assert not stale.exists()
