@@ -7,16 +7,17 @@
 // horizontal sums. Every tile shape uses all kAcc accumulators (6 rows x 1 block, 3 x 2, 2 x 3,
 // 1 x 6 on AVX2), so the FMA units stay busy at any row count: a 4-row tile over one block would
 // leave half of them waiting on the FMA latency (8 rows ran at 57 GFLOP/s a core against 86 for
-// 6). Threads split the blocks evenly, so each streams one contiguous range of the weight
-// (decode is bound by that stream; the model's linear layers at 8 rows from DRAM took 26-36 ms
-// against 28-40 ms with a [blocks, K, kBlock] layout, interleaved runs; software prefetch on top
-// did not help). Rows are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk
+// 6). Threads take units of blocks from the two ends of the range (cpu_parallel.h), so each
+// streams through the weight in one direction (decode is bound by that stream; the model's linear
+// layers at 8 rows from DRAM took 26-36 ms against 28-40 ms with a [blocks, K, kBlock] layout,
+// interleaved runs). Rows are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk
 // at a time so a group's slice of the weight stays in cache across the row tiles.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <array>
 #include <cstring>
 #include <utility>
+#include "cpu_parallel.h"
 
 namespace {
 
@@ -31,6 +32,9 @@ constexpr int kVecs = 2;
 constexpr int kBlock = kLanes * kVecs;
 constexpr int kGroup = kAcc / kVecs;  // blocks a one-row tile covers; also the tallest tile's rows
 constexpr int64_t kChunk = 256;
+// Blocks of a unit of work (see packed_linear): a group on AVX2; half a group on AVX-512, so that
+// the model's small projections (36 blocks) still make 6 units.
+constexpr int64_t kUnitBlocks = kLanes == 16 ? kGroup / 2 : kGroup;
 constexpr int64_t kRowChunk = 96;
 // Up to kStreamRows rows (decode batches), a tile of kStreamTileRows or more rows reading its
 // blocks for the first time prefetches the blocks that follow them in the packed layout (every
@@ -79,7 +83,7 @@ struct Tile {
   float* y;            // first row, first column of the tile's outputs
   int64_t ldy;
   int64_t cols;        // valid columns from the first block on (only the last block is partial)
-  bool prefetch_next;  // prefetch the next tile's block while computing this one (see kStreamRows)
+  const float* prefetch;  // the block read next, addressed like `block` (see kStreamRows), or nullptr
 };
 
 inline int64_t block_cols(const Tile& t, int j) { return std::min<int64_t>(kBlock, t.cols - j * kBlock); }
@@ -93,13 +97,12 @@ void micro(const Tile& t) {
       else if (t.bias != nullptr) load_row(t.bias + j * kBlock, block_cols(t, j), acc[m][j]);
       else for (int v = 0; v < kVecs; ++v) acc[m][j][v] = Vec{};
     }
-  const float* next_block = t.block + Blocks * t.block_stride;  // what follows the tile's blocks
 #pragma GCC unroll 4  // measured: ~10% more FLOP/s at prefill sizes than the plain loop
   for (int64_t k = t.k0; k < t.k1; ++k) {
-    if (Rows >= kStreamTileRows && t.prefetch_next)
+    if (Rows >= kStreamTileRows && t.prefetch != nullptr)
       for (int j = 0; j < Blocks; ++j)
         for (int line = 0; line < kBlock; line += 64 / static_cast<int>(sizeof(float)))
-          __builtin_prefetch(next_block + j * t.block_stride + k * kBlock + line, 0, 3);
+          __builtin_prefetch(t.prefetch + j * t.block_stride + k * kBlock + line, 0, 3);
     if constexpr (Rows <= Blocks * kVecs) {  // fewer x values than weight vectors: hold x in registers
       Vec xv[Rows];
       for (int m = 0; m < Rows; ++m) xv[m] = Vec{} + t.x[m * t.ldx + k];
@@ -183,33 +186,45 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pack
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  // Threads split the blocks evenly (a thread's range may start or end inside a group): split by
-  // whole groups, the model's small projections (2-3 groups of 12 blocks with AVX-512) left one
-  // thread with twice the other's share of the weight stream.
-  at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-      const int64_t r_end = std::min(rows, r0 + kRowChunk);
-      for (int64_t g = b_begin - b_begin % kGroup; g < b_end; g += kGroup) {
-        const int64_t group = std::min<int64_t>(kGroup, blocks - g);
-        const int64_t first_block = std::max(g, b_begin), last_block = std::min(g + group, b_end);
-        const float* gbase = wp + g * k * kBlock;
-        for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-          const int64_t kc = std::min(kChunk, k - k0);
-          const float* cbase = gbase + k0 * group * kBlock;  // this chunk's blocks, kc * kBlock each
-          for (int64_t r = r0; r < r_end;) {
-            const int height = next_height(r_end - r);
-            const int64_t span = kGroup / height;
-            for (int64_t b = first_block; b < last_block; b += span) {
-              const int64_t count = std::min(span, last_block - b);
-              const float* first = cbase + (b - g) * kc * kBlock - k0 * kBlock;
-              const Tile tile{xp + r * k, k, first, kc * kBlock, bp ? bp + b * kBlock : nullptr,
-                              k0, k0 + kc, yp + r * n + b * kBlock, n, n - b * kBlock,
-                              r == r0 && rows <= kStreamRows};
-              kMicro[height - 1][count - 1](tile);
-            }
-            r += height;
-          }
+  // Work units: kUnitBlocks blocks of outputs for a chunk of rows, rows chunk by chunk, shared by
+  // the threads from both ends (cpu_parallel.h). Split evenly in advance, a slower core held the
+  // other at the end of every call: the model's linear layers at 8 rows took 0.90-0.95x the time
+  // of that split on a 2-core Zen 1 (interleaved runs), whose two cores ran the same share up to
+  // 1.3x apart.
+  const int64_t units_per_chunk = (blocks + kUnitBlocks - 1) / kUnitBlocks;
+  const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk, units = row_chunks * units_per_chunk;
+  // Where block b's rows [k0, k0 + kc) start in the packed layout (kc = the chunk's size).
+  auto block_chunk = [&](int64_t b, int64_t k0) {
+    const int64_t g = b - b % kGroup, group = std::min<int64_t>(kGroup, blocks - g);
+    return wp + g * k * kBlock + k0 * group * kBlock + (b - g) * std::min(kChunk, k - k0) * kBlock;
+  };
+  cpu_parallel::for_units_from_both_ends(units, [&](int64_t unit, bool front) {
+    const int64_t r0 = unit / units_per_chunk * kRowChunk, r_end = std::min(rows, r0 + kRowChunk);
+    const int64_t first_block = unit % units_per_chunk * kUnitBlocks;
+    const int64_t last_block = std::min(blocks, first_block + kUnitBlocks);
+    const int64_t next_unit = front ? unit + 1 : unit - 1;  // most likely the thread's next one
+    // The block this thread reads after block b's chunk at k0: the unit's next block, the unit's
+    // first block in the next chunk, or the next unit's first block; nullptr at the range's end.
+    auto read_after = [&](int64_t b, int64_t k0, int64_t kc) -> const float* {
+      if (b + 1 < last_block) return block_chunk(b + 1, k0);
+      if (k0 + kc < k) return block_chunk(first_block, k0 + kc);
+      if (next_unit < 0 || next_unit >= units) return nullptr;
+      return block_chunk(next_unit % units_per_chunk * kUnitBlocks, 0);
+    };
+    for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+      const int64_t kc = std::min(kChunk, k - k0);
+      for (int64_t r = r0; r < r_end;) {
+        const int height = next_height(r_end - r);
+        const int64_t span = kGroup / height;
+        for (int64_t b = first_block; b < last_block; b += span) {
+          const int64_t count = std::min(span, last_block - b);
+          const float* after = r == r0 && rows <= kStreamRows ? read_after(b + count - 1, k0, kc) : nullptr;
+          const Tile tile{xp + r * k, k, block_chunk(b, k0) - k0 * kBlock, kc * kBlock, bp ? bp + b * kBlock : nullptr,
+                          k0, k0 + kc, yp + r * n + b * kBlock, n, n - b * kBlock,
+                          after != nullptr ? after - k0 * kBlock : nullptr};
+          kMicro[height - 1][count - 1](tile);
         }
+        r += height;
       }
     }
   });
