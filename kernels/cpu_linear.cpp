@@ -37,8 +37,8 @@ constexpr int64_t kChunk = 256;
 constexpr int64_t kUnitBlocks = kLanes == 16 ? kGroup / 2 : kGroup;
 constexpr int64_t kRowChunk = 96;
 // Up to kStreamRows rows (decode batches), a tile of kStreamTileRows or more rows reading its
-// blocks for the first time prefetches the blocks that follow them in the packed layout (every
-// cache line of them), so that the weight stream overlaps the arithmetic. Measured on the
+// blocks for the first time prefetches the blocks its thread reads next (every cache line of
+// them; see packed_linear), so that the weight stream overlaps the arithmetic. Measured on the
 // model's linear layers at 8 rows from DRAM, AVX2 (6x1 tiles): 20-24 ms against 27-31 ms
 // without; AVX-512 (6x2 tiles, 128-byte block rows): 0.89x the time of prefetching nothing.
 // Prefetching in the shorter multi-block tiles (1-5 rows) or in prefills was slower. The hint asks
