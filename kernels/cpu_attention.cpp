@@ -19,13 +19,14 @@
 
 namespace {
 
-constexpr int64_t kPrefetch = 8;  // rows ahead: slots are often scattered, so ask for them early
-// Rows ahead that the float32 decode kernel's key pass also asks L2 for: that key row and the
-// value row of the same slot (read in the value pass after the softmax). With only the near
-// L1 prefetch the kernel read K/V at 15-17 GB/s; with this, 30 layers of batch 8 at context
-// 256 took 0.75-0.80x the time, at context 1024 0.73x, one request at 1024 0.65x
-// (interleaved, side by side builds; 16 and 64 rows were no better).
-constexpr int64_t kFarPrefetch = 32;
+// Rows ahead: slots are often scattered, so ask for them early. The float32 decode kernel asks
+// for nothing further ahead: a second, L2 prefetch 32 rows ahead of its keys and values, and
+// one of the next task's rows during the value pass, made 30 layers of attention from DRAM take
+// 1.09x the time at batch 8, context 256, 1.08x at context 1024 and 1.10x for one request at
+// 1024, and 1.24x with K/V in cache (2-core Zen 1, interleaved in one process): more prefetch
+// instructions than the loads they hide, on a stream the hardware prefetcher follows. Without
+// them the batch-8 decode step took 0.98x the time at context 256 and 0.96x at 1024.
+constexpr int64_t kPrefetch = 8;
 constexpr int64_t kValueBlock = 32;  // value rows a query group accumulates before the next block (8 KiB at head dim 64)
 constexpr int64_t kQueryBlock = 16;  // new tokens an extend task attends for (times the group's heads)
 
@@ -87,11 +88,9 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
 // The fast path for float32 with head_dim = 8 * Vecs: register tiles of up to three query heads
 // of the group, so that each key and value vector is loaded once for them all.
 
-// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several);
-// Locality 3 brings them into L1, 2 into L2 only (for rows needed later than the next few).
-template <int Locality = 3>
+// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several).
 inline void prefetch_row(const float* row, int floats) {
-  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, Locality);
+  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, 3);
 }
 
 // The horizontal sums of four vectors, stored at out[0], out[1], out[2], out[3].
@@ -148,12 +147,10 @@ struct KvRows {
   int64_t len, head_offset;
 };
 
-// Attention of G query heads (qf, scaled) over the rows of `task`. While the values are summed,
-// the next task's K/V rows are asked for (L2): one thread's tasks then read memory back to back,
-// 0.96x the time at batch 8, context 256 on a 2-core Zen 1.
+// Attention of G query heads (qf, scaled) over the rows of `task`.
 template <int Vecs, int G>
 void attend_heads(const float* qf, const float* kp, const float* vp, const KvRows& task, int64_t slot_stride,
-                  float* scores, float* out, int64_t out_head_stride, const KvRows& next) {
+                  float* scores, float* out, int64_t out_head_stride) {
   const int64_t* slots = task.slots;
   const int64_t len = task.len, head_offset = task.head_offset;
   int64_t t = 0;
@@ -162,11 +159,6 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
     for (int i = 0; i < 4; ++i) {
       keys[i] = kp + slots[t + i] * slot_stride + head_offset;
       if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
-      if (t + i + kFarPrefetch < len) {
-        const int64_t far = slots[t + i + kFarPrefetch] * slot_stride + head_offset;
-        prefetch_row<2>(kp + far, 8 * Vecs);
-        prefetch_row<2>(vp + far, 8 * Vecs);
-      }
     }
     score_tile<Vecs, G>(qf, keys, scores, len, t);
   }
@@ -188,11 +180,6 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
     for (int64_t t = t0; t < t1; ++t) {
       values[t - t0] = vp + slots[t] * slot_stride + head_offset;
       if (t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
-      if (t < next.len) {
-        const int64_t ahead = next.slots[t] * slot_stride + next.head_offset;
-        prefetch_row<2>(kp + ahead, 8 * Vecs);
-        prefetch_row<2>(vp + ahead, 8 * Vecs);
-      }
     }
     int v0 = 0;
     for (; v0 + C <= Vecs; v0 += C) value_tile<G, C>(scores, len, values, t0, t1, v0, out, out_head_stride);
@@ -204,25 +191,24 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
   }
 }
 
-// A (request, KV head) task: the group's query heads three at a time; the last tile asks for
-// the next task's rows. In cache, 0.79x the time of one query head at a time (batch 1, context 256).
+// A (request, KV head) task: the group's query heads three at a time. In cache, 0.79x the time
+// of one query head at a time (batch 1, context 256).
 template <int Vecs>
 void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const KvRows& task,
-                  int64_t slot_stride, float* scores, float* out, int64_t out_head_stride, const KvRows& next) {
+                  int64_t slot_stride, float* scores, float* out, int64_t out_head_stride) {
   for (int64_t g = 0; g < group;) {
     const int64_t n = std::min<int64_t>(3, group - g);
-    const KvRows ahead = g + n < group ? KvRows{nullptr, 0, 0} : next;
     const float* q = qf + g * Vecs * 8;
     float* o = out + g * out_head_stride;
-    if (n == 3) attend_heads<Vecs, 3>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
-    else if (n == 2) attend_heads<Vecs, 2>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
-    else attend_heads<Vecs, 1>(q, kp, vp, task, slot_stride, scores, o, out_head_stride, ahead);
+    if (n == 3) attend_heads<Vecs, 3>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
+    else if (n == 2) attend_heads<Vecs, 2>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
+    else attend_heads<Vecs, 1>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
     g += n;
   }
 }
 
 using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const KvRows&, int64_t, float*,
-                             float*, int64_t, const KvRows&);
+                             float*, int64_t);
 
 // The fast path for this head_dim, or nullptr (head_dim not a multiple of 8 up to 128).
 AttendFloat attend_float_for(int64_t dim) {
@@ -262,12 +248,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = static_cast<float>(qp[b * q_stride + (kh * group + g) * dim + i]) * static_cast<float>(scale);
       if (fast != nullptr) {
-        const int64_t nb = (task + 1) / kv_heads;
-        const KvRows next = task + 1 < end ? KvRows{table + row_of[nb] * table_stride, len_of[nb], (task + 1) % kv_heads * head_stride}
-                                           : KvRows{nullptr, 0, 0};
         fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
              KvRows{slots, len, kh * head_stride}, slot_stride, scores.data(),
-             reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim, next);
+             reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
         continue;
       }
       for (int64_t t = 0; t < len; ++t) {
