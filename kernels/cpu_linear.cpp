@@ -32,9 +32,10 @@ constexpr int kVecs = 2;
 constexpr int kBlock = kLanes * kVecs;
 constexpr int kGroup = kAcc / kVecs;  // blocks a one-row tile covers; also the tallest tile's rows
 constexpr int64_t kChunk = 256;
-// Blocks of a unit of work (see packed_linear): a group on AVX2; half a group on AVX-512, so that
-// the model's small projections (36 blocks) still make 6 units.
-constexpr int64_t kUnitBlocks = kLanes == 16 ? kGroup / 2 : kGroup;
+// Blocks of a unit of work (see packed_linear): a group on AVX2, half a group on AVX-512 (whose
+// groups are 12 blocks), so that the model's small projections (36 blocks) still make 6 units.
+constexpr int64_t kUnitBlocks = 6;
+static_assert(kGroup % kUnitBlocks == 0, "a group must hold whole units");
 constexpr int64_t kRowChunk = 96;
 // Up to kStreamRows rows (decode batches), a tile of kStreamTileRows or more rows reading its
 // blocks for the first time prefetches the blocks its thread reads next (every cache line of
