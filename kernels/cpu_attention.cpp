@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
+#include "cpu_layer_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -222,6 +223,31 @@ AttendFloat attend_float_for(int64_t dim) {
   }
 }
 
+// One (query, KV head) task of any dtype, without the fast path: a dot product per key.
+template <typename T>
+void decode_task_generic(const T* qp, const T* kp, const T* vp, const int64_t* slots, int64_t len,
+                         int64_t slot_stride, int64_t head_offset, int64_t group, int64_t dim, float scale, T* out,
+                         cpu_layer_ops::AttentionScratch& s) {
+  s.scores.assign(group * len, 0.f);
+  s.queries.resize(group * dim);
+  s.values.assign(group * dim, 0.f);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < dim; ++i) s.queries[g * dim + i] = static_cast<float>(qp[g * dim + i]) * scale;
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + head_offset);
+    const T* key = kp + slots[t] * slot_stride + head_offset;
+    for (int64_t g = 0; g < group; ++g) s.scores[g * len + t] = dot(s.queries.data() + g * dim, key, dim);
+  }
+  softmax_rows(s.scores.data(), group, len, len);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + head_offset);
+    const T* value = vp + slots[t] * slot_stride + head_offset;
+    for (int64_t g = 0; g < group; ++g) axpy(s.scores[g * len + t], value, s.values.data() + g * dim, dim);
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < dim; ++i) out[g * dim + i] = static_cast<T>(s.values[g * dim + i]);
+}
+
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& req_to_token, const torch::Tensor& rows, const torch::Tensor& seq_lens,
@@ -237,37 +263,24 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* len_of = seq_lens.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
   const int64_t q_stride = q.stride(0);
-  const AttendFloat fast = std::is_same_v<T, float> ? attend_float_for(dim) : nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    const cpu_layer_ops::DecodeAttention attention{
+        {qp, q_stride, slot_stride, head_stride, table, table_stride, op, heads * dim, heads, kv_heads, dim,
+         static_cast<float>(scale)},
+        row_of, len_of, batch};
+    at::parallel_for(0, attention.tasks(), 1, [&](int64_t begin, int64_t end) {
+      cpu_layer_ops::AttentionScratch scratch;
+      for (int64_t task = begin; task < end; ++task) attention.run_task(task, kp, vp, scratch);
+    });
+    return;
+  }
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(group * dim), acc(group * dim);
+    cpu_layer_ops::AttentionScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kh = task % kv_heads, len = len_of[b];
-      const int64_t* slots = table + row_of[b] * table_stride;
-      scores.assign(group * len, 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < dim; ++i)
-          qf[g * dim + i] = static_cast<float>(qp[b * q_stride + (kh * group + g) * dim + i]) * static_cast<float>(scale);
-      if (fast != nullptr) {
-        fast(qf.data(), group, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-             KvRows{slots, len, kh * head_stride}, slot_stride, scores.data(),
-             reinterpret_cast<float*>(op) + (b * heads + kh * group) * dim, dim);
-        continue;
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
-        const T* key = kp + slots[t] * slot_stride + kh * head_stride;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * dim, key, dim);
-      }
-      softmax_rows(scores.data(), group, len, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + kh * head_stride);
-        const T* value = vp + slots[t] * slot_stride + kh * head_stride;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], value, acc.data() + g * dim, dim);
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < dim; ++i)
-          op[(b * heads + kh * group + g) * dim + i] = static_cast<T>(acc[g * dim + i]);
+      const int64_t b = task / kv_heads, kh = task % kv_heads;
+      decode_task_generic<T>(qp + b * q_stride + kh * group * dim, kp, vp, table + row_of[b] * table_stride,
+                             len_of[b], slot_stride, kh * head_stride, group, dim, static_cast<float>(scale),
+                             op + (b * heads + kh * group) * dim, scratch);
     }
   });
 }
@@ -418,22 +431,63 @@ ExtendFloat extend_float_for(int64_t dim) {
   return nullptr;
 }
 
-struct ExtendTask {
-  int64_t request, token0, tokens, kv_head, keys;
-};
+}  // namespace
+
+namespace cpu_layer_ops {
+
+void DecodeAttention::run_task(int64_t task, const float* k_cache, const float* v_cache, AttentionScratch& s) const {
+  const int64_t b = task / io.kv_heads, kh = task % io.kv_heads, len = seq_lens[b];
+  const int64_t group = io.heads / io.kv_heads, dim = io.dim, head_offset = kh * io.head_stride;
+  const int64_t* slots = io.table + rows[b] * io.table_stride;
+  const float* q = io.q + b * io.q_stride + kh * group * dim;
+  float* out = io.out + b * io.out_stride + kh * group * dim;
+  const AttendFloat fast = attend_float_for(dim);
+  if (fast == nullptr) {
+    decode_task_generic<float>(q, k_cache, v_cache, slots, len, io.slot_stride, head_offset, group, dim, io.scale,
+                               out, s);
+    return;
+  }
+  s.scores.assign(group * len, 0.f);
+  s.queries.resize(group * dim);
+  for (int64_t i = 0; i < group * dim; ++i) s.queries[i] = q[i] * io.scale;
+  fast(s.queries.data(), group, k_cache, v_cache, KvRows{slots, len, head_offset}, io.slot_stride, s.scores.data(),
+       out, dim);
+}
 
 // Tasks costliest first; threads take the next one as they finish (causal blocks differ in cost,
 // so a static split would leave one thread with the long ones).
-std::vector<ExtendTask> extend_tasks(const int64_t* prefix, const int64_t* extend, int64_t batch, int64_t kv_heads) {
+ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows, const int64_t* prefix,
+                                      const int64_t* extend, int64_t batch) {
+  TORCH_CHECK(extend_float_for(io.dim) != nullptr, "extend kernel: unsupported head dim ", io.dim);
   std::vector<ExtendTask> tasks;
   for (int64_t b = 0, token0 = 0; b < batch; token0 += extend[b], ++b)
     for (int64_t i = 0; i < extend[b]; i += kQueryBlock) {
       const int64_t tokens = std::min(kQueryBlock, extend[b] - i);
-      for (int64_t kh = 0; kh < kv_heads; ++kh) tasks.push_back({b, token0 + i, tokens, kh, prefix[b] + i + tokens});
+      for (int64_t kh = 0; kh < io.kv_heads; ++kh) tasks.push_back({b, token0 + i, tokens, kh, prefix[b] + i + tokens});
     }
   std::stable_sort(tasks.begin(), tasks.end(), [](const ExtendTask& a, const ExtendTask& b) { return a.keys > b.keys; });
-  return tasks;
+  return {io, rows, std::move(tasks)};
 }
+
+void ExtendAttention::run_task(const ExtendTask& task, const float* k_cache, const float* v_cache,
+                               AttentionScratch& s) const {
+  const int64_t group = io.heads / io.kv_heads, dim = io.dim;
+  s.queries.resize(kQueryBlock * group * dim);
+  s.keys_t.resize(kKeyTile * dim);
+  for (int64_t i = 0; i < task.tokens; ++i)
+    for (int64_t j = 0; j < group * dim; ++j)
+      s.queries[i * group * dim + j] = io.q[(task.token0 + i) * io.q_stride + task.kv_head * group * dim + j] * io.scale;
+  s.scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
+  extend_float_for(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
+                        io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride,
+                        s.scores.data(), s.keys_t.data(), io.out + task.token0 * io.out_stride + task.kv_head * group * dim,
+                        io.out_stride);
+}
+
+}  // namespace cpu_layer_ops
+
+namespace {
+
 // q itself when each token's heads are contiguous (tokens may follow any stride, as in a view
 // into the fused QKV projection), else a contiguous copy.
 torch::Tensor with_contiguous_heads(const torch::Tensor& q) {
@@ -471,41 +525,22 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
-  const ExtendFloat kernel = extend_float_for(q.size(2));
-  TORCH_CHECK(kernel != nullptr, "extend kernel: unsupported head dim ", q.size(2));
   q = with_contiguous_heads(q);
   req_to_token = req_to_token.contiguous();
   rows = rows.contiguous(), prefix_lens = prefix_lens.contiguous(), extend_lens = extend_lens.contiguous();
-  const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  const int64_t group = heads / kv_heads;
-  const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
-  const int64_t* extend = extend_lens.data_ptr<int64_t>();
+  const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2);
   TORCH_CHECK(extend_lens.sum().item<int64_t>() == q.size(0), "extend_lens must add up to q's tokens");
   auto out = torch::empty({q.size(0), heads, dim}, q.options());
-  const auto tasks = extend_tasks(prefix, extend, batch, kv_heads);
-  const float* qp = q.data_ptr<float>();
+  const auto attention = cpu_layer_ops::plan_extend_attention(
+      {q.data_ptr<float>(), q.stride(0), k_cache.stride(0), k_cache.stride(1), req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), out.data_ptr<float>(), heads * dim,
+       heads, k_cache.size(1), dim, static_cast<float>(scale)},
+      rows.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>(), extend_lens.data_ptr<int64_t>(), batch);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t* table = req_to_token.data_ptr<int64_t>();
-  const int64_t* row_of = rows.data_ptr<int64_t>();
-  const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
-  const int64_t q_stride = q.stride(0);
-  const float fscale = static_cast<float>(scale);
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, qf(kQueryBlock * group * dim), kt(kKeyTile * dim);
-    for (size_t n = next++; n < tasks.size(); n = next++) {
-      const ExtendTask& task = tasks[n];
-      for (int64_t i = 0; i < task.tokens; ++i)
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < dim; ++d)
-            qf[(i * group + g) * dim + d] = qp[(task.token0 + i) * q_stride + (task.kv_head * group + g) * dim + d] * fscale;
-      scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
-      kernel(qf.data(), task.tokens, group, task.keys - task.tokens, kp, vp, table + row_of[task.request] * table_stride,
-             slot_stride, task.kv_head * head_stride, scores.data(), kt.data(),
-             op + (task.token0 * heads + task.kv_head * group) * dim, heads * dim);
-    }
+    cpu_layer_ops::AttentionScratch scratch;
+    for (size_t n = next++; n < attention.tasks.size(); n = next++) attention.run_task(attention.tasks[n], kp, vp, scratch);
   });
   return out;
 }

@@ -2,26 +2,29 @@
 //
 // Each layer runs the same kernels the Python layers call one by one (packed GEMM, rotary, KV
 // store, paged attention, fused residual add and RMSNorm, SwiGLU), in the same order on the same
-// tensors, so the results are identical; what goes is the Python between them (module calls,
-// views, argument conversion of every kernel call): ~140 us a layer on a 2-core Zen 1, 4.2 ms of
-// a 30-layer decode step. Attention groups come planned by the torch backend (torch_native.py).
+// values, so the results are identical. What goes is everything between the kernels: the Python
+// (module calls, views, argument conversion: ~140 us a layer on a 2-core Zen 1), and the
+// parallel regions. The whole call is one region of a team of threads (cpu_parallel.h) that
+// runs the layers' phases with a barrier between them, into buffers allocated once per call;
+// one region per kernel left the other threads waiting while the calling thread allocated
+// outputs and ran the small kernels alone. Attention groups come planned by the torch backend
+// (torch_native.py).
 #include <torch/extension.h>
+#include <atomic>
+#include <cstring>
 #include <vector>
-
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t n);  // cpu_linear.cpp
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
-void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor seq_lens,
-                                     double scale);  // cpu_attention.cpp
-torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor prefix_lens,
-                                     torch::Tensor extend_lens, double scale);
+#include "cpu_layer_ops.h"
+#include "cpu_parallel.h"
 
 namespace {
+
+using cpu_layer_ops::AttentionIo;
+using cpu_layer_ops::AttentionScratch;
+using cpu_layer_ops::DecodeAttention;
+using cpu_layer_ops::ExtendAttention;
+using cpu_layer_ops::PackedGemm;
+using cpu_parallel::SharedUnits;
+using cpu_parallel::Team;
 
 // One layer's weights; out_norm is the norm after the layer's MLP residual add: the next layer's
 // input norm, or the model's final norm after the last layer.
@@ -30,9 +33,31 @@ struct LayerWeights {
   int64_t qkv_out, o_out, gate_up_out, down_out;
 };
 
-c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
-  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+constexpr int64_t kSiluSpan = 256;  // values of a row a SwiGLU work item covers
+
+const int64_t* int64_data(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kLong && t.dim() == 1 && t.is_contiguous(), "CpuDecoder: ", what,
+              " must be a contiguous 1-d int64 tensor");
+  return t.data_ptr<int64_t>();
 }
+
+// A step's attention group with the per-call parts of its plan: its tokens' queries and outputs
+// are gathered into `q` and `out` [tokens, heads, dim] unless the group is the whole step in order.
+struct GroupPlan {
+  const int64_t* tokens;
+  int64_t count;
+  bool gathered;
+  torch::Tensor q, out;
+  DecodeAttention decode;  // when !is_extend
+  ExtendAttention extend;  // when is_extend
+  bool is_extend;
+};
+
+// Where a token's query and attention output lie in its group's gathered buffers.
+struct GatheredRows {
+  float* q;
+  const float* out;
+};
 
 }  // namespace
 
@@ -50,12 +75,20 @@ class CpuDecoder {
              std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, int64_t heads,
              int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), heads_(heads), kv_heads_(kv_heads),
-        head_dim_(head_dim), eps_(eps), scale_(scale) {
+        head_dim_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
     constexpr size_t kPerLayer = 7;
     TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == weights.size() / kPerLayer * 4,
                 "CpuDecoder: 7 weights and 4 output sizes per layer");
     TORCH_CHECK(k_caches_.size() == weights.size() / kPerLayer && v_caches_.size() == k_caches_.size(),
                 "CpuDecoder: one K and one V cache per layer");
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "CpuDecoder: heads a multiple of KV heads, even head dim");
+    for (size_t l = 0; l < k_caches_.size(); ++l) {
+      const auto& k = k_caches_[l];
+      TORCH_CHECK(k.scalar_type() == torch::kFloat && k.is_contiguous() && k.dim() == 3 && k.size(1) == kv_heads &&
+                  k.size(2) == head_dim && v_caches_[l].sizes() == k.sizes() && v_caches_[l].is_contiguous() &&
+                  v_caches_[l].scalar_type() == torch::kFloat && k.sizes() == k_caches_[0].sizes(),
+                  "CpuDecoder: float32 caches [slots, kv_heads, head_dim], all of one shape");
+    }
     for (size_t i = 0; i < weights.size(); i += kPerLayer) {
       const int64_t* n = out_features.data() + i / kPerLayer * 4;
       const auto& bias = weights[i + 1];
@@ -68,47 +101,218 @@ class CpuDecoder {
   // norm of x, cos/sin [T, 1, D/2]; returns the final norm of the last layer's output.
   torch::Tensor forward(torch::Tensor x, torch::Tensor normed, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor out_cache_loc, torch::Tensor req_to_token, const Groups& groups) const {
-    TORCH_CHECK(!groups.empty(), "CpuDecoder: no attention groups");
-    for (const auto& g : groups) TORCH_CHECK(g.size() == 3 || g.size() == 4, "CpuDecoder: a group is 3 or 4 tensors");
+    const int64_t tokens = x.size(0), hidden = x.size(1);
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && normed.sizes() == x.sizes(),
+                "CpuDecoder: x and normed [T, hidden] float32, x contiguous");
+    normed = normed.to(torch::kFloat).contiguous();
     cos = cos.to(torch::kFloat).contiguous();
     sin = sin.to(torch::kFloat).contiguous();
-    const int64_t tokens = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(cos.numel() == tokens * head_dim_ / 2 && sin.numel() == cos.numel(), "CpuDecoder: cos, sin [T, 1, D/2]");
+    const int64_t* slots = int64_data(out_cache_loc, "out_cache_loc");
+    TORCH_CHECK(out_cache_loc.size(0) == tokens, "CpuDecoder: one cache slot per token");
+    const int64_t pool_slots = k_caches_[0].size(0);
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < pool_slots, "CpuDecoder: slot ", slots[t], " out of range");
+    TORCH_CHECK(req_to_token.scalar_type() == torch::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+                "CpuDecoder: req_to_token [rows, max_len] int64");
+
+    const auto f32 = x.options();
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const LayerWeights& first = layers_[0];
+    auto qkv = torch::empty({tokens, first.qkv_out}, f32), attended = torch::empty({tokens, q_size}, f32);
+    auto delta = torch::empty({tokens, hidden}, f32), post = torch::empty({tokens, hidden}, f32);
+    auto gate_up = torch::empty({tokens, first.gate_up_out}, f32), act = torch::empty({tokens, first.gate_up_out / 2}, f32);
+    auto out = torch::empty({tokens, hidden}, f32);
+    std::vector<GroupPlan> plans = plan_groups(groups, tokens, qkv, attended, req_to_token);
+
+    // The layers' GEMMs, planned against the buffers (every layer has the first one's shapes).
+    std::vector<PackedGemm> gemms;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& w = layers_[l];
-      const auto qkv = packed_linear(normed, w.qkv, maybe(w.qkv_bias), w.qkv_out);
-      auto q = rotary_(qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_}), cos, sin);
-      auto k = rotary_(qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_}), cos, sin);
-      const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
-      store_kv_(k_caches_[l], v_caches_[l], out_cache_loc, k, v);
-      const auto attended = attend(l, q, req_to_token, groups).flatten(1);
-      normed = add_rms_norm_(x, packed_linear(attended, w.o, c10::nullopt, w.o_out), w.post_norm, eps_);
-      const auto mlp = packed_linear(silu_and_mul(packed_linear(normed, w.gate_up, c10::nullopt, w.gate_up_out)),
-                                     w.down, c10::nullopt, w.down_out);
-      normed = add_rms_norm_(x, mlp, w.out_norm, eps_);
+      TORCH_CHECK(w.qkv_out == first.qkv_out && w.gate_up_out == first.gate_up_out && w.o_out == hidden &&
+                  w.down_out == hidden && w.qkv_out == q_size + 2 * kv_size, "CpuDecoder: layers of one shape");
+      const float* in = l == 0 ? normed.data_ptr<float>() : out.data_ptr<float>();
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.qkv, in, tokens, hidden,
+                                                      w.qkv_bias.defined() ? w.qkv_bias.data_ptr<float>() : nullptr,
+                                                      qkv.data_ptr<float>(), w.qkv_out));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.o, attended.data_ptr<float>(), tokens, q_size, nullptr,
+                                                      delta.data_ptr<float>(), hidden));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.gate_up, post.data_ptr<float>(), tokens, hidden, nullptr,
+                                                      gate_up.data_ptr<float>(), w.gate_up_out));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.down, act.data_ptr<float>(), tokens, w.gate_up_out / 2, nullptr,
+                                                      delta.data_ptr<float>(), hidden));
     }
-    return normed;
+    std::vector<SharedUnits> units;  // one per GEMM, sized for the team that runs them
+    units.reserve(gemms.size());
+    std::vector<std::atomic<size_t>> next_extend_task(layers_.size() * plans.size());
+    const Step step{x.data_ptr<float>(), hidden, tokens, slots, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                    qkv.data_ptr<float>(), attended.data_ptr<float>(), delta.data_ptr<float>(), post.data_ptr<float>(),
+                    gate_up.data_ptr<float>(), act.data_ptr<float>(), out.data_ptr<float>(),
+                    gathered_rows(plans, tokens)};
+    cpu_parallel::run_team([&](const Team& team) {
+      if (team.thread == 0)
+        for (const auto& gemm : gemms) units.emplace_back(gemm.units, team.threads);
+      team.barrier();
+      AttentionScratch scratch;
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        auto gemm = [&](size_t i) {
+          units[l * 4 + i].take_all(team.thread, [&](int64_t u, bool front) { gemms[l * 4 + i].run_unit(u, front); });
+          team.barrier();
+        };
+        gemm(0);
+        rotate_and_store(team, step, l);
+        attend(team, l, plans, next_extend_task.data() + l * plans.size(), scratch, step);
+        gemm(1);
+        add_norm(team, step, step.post, layers_[l].post_norm);
+        gemm(2);
+        swiglu(team, step, layers_[l].gate_up_out / 2);
+        gemm(3);
+        add_norm(team, step, step.out, layers_[l].out_norm);
+      }
+    });
+    return out;
   }
 
  private:
-  torch::Tensor attend_group(size_t layer, const torch::Tensor& q, const torch::Tensor& req_to_token,
-                             const std::vector<torch::Tensor>& g) const {
-    if (g.size() == 3)
-      return paged_decode_attention(q, k_caches_[layer], v_caches_[layer], req_to_token, g[1], g[2], scale_);
-    return paged_extend_attention(q, k_caches_[layer], v_caches_[layer], req_to_token, g[1], g[2], g[3], scale_);
+  // The call's buffers: the residual stream x, each token's cache slot and rotary tables, and the
+  // layer's intermediate results, all [tokens, width] row-major.
+  struct Step {
+    float* x;
+    int64_t hidden, tokens;
+    const int64_t* slots;
+    const float *cos, *sin;
+    float *qkv, *attended, *delta, *post, *gate_up, *act, *out;
+    std::vector<GatheredRows> gathered;  // per token, where groups are gathered; else empty
+  };
+
+  // Each token's rows in its group's gathered queries and outputs, when groups are gathered.
+  std::vector<GatheredRows> gathered_rows(const std::vector<GroupPlan>& plans, int64_t tokens) const {
+    if (!plans[0].gathered) return {};
+    const int64_t q_size = heads_ * head_dim_;
+    std::vector<GatheredRows> rows(tokens, GatheredRows{nullptr, nullptr});
+    for (const auto& p : plans)
+      for (int64_t i = 0; i < p.count; ++i) rows[p.tokens[i]] = {p.q.data_ptr<float>() + i * q_size, p.out.data_ptr<float>() + i * q_size};
+    for (const auto& r : rows) TORCH_CHECK(r.q != nullptr, "CpuDecoder: every token must be in a group");
+    return rows;
   }
 
-  torch::Tensor attend(size_t layer, const torch::Tensor& q, const torch::Tensor& req_to_token,
-                       const Groups& groups) const {
-    if (groups.size() == 1) return attend_group(layer, q, req_to_token, groups[0]);
-    auto out = torch::empty_like(q);
-    for (const auto& g : groups) out.index_put_({g[0]}, attend_group(layer, q.index({g[0]}), req_to_token, g));
-    return out;
+  std::vector<GroupPlan> plan_groups(const Groups& groups, int64_t tokens, const torch::Tensor& qkv,
+                                     const torch::Tensor& attended, const torch::Tensor& req_to_token) const {
+    TORCH_CHECK(!groups.empty(), "CpuDecoder: no attention groups");
+    std::vector<GroupPlan> plans;
+    const int64_t q_size = heads_ * head_dim_;
+    for (const auto& g : groups) {
+      TORCH_CHECK(g.size() == 3 || g.size() == 4, "CpuDecoder: a group is 3 or 4 tensors");
+      GroupPlan p{int64_data(g[0], "a group's tokens"), g[0].size(0), false, {}, {}, {}, {}, g.size() == 4};
+      for (int64_t i = 0; i < p.count; ++i)
+        TORCH_CHECK(p.tokens[i] >= 0 && p.tokens[i] < tokens, "CpuDecoder: a group's token out of range");
+      p.gathered = groups.size() > 1;
+      if (p.gathered) {
+        p.q = torch::empty({p.count, q_size}, qkv.options());
+        p.out = torch::empty({p.count, q_size}, qkv.options());
+      }
+      // Queries are read from the fused projection (row stride qkv_out) unless gathered.
+      const AttentionIo io{p.gathered ? p.q.data_ptr<float>() : qkv.data_ptr<float>(),
+                           p.gathered ? q_size : qkv.size(1), k_caches_[0].stride(0),
+                           k_caches_[0].stride(1), req_to_token.data_ptr<int64_t>(), req_to_token.stride(0),
+                           p.gathered ? p.out.data_ptr<float>() : attended.data_ptr<float>(), q_size, heads_, kv_heads_,
+                           head_dim_, scale_};
+      const int64_t* rows = int64_data(g[1], "a group's rows");
+      TORCH_CHECK(g[1].size(0) == (p.is_extend ? g[3].size(0) : p.count), "CpuDecoder: a group's rows and tokens differ");
+      for (int64_t i = 0; i < g[1].size(0); ++i)
+        TORCH_CHECK(rows[i] >= 0 && rows[i] < req_to_token.size(0), "CpuDecoder: a table row out of range");
+      if (p.is_extend) {
+        const int64_t* prefix = int64_data(g[2], "prefix_lens");
+        const int64_t* extend = int64_data(g[3], "extend_lens");
+        int64_t total = 0;
+        for (int64_t i = 0; i < g[3].size(0); ++i) {
+          TORCH_CHECK(extend[i] > 0 && prefix[i] >= 0 && prefix[i] + extend[i] <= req_to_token.size(1),
+                      "CpuDecoder: an extend length out of range");
+          total += extend[i];
+        }
+        TORCH_CHECK(total == p.count, "CpuDecoder: extend_lens must add up to the group's tokens");
+        p.extend = cpu_layer_ops::plan_extend_attention(io, rows, prefix, extend, g[3].size(0));
+      } else {
+        const int64_t* lens = int64_data(g[2], "seq_lens");
+        for (int64_t i = 0; i < p.count; ++i)
+          TORCH_CHECK(lens[i] > 0 && lens[i] <= req_to_token.size(1), "CpuDecoder: a sequence length out of range");
+        p.decode = DecodeAttention{io, rows, lens, p.count};
+      }
+      plans.push_back(std::move(p));
+    }
+    if (plans.size() == 1) TORCH_CHECK(plans[0].count == tokens, "CpuDecoder: one group must hold every token");
+    return plans;
+  }
+
+  // Rotary on each token's q and k, its k and v into the caches, and its q into its group's
+  // gathered queries where groups are gathered.
+  void rotate_and_store(const Team& team, const Step& s, size_t layer) const {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, half = head_dim_ / 2;
+    const int64_t width = q_size + 2 * kv_size;
+    float* kc = k_caches_[layer].data_ptr<float>();
+    float* vc = v_caches_[layer].data_ptr<float>();
+    const auto [begin, end] = team.share(s.tokens);
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = s.qkv + t * width;
+      cpu_layer_ops::rotate_token(row, heads_, head_dim_, half, s.cos + t * half, s.sin + t * half);
+      cpu_layer_ops::rotate_token(row + q_size, kv_heads_, head_dim_, half, s.cos + t * half, s.sin + t * half);
+      std::memcpy(kc + s.slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
+      std::memcpy(vc + s.slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      if (!s.gathered.empty()) std::memcpy(s.gathered[t].q, row, q_size * sizeof(float));
+    }
+    team.barrier();
+  }
+
+  // Every group's attention for this layer: decode tasks split evenly, extend tasks taken as
+  // threads finish; then gathered outputs go back to their tokens' rows.
+  void attend(const Team& team, size_t layer, const std::vector<GroupPlan>& plans, std::atomic<size_t>* next_extend,
+              AttentionScratch& scratch, const Step& s) const {
+    const float* kc = k_caches_[layer].data_ptr<float>();
+    const float* vc = v_caches_[layer].data_ptr<float>();
+    for (size_t g = 0; g < plans.size(); ++g) {
+      const auto& p = plans[g];
+      if (p.is_extend) {
+        const auto& tasks = p.extend.tasks;
+        for (size_t n = next_extend[g]++; n < tasks.size(); n = next_extend[g]++) p.extend.run_task(tasks[n], kc, vc, scratch);
+      } else {
+        const auto [begin, end] = team.share(p.decode.tasks());
+        for (int64_t task = begin; task < end; ++task) p.decode.run_task(task, kc, vc, scratch);
+      }
+    }
+    team.barrier();
+    if (s.gathered.empty()) return;
+    const int64_t q_size = heads_ * head_dim_;
+    const auto [begin, end] = team.share(s.tokens);
+    for (int64_t t = begin; t < end; ++t) std::memcpy(s.attended + t * q_size, s.gathered[t].out, q_size * sizeof(float));
+    team.barrier();
+  }
+
+  // x += delta, then normed_out = rmsnorm(x) * weight, rows split between the threads.
+  void add_norm(const Team& team, const Step& s, float* normed_out, const torch::Tensor& weight) const {
+    const float* w = weight.data_ptr<float>();
+    const auto [begin, end] = team.share(s.tokens);
+    for (int64_t r = begin; r < end; ++r)
+      cpu_layer_ops::add_rms_norm_row(s.x + r * s.hidden, s.delta + r * s.hidden, w, normed_out + r * s.hidden, s.hidden,
+                                      eps_);
+    team.barrier();
+  }
+
+  // act = silu(gate) * up, in spans of kSiluSpan values split between the threads.
+  void swiglu(const Team& team, const Step& s, int64_t width) const {
+    const int64_t spans = (width + kSiluSpan - 1) / kSiluSpan;
+    const auto [begin, end] = team.share(s.tokens * spans);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / spans, c0 = i % spans * kSiluSpan, c1 = std::min(width, c0 + kSiluSpan);
+      const float* gate = s.gate_up + r * 2 * width;
+      cpu_layer_ops::silu_mul_span(gate, gate + width, s.act + r * width, c0, c1);
+    }
+    team.barrier();
   }
 
   std::vector<LayerWeights> layers_;
   std::vector<torch::Tensor> k_caches_, v_caches_;
   int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
+  float eps_, scale_;
 };
 
 void bind_cpu_decoder(pybind11::module& m) {

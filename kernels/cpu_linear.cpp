@@ -21,6 +21,7 @@
 #include <array>
 #include <cstring>
 #include <utility>
+#include "cpu_layer_ops.h"
 #include "cpu_parallel.h"
 
 namespace {
@@ -177,61 +178,69 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   return out;
 }
 
-torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "x must be [rows, in] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.size(1) == x_in.size(1),
-              "packed weight does not match x (pack it with pack_linear_weight)");
+namespace cpu_layer_ops {
+
+PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t rows, int64_t k, const float* bias,
+                            float* y, int64_t n) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.size(1) == k && packed.is_contiguous() &&
+              packed.scalar_type() == torch::kFloat, "packed weight does not match x (pack it with pack_linear_weight)");
   TORCH_CHECK(packed.size(0) * kBlock >= n, "more outputs than the packed weight holds");
-  const auto x = x_in.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1);
-  auto y = torch::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
   // Work units: kUnitBlocks blocks of outputs for a chunk of rows, rows chunk by chunk, shared by
   // the threads from both ends (cpu_parallel.h). Split evenly in advance, a slower core held the
   // other at the end of every call: the model's linear layers at 8 rows took 0.90-0.95x the time
   // of that split on a 2-core Zen 1 (interleaved runs), whose two cores ran the same share up to
   // 1.3x apart.
-  const int64_t units_per_chunk = (blocks + kUnitBlocks - 1) / kUnitBlocks;
-  const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk, units = row_chunks * units_per_chunk;
+  const int64_t blocks = (n + kBlock - 1) / kBlock, units_per_chunk = (blocks + kUnitBlocks - 1) / kUnitBlocks;
+  const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk;
+  return {x, packed.data_ptr<float>(), bias, y, rows, k, n, blocks, units_per_chunk, row_chunks * units_per_chunk};
+}
+
+void PackedGemm::run_unit(int64_t unit, bool front) const {
   // Where block b's rows [k0, k0 + kc) start in the packed layout (kc = the chunk's size).
   auto block_chunk = [&](int64_t b, int64_t k0) {
     const int64_t g = b - b % kGroup, group = std::min<int64_t>(kGroup, blocks - g);
-    return wp + g * k * kBlock + k0 * group * kBlock + (b - g) * std::min(kChunk, k - k0) * kBlock;
+    return w + g * k * kBlock + k0 * group * kBlock + (b - g) * std::min(kChunk, k - k0) * kBlock;
   };
-  cpu_parallel::for_units_from_both_ends(units, [&](int64_t unit, bool front) {
-    const int64_t r0 = unit / units_per_chunk * kRowChunk, r_end = std::min(rows, r0 + kRowChunk);
-    const int64_t first_block = unit % units_per_chunk * kUnitBlocks;
-    const int64_t last_block = std::min(blocks, first_block + kUnitBlocks);
-    const int64_t next_unit = front ? unit + 1 : unit - 1;  // most likely the thread's next one
-    // The block this thread reads after block b's chunk at k0: the unit's next block, the unit's
-    // first block in the next chunk, or the next unit's first block; nullptr at the range's end.
-    auto read_after = [&](int64_t b, int64_t k0, int64_t kc) -> const float* {
-      if (b + 1 < last_block) return block_chunk(b + 1, k0);
-      if (k0 + kc < k) return block_chunk(first_block, k0 + kc);
-      if (next_unit < 0 || next_unit >= units) return nullptr;
-      return block_chunk(next_unit % units_per_chunk * kUnitBlocks, 0);
-    };
-    for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-      const int64_t kc = std::min(kChunk, k - k0);
-      for (int64_t r = r0; r < r_end;) {
-        const int height = next_height(r_end - r);
-        const int64_t span = kGroup / height;
-        for (int64_t b = first_block; b < last_block; b += span) {
-          const int64_t count = std::min(span, last_block - b);
-          const float* after = r == r0 && rows <= kStreamRows ? read_after(b + count - 1, k0, kc) : nullptr;
-          const Tile tile{xp + r * k, k, block_chunk(b, k0) - k0 * kBlock, kc * kBlock, bp ? bp + b * kBlock : nullptr,
-                          k0, k0 + kc, yp + r * n + b * kBlock, n, n - b * kBlock,
-                          after != nullptr ? after - k0 * kBlock : nullptr};
-          kMicro[height - 1][count - 1](tile);
-        }
-        r += height;
+  const int64_t r0 = unit / units_per_chunk * kRowChunk, r_end = std::min(rows, r0 + kRowChunk);
+  const int64_t first_block = unit % units_per_chunk * kUnitBlocks;
+  const int64_t last_block = std::min(blocks, first_block + kUnitBlocks);
+  const int64_t next_unit = front ? unit + 1 : unit - 1;  // most likely the thread's next one
+  // The block this thread reads after block b's chunk at k0: the unit's next block, the unit's
+  // first block in the next chunk, or the next unit's first block; nullptr at the range's end.
+  auto read_after = [&](int64_t b, int64_t k0, int64_t kc) -> const float* {
+    if (b + 1 < last_block) return block_chunk(b + 1, k0);
+    if (k0 + kc < k) return block_chunk(first_block, k0 + kc);
+    if (next_unit < 0 || next_unit >= units) return nullptr;
+    return block_chunk(next_unit % units_per_chunk * kUnitBlocks, 0);
+  };
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k - k0);
+    for (int64_t r = r0; r < r_end;) {
+      const int height = next_height(r_end - r);
+      const int64_t span = kGroup / height;
+      for (int64_t b = first_block; b < last_block; b += span) {
+        const int64_t count = std::min(span, last_block - b);
+        const float* after = r == r0 && rows <= kStreamRows ? read_after(b + count - 1, k0, kc) : nullptr;
+        const Tile tile{x + r * k, k, block_chunk(b, k0) - k0 * kBlock, kc * kBlock, bias ? bias + b * kBlock : nullptr,
+                        k0, k0 + kc, y + r * n + b * kBlock, n, n - b * kBlock,
+                        after != nullptr ? after - k0 * kBlock : nullptr};
+        kMicro[height - 1][count - 1](tile);
       }
+      r += height;
     }
-  });
+  }
+}
+
+}  // namespace cpu_layer_ops
+
+torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "x must be [rows, in] float32");
+  const auto x = x_in.contiguous();
+  auto y = torch::empty({x.size(0), n}, x.options());
+  const auto gemm = cpu_layer_ops::plan_packed_gemm(packed, x.data_ptr<float>(), x.size(0), x.size(1),
+                                                     bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                                     y.data_ptr<float>(), n);
+  cpu_parallel::for_units_from_both_ends(gemm.units, [&](int64_t unit, bool front) { gemm.run_unit(unit, front); });
   return y;
 }

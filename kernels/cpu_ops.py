@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_fused_ops.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_parallel.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_parallel.h", "cpu_layer_ops.h")]
 
 
 def headers_flag() -> str:

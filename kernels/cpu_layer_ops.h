@@ -1,0 +1,87 @@
+// The float32 kernels as work that a thread of a team does (cpu_parallel.h): the GEMM by units,
+// attention by tasks, the elementwise ops by rows. The torch-facing functions in the .cpp files
+// share these same pieces over at::parallel_for; the decoder (cpu_decoder.cpp) runs them all in
+// one parallel region. Plans hold raw pointers; whoever builds one has checked the shapes.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+#include <vector>
+
+namespace cpu_layer_ops {
+
+// y [rows, n] = x [rows, k] W^T + bias against a weight packed by pack_linear_weight, in
+// `units` units of work that any thread may run in any order (cpu_linear.cpp).
+struct PackedGemm {
+  const float* x;
+  const float* w;
+  const float* bias;  // or nullptr
+  float* y;
+  int64_t rows, k, n, blocks, units_per_chunk, units;
+
+  // Unit `unit`; `front`: whether the thread runs through the units forwards (it prefetches the
+  // weights of the one it most likely runs next).
+  void run_unit(int64_t unit, bool front) const;
+};
+
+// Checks that `packed` holds an [n, k] weight; the GEMM of x [rows, k] (row stride k) into y.
+PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t rows, int64_t k, const float* bias,
+                            float* y, int64_t n);
+
+// Per-thread buffers of the attention tasks, grown as needed.
+struct AttentionScratch {
+  std::vector<float> scores, queries, values, keys_t;
+};
+
+// Where attention reads and writes: queries q [T, heads, dim] (token stride q_stride, heads
+// contiguous), the layout of the pool's K and V [slots, kv_heads, dim], the request-to-token
+// table, the outputs [T, heads, dim] (token stride out_stride).
+struct AttentionIo {
+  const float* q;
+  int64_t q_stride, slot_stride, head_stride;
+  const int64_t* table;
+  int64_t table_stride;
+  float* out;
+  int64_t out_stride, heads, kv_heads, dim;
+  float scale;
+};
+
+// Decode: query b (one token of request b) attends over the seq_lens[b] slots of table row
+// rows[b]; a task per (query, KV head), batch * kv_heads of them (cpu_attention.cpp).
+struct DecodeAttention {
+  AttentionIo io;
+  const int64_t* rows;
+  const int64_t* seq_lens;
+  int64_t batch;
+
+  int64_t tasks() const { return batch * io.kv_heads; }
+  // Task `task` against one layer's K and V pool tensors.
+  void run_task(int64_t task, const float* k_cache, const float* v_cache, AttentionScratch& scratch) const;
+};
+
+// Extend: request b's extend_lens[b] new tokens follow request b-1's, token i of it at position
+// prefix_lens[b] + i (causal); a task per (request, block of its new tokens, KV head), costliest
+// first, that threads take as they finish (cpu_attention.cpp).
+struct ExtendTask {
+  int64_t request, token0, tokens, kv_head, keys;
+};
+
+struct ExtendAttention {
+  AttentionIo io;
+  const int64_t* rows;
+  std::vector<ExtendTask> tasks;
+
+  void run_task(const ExtendTask& task, const float* k_cache, const float* v_cache, AttentionScratch& scratch) const;
+};
+
+// Builds the task list; checks that the head dim has an extend kernel.
+ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows, const int64_t* prefix_lens,
+                                      const int64_t* extend_lens, int64_t batch);
+
+// Row by row (cpu_fused_ops.cpp): x += delta, then out = rmsnorm(x) * weight.
+void add_rms_norm_row(float* x, const float* delta, const float* weight, float* out, int64_t width, float eps);
+// out[c0:c1] = silu(gate[c0:c1]) * up[c0:c1], within one row's gate and up halves.
+void silu_mul_span(const float* gate, const float* up, float* out, int64_t c0, int64_t c1);
+// A token's `heads` heads (head stride head_stride, dim 2 * half), rotated by the tables c, s [half].
+void rotate_token(float* x, int64_t heads, int64_t head_stride, int64_t half, const float* c, const float* s);
+
+}  // namespace cpu_layer_ops
