@@ -117,7 +117,7 @@ class CpuDecoder {
                 "CpuDecoder: req_to_token [rows, max_len] int64");
 
     const auto f32 = x.options();
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t q_size = heads_ * head_dim_;
     const LayerWeights& first = layers_[0];
     auto qkv = torch::empty({tokens, first.qkv_out}, f32), attended = torch::empty({tokens, q_size}, f32);
     auto delta = torch::empty({tokens, hidden}, f32), post = torch::empty({tokens, hidden}, f32);
@@ -125,23 +125,7 @@ class CpuDecoder {
     auto out = torch::empty({tokens, hidden}, f32);
     std::vector<GroupPlan> plans = plan_groups(groups, tokens, qkv, attended, req_to_token);
 
-    // The layers' GEMMs, planned against the buffers (every layer has the first one's shapes).
-    std::vector<PackedGemm> gemms;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const LayerWeights& w = layers_[l];
-      TORCH_CHECK(w.qkv_out == first.qkv_out && w.gate_up_out == first.gate_up_out && w.o_out == hidden &&
-                  w.down_out == hidden && w.qkv_out == q_size + 2 * kv_size, "CpuDecoder: layers of one shape");
-      const float* in = l == 0 ? normed.data_ptr<float>() : out.data_ptr<float>();
-      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.qkv, in, tokens, hidden,
-                                                      w.qkv_bias.defined() ? w.qkv_bias.data_ptr<float>() : nullptr,
-                                                      qkv.data_ptr<float>(), w.qkv_out));
-      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.o, attended.data_ptr<float>(), tokens, q_size, nullptr,
-                                                      delta.data_ptr<float>(), hidden));
-      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.gate_up, post.data_ptr<float>(), tokens, hidden, nullptr,
-                                                      gate_up.data_ptr<float>(), w.gate_up_out));
-      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.down, act.data_ptr<float>(), tokens, w.gate_up_out / 2, nullptr,
-                                                      delta.data_ptr<float>(), hidden));
-    }
+    const std::vector<PackedGemm> gemms = plan_gemms(normed, qkv, attended, delta, post, gate_up, act, out);
     std::vector<SharedUnits> units;  // one per GEMM, sized for the team that runs them
     units.reserve(gemms.size());
     std::vector<std::atomic<size_t>> next_extend_task(layers_.size() * plans.size());
@@ -184,6 +168,31 @@ class CpuDecoder {
     float *qkv, *attended, *delta, *post, *gate_up, *act, *out;
     std::vector<GatheredRows> gathered;  // per token, where groups are gathered; else empty
   };
+
+  // Each layer's four GEMMs in order (q/k/v, o, gate/up, down), planned against the call's
+  // buffers; the first layer reads `normed`, the others the previous layer's output.
+  std::vector<PackedGemm> plan_gemms(const torch::Tensor& normed, const torch::Tensor& qkv, const torch::Tensor& attended,
+                                     const torch::Tensor& delta, const torch::Tensor& post, const torch::Tensor& gate_up,
+                                     const torch::Tensor& act, const torch::Tensor& out) const {
+    const int64_t tokens = normed.size(0), hidden = normed.size(1), q_size = heads_ * head_dim_;
+    const int64_t kv_size = kv_heads_ * head_dim_;
+    std::vector<PackedGemm> gemms;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerWeights& w = layers_[l];
+      TORCH_CHECK(w.qkv_out == qkv.size(1) && w.gate_up_out == gate_up.size(1) && w.o_out == hidden &&
+                  w.down_out == hidden && w.qkv_out == q_size + 2 * kv_size, "CpuDecoder: layers of one shape");
+      const float* in = l == 0 ? normed.data_ptr<float>() : out.data_ptr<float>();
+      const float* bias = w.qkv_bias.defined() ? w.qkv_bias.data_ptr<float>() : nullptr;
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.qkv, in, tokens, hidden, bias, qkv.data_ptr<float>(), w.qkv_out));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.o, attended.data_ptr<float>(), tokens, q_size, nullptr,
+                                                      delta.data_ptr<float>(), hidden));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.gate_up, post.data_ptr<float>(), tokens, hidden, nullptr,
+                                                      gate_up.data_ptr<float>(), w.gate_up_out));
+      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.down, act.data_ptr<float>(), tokens, act.size(1), nullptr,
+                                                      delta.data_ptr<float>(), hidden));
+    }
+    return gemms;
+  }
 
   // Each token's rows in its group's gathered queries and outputs, when groups are gathered.
   std::vector<GatheredRows> gathered_rows(const std::vector<GroupPlan>& plans, int64_t tokens) const {

@@ -192,6 +192,7 @@ PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t
   // 1.3x apart.
   const int64_t blocks = (n + kBlock - 1) / kBlock, units_per_chunk = (blocks + kUnitBlocks - 1) / kUnitBlocks;
   const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk;
+  TORCH_CHECK(row_chunks * units_per_chunk < (int64_t{1} << 31), "too many work units");  // SharedUnits' limit
   return {x, packed.data_ptr<float>(), bias, y, rows, k, n, blocks, units_per_chunk, row_chunks * units_per_chunk};
 }
 
