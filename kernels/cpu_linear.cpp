@@ -7,8 +7,9 @@
 // horizontal sums. On AVX2 every tile shape uses all kAcc accumulators (6 rows x 1 block, 3 x 2,
 // 2 x 3, 1 x 6), so the FMA units stay busy at any row count: a 4-row tile over one block would
 // leave half of them waiting on the FMA latency (8 rows ran at 57 GFLOP/s a core against 86 for
-// 6); AVX-512's 24 leave room for any height (see next_height). Threads take units of blocks from the two ends of the range (cpu_parallel.h), so each
-// streams through the weight in one direction (decode is bound by that stream; the model's linear
+// 6); AVX-512's 24 leave room for any height (see next_height). Threads take units of blocks
+// from the two ends of the range (cpu_parallel.h), so each streams through the weight in one
+// direction (decode is bound by that stream; the model's linear
 // layers at 8 rows from DRAM took 26-36 ms against 28-40 ms with a [blocks, K, kBlock] layout,
 // interleaved runs). Rows are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk
 // at a time so a group's slice of the weight stays in cache across the row tiles. Chunks of 768
@@ -156,10 +157,11 @@ int next_height(int64_t rows) {
   if (rows >= kGroup) return kGroup;
 #if defined(__AVX512F__)
   return static_cast<int>(rows);
-#endif
+#else
   for (int h = static_cast<int>(rows); h > 1; --h)
     if (kGroup % h == 0) return h;
   return 1;
+#endif
 }
 
 }  // namespace
