@@ -35,17 +35,26 @@ FOLLOWER_MAIN = "radixserve.worker.process:run_follower"  # a tensor-parallel ra
 
 class GracefulServer(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would kill us
-    before the children are stopped; we exit on our own terms instead."""
+    before the children are stopped; we exit on our own terms instead. Once the server has
+    stopped, further stop signals are ignored: restoring the default handler would let a
+    second SIGTERM (a launcher stopping its replicas) cut the bounded clean-up short."""
 
     @contextlib.contextmanager
     def capture_signals(self):
-        handled = (signal.SIGINT, signal.SIGTERM)
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle_exit)
         try:
             yield
         finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
+            ignore_stop_signals()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @dataclass
@@ -177,8 +186,7 @@ def launch_server(args: ServerArgs) -> int:
         log.error("start-up failed: %s", exc)
         exit_code[0] = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the (bounded) clean-up short
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()  # a second signal must not cut the (bounded) clean-up short
         children.stop()
         shutil.rmtree(endpoints.folder, ignore_errors=True)
     return exit_code[0]
