@@ -24,6 +24,7 @@
 #include <utility>
 #include "cpu_layer_ops.h"
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -48,9 +49,8 @@ constexpr int64_t kRowChunk = 96;
 // them; see packed_linear), so that the weight stream overlaps the arithmetic. Measured on the
 // model's linear layers at 8 rows from DRAM, AVX2 (6x1 tiles): 20-24 ms against 27-31 ms
 // without; AVX-512 (6x2 tiles, 128-byte block rows): 0.89x the time of prefetching nothing.
-// Prefetching in the shorter multi-block tiles (1-5 rows) or in prefills was slower. The hint asks
-// for every cache level (prefetcht0): on a 2-core Zen 1 the model's linear layers at 8-32 rows took
-// 0.96-0.97x the time of an L2-only hint (prefetcht1), interleaved side by side builds.
+// Prefetching in the shorter multi-block tiles (1-5 rows) or in prefills was slower. The hint's
+// cache level is kPrefetchLocality (cpu_simd.h): L2 on AVX-512, every level on AVX2.
 constexpr int64_t kStreamRows = 32;
 constexpr int kStreamTileRows = 6;
 
@@ -109,7 +109,7 @@ void micro(const Tile& t) {
     if (Rows >= kStreamTileRows && t.prefetch != nullptr)
       for (int j = 0; j < Blocks; ++j)
         for (int line = 0; line < kBlock; line += 64 / static_cast<int>(sizeof(float)))
-          __builtin_prefetch(t.prefetch + j * t.block_stride + k * kBlock + line, 0, 3);
+          __builtin_prefetch(t.prefetch + j * t.block_stride + k * kBlock + line, 0, kPrefetchLocality);
     if constexpr (Rows <= Blocks * kVecs) {  // fewer x values than weight vectors: hold x in registers
       Vec xv[Rows];
       for (int m = 0; m < Rows; ++m) xv[m] = Vec{} + t.x[m * t.ldx + k];
