@@ -31,6 +31,12 @@ HEALTH_STALL_S = 30.0  # /health turns 503 when the scheduler loop is stuck this
 DEATH_GRACE_S = 0.5  # after a child dies, time for the failed requests' errors to reach their clients
 SCHEDULER_MAIN = "radixserve.scheduler.process:run_scheduler"
 FOLLOWER_MAIN = "radixserve.worker.process:run_follower"  # a tensor-parallel rank > 0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class GracefulServer(uvicorn.Server):
@@ -47,14 +53,6 @@ class GracefulServer(uvicorn.Server):
             yield
         finally:
             ignore_stop_signals()
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def ignore_stop_signals() -> None:
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 @dataclass
