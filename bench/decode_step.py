@@ -8,6 +8,7 @@ of a large sum. The bandwidth is probed right before and right after each batch 
 and the higher reading sets that row's floor: on shared machines it wanders (31-60 GB/s within
 an hour on one), so a floor probed once at start can be far from the one the steps ran under.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,18 @@ def decode_batch(batch: int, context: int) -> ForwardBatch:
     seq = context + 1
     rows = list(range(batch))
     writes = [(r, 0, list(range(1 + r * seq, 1 + r * seq + context))) for r in rows]
-    return ForwardBatch(ForwardMode.DECODE, [42] * batch, [context] * batch,
-                        [1 + r * seq + context for r in rows], rows, [seq] * batch, [1] * batch,
-                        writes, SamplingBatch.greedy(batch), [None] * batch)
+    return ForwardBatch(
+        ForwardMode.DECODE,
+        [42] * batch,
+        [context] * batch,
+        [1 + r * seq + context for r in rows],
+        rows,
+        [seq] * batch,
+        [1] * batch,
+        writes,
+        SamplingBatch.greedy(batch),
+        [None] * batch,
+    )
 
 
 def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
@@ -43,12 +53,27 @@ def time_steps(runner: ModelRunner, fb: ForwardBatch, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def make_runner(model: str | None, max_batch: int, context: int, dtype: str = "auto",
-                backend: str = "auto", quantization: str | None = None, **engine_args) -> ModelRunner:
+def make_runner(
+    model: str | None,
+    max_batch: int,
+    context: int,
+    dtype: str = "auto",
+    backend: str = "auto",
+    quantization: str | None = None,
+    **engine_args,
+) -> ModelRunner:
     slots = max_batch * (context + 1) + 8
-    return ModelRunner(resolve_model(model), EngineArgs(max_total_tokens=slots, max_running_requests=max_batch,
-                                                        dtype=dtype, attention_backend=backend,
-                                                        quantization=quantization, **engine_args))
+    return ModelRunner(
+        resolve_model(model),
+        EngineArgs(
+            max_total_tokens=slots,
+            max_running_requests=max_batch,
+            dtype=dtype,
+            attention_backend=backend,
+            quantization=quantization,
+            **engine_args,
+        ),
+    )
 
 
 def sync(runner: ModelRunner) -> None:
@@ -89,8 +114,16 @@ def main() -> None:
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    runner = make_runner(a.model, max(a.batch), a.context, a.dtype, a.attention_backend, a.quantization,
-                         disable_cuda_graph=a.disable_cuda_graph, enable_torch_compile=a.enable_torch_compile)
+    runner = make_runner(
+        a.model,
+        max(a.batch),
+        a.context,
+        a.dtype,
+        a.attention_backend,
+        a.quantization,
+        disable_cuda_graph=a.disable_cuda_graph,
+        enable_torch_compile=a.enable_torch_compile,
+    )
     streamed = weight_bytes(runner)
     print(f"weights streamed per step: {streamed / 1e6:.0f} MB ({runner.dtype})")
     rows = []
@@ -99,11 +132,22 @@ def main() -> None:
         ms = time_steps(runner, decode_batch(b, a.context), a.steps) * 1000
         bandwidth = max(before, read_bandwidth(runner.device))
         floor_ms = streamed / bandwidth * 1000
-        rows.append({"batch": b, "context": a.context, "step_ms": round(ms, 2), "tok_per_s": round(b / ms * 1000, 1),
-                     "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2),
-                     "x_floor": round(ms / floor_ms, 2)})
-        print(f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s  "
-              f"floor {floor_ms:5.2f} ms ({bandwidth / 1e9:.1f} GB/s)  {ms / floor_ms:4.2f}x the floor")
+        rows.append(
+            {
+                "batch": b,
+                "context": a.context,
+                "step_ms": round(ms, 2),
+                "tok_per_s": round(b / ms * 1000, 1),
+                "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+                "floor_ms": round(floor_ms, 2),
+                "x_floor": round(ms / floor_ms, 2),
+            }
+        )
+        print(
+            f"batch {b:3d}  context {a.context}  step {ms:7.2f} ms  {b / ms * 1000:8.1f} tok/s  "
+            f"floor {floor_ms:5.2f} ms ({bandwidth / 1e9:.1f} GB/s)  {ms / floor_ms:4.2f}x the "
+            "floor"
+        )
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=2))
 

@@ -5,6 +5,7 @@ tests draft with the bundled model's first N layers (its own embeddings, final n
 Untrained as a draft, it agrees with the whole model on ~40% of tokens at 24 of 30 layers and
 on almost none at 16: good enough to exercise acceptance and rejection, not to speed anything up.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ def layer_prefix_model(source: Path, layers: int, target: Path) -> Path:
 
     target.mkdir(parents=True, exist_ok=True)
     state = load_file(str(source / "model.safetensors"))
-    kept = {name: tensor for name, tensor in state.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    kept = {
+        name: tensor
+        for name, tensor in state.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
     save_file(kept, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["num_hidden_layers"] = layers

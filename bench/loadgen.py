@@ -5,6 +5,7 @@ prompts sent concurrently. Each stage's prompts may contain "{history}", replace
 session's text so far (prompt and answer of the stage before): multi-turn chat and agent
 trees re-send a growing history, which is what a prefix cache serves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,12 +53,22 @@ class Target:
 
 async def send(client: httpx.AsyncClient, target: Target, prompt: str, output_len: int) -> Result:
     if target.api == "sglang":
-        body = {"text": prompt, "stream": True, "sampling_params": {
-            "max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "text": prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True},
+        }
         url = "/generate"
     else:
-        body = {"model": target.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": target.model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         url = "/v1/completions"
     start = time.perf_counter()
     result = Result(ok=False)
@@ -110,25 +121,39 @@ def _consume(chunk: dict, target: Target, result: Result) -> bool:
     return False
 
 
-async def run_session(client, target: Target, session: Session, gate: asyncio.Semaphore) -> list[Result]:
+async def run_session(
+    client, target: Target, session: Session, gate: asyncio.Semaphore
+) -> list[Result]:
     history, results = "", []
     for stage in session.stages:
+
         async def one(prompt: str) -> Result:
             async with gate:
-                return await send(client, target, prompt.replace("{history}", history), stage.output_len)
+                return await send(
+                    client, target, prompt.replace("{history}", history), stage.output_len
+                )
+
         outcomes = await asyncio.gather(*(one(p) for p in stage.prompts))
         results += outcomes
         history = stage.prompts[0].replace("{history}", history) + outcomes[0].text
     return results
 
 
-async def run_workload(target: Target, sessions: list[Session], concurrency: int,
-                       request_rate: float | None = None, seed: int = 0, timeout: float = 600) -> dict:
+async def run_workload(
+    target: Target,
+    sessions: list[Session],
+    concurrency: int,
+    request_rate: float | None = None,
+    seed: int = 0,
+    timeout: float = 600,
+) -> dict:
     """Fixed concurrency, or Poisson session arrivals at `request_rate` per second."""
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=concurrency * 4)
-    async with httpx.AsyncClient(base_url=target.base_url, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=target.base_url, timeout=timeout, limits=limits
+    ) as client:
         start = time.perf_counter()
         tasks = []
         for session in sessions:
@@ -145,19 +170,28 @@ def _pcts(values: list[float]) -> dict:
         return {k: None for k in ("mean", "p50", "p90", "p95", "p99")}
     data = sorted(values)
     pick = lambda q: data[min(int(q * len(data)), len(data) - 1)]  # noqa: E731
-    return {"mean": statistics.fmean(data), "p50": pick(0.5), "p90": pick(0.9), "p95": pick(0.95), "p99": pick(0.99)}
+    return {
+        "mean": statistics.fmean(data),
+        "p50": pick(0.5),
+        "p90": pick(0.9),
+        "p95": pick(0.95),
+        "p99": pick(0.99),
+    }
 
 
 def summarize(results: list[Result], elapsed: float) -> dict:
     ok = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "requests": len(results), "errors": len(results) - len(ok),
+        "requests": len(results),
+        "errors": len(results) - len(ok),
         "error_samples": [r.error for r in results if not r.ok][:3],
         "seconds": elapsed,
         "request_throughput": len(ok) / elapsed,
         "input_tok_per_s": sum(r.prompt_tokens for r in ok) / elapsed,
         "output_tok_per_s": sum(r.output_tokens for r in ok) / elapsed,
-        "ttft": _pcts([r.ttft for r in ok]), "itl": _pcts([x for r in ok for x in r.itl]),
-        "tpot": _pcts(tpot), "e2e": _pcts([r.e2e for r in ok]),
+        "ttft": _pcts([r.ttft for r in ok]),
+        "itl": _pcts([x for r in ok for x in r.itl]),
+        "tpot": _pcts(tpot),
+        "e2e": _pcts([r.e2e for r in ok]),
     }

@@ -12,6 +12,7 @@ The report (printed, and JSON under bench/results/): requests by outcome, errors
 RSS of the server's processes after warm-up and at the end, and the KV slots still held once
 the server is idle (the invariant free + cached == capacity).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
 from peers.servers import radixserve
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED = ("You are a careful assistant. Answer briefly and precisely. Here are the facts you know: "
-          "the sky is blue, grass is green, water boils at 100 degrees Celsius at sea level. ")
-QUESTIONS = ["What color is the sky?", "Why is grass green?", "When does water boil?", "Name a planet.",
-             "Count to five.", "Write a haiku about rain.", "What is 2 + 2?", "Say hello in French."]
+SHARED = (
+    "You are a careful assistant. Answer briefly and precisely. Here are the facts you know: "
+    "the sky is blue, grass is green, water boils at 100 degrees Celsius at sea level. "
+)
+QUESTIONS = [
+    "What color is the sky?",
+    "Why is grass green?",
+    "When does water boil?",
+    "Name a planet.",
+    "Count to five.",
+    "Write a haiku about rain.",
+    "What is 2 + 2?",
+    "Say hello in French.",
+]
 
 
 @dataclass
@@ -55,18 +65,43 @@ def pick_request(rng: random.Random) -> tuple[str, str, dict]:
         params["stop"] = ["."]
     elif roll < 0.18:
         params["n"] = 2
-    kind = rng.choices(["plain", "stream", "drop", "abort", "bad", "chat", "flush"],
-                       [40, 20, 10, 8, 8, 12, 2])[0]
+    kind = rng.choices(
+        ["plain", "stream", "drop", "abort", "bad", "chat", "flush"], [40, 20, 10, 8, 8, 12, 2]
+    )[0]
     if kind == "bad":
-        return kind, "/generate", {"text": prompt, "sampling_params": rng.choice([
-            {"temperature": -1}, {"max_new_tokens": "many"}, {"stop_token_ids": [10**9]},
-            {"json_schema": "{"}, {"regex": "(" * 200}])}
+        return (
+            kind,
+            "/generate",
+            {
+                "text": prompt,
+                "sampling_params": rng.choice(
+                    [
+                        {"temperature": -1},
+                        {"max_new_tokens": "many"},
+                        {"stop_token_ids": [10**9]},
+                        {"json_schema": "{"},
+                        {"regex": "(" * 200},
+                    ]
+                ),
+            },
+        )
     if kind == "chat":
-        return kind, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
-                                              "max_tokens": params["max_new_tokens"], "temperature": 0}
+        return (
+            kind,
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": params["max_new_tokens"],
+                "temperature": 0,
+            },
+        )
     if kind == "flush":
         return kind, "/flush_cache", {}
-    return kind, "/generate", {"text": prompt, "sampling_params": params, "stream": kind in ("stream", "drop")}
+    return (
+        kind,
+        "/generate",
+        {"text": prompt, "sampling_params": params, "stream": kind in ("stream", "drop")},
+    )
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
@@ -114,13 +149,22 @@ async def client_loop(base_url: str, seed: int, until: float, tally: Tally) -> N
 
 
 def rss_mb(root_pid: int) -> float:
-    pids = [root_pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(root_pid)], capture_output=True,
-                                                         text=True).stdout.split()]
+    pids = [root_pid] + [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-P", str(root_pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
     total = 0
     for pid in pids:
         try:
-            total += int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                              if line.startswith("VmRSS")).split()[1])
+            total += int(
+                next(
+                    line
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS")
+                ).split()[1]
+            )
         except (FileNotFoundError, StopIteration):
             pass
     return total / 1024
@@ -135,7 +179,10 @@ async def soak(base_url: str, pid: int, minutes: float, concurrency: int, seed: 
     start = time.monotonic()
     until = start + minutes * 60
     warm_up = start + min(120.0, minutes * 60 / 5)
-    loops = [asyncio.create_task(client_loop(base_url, seed * 1000 + i, until, tally)) for i in range(concurrency)]
+    loops = [
+        asyncio.create_task(client_loop(base_url, seed * 1000 + i, until, tally))
+        for i in range(concurrency)
+    ]
     while time.monotonic() < warm_up:
         await asyncio.sleep(1)
     rss_after_warm_up = rss_mb(pid)
@@ -150,12 +197,20 @@ async def soak(base_url: str, pid: int, minutes: float, concurrency: int, seed: 
     span = until - start
     first = [s for t, s in tally.latencies if t < start + span / 10]
     last = [s for t, s in tally.latencies if t >= until - span / 10]
-    return {"minutes": minutes, "concurrency": concurrency, "seed": seed,
-            "requests": sum(tally.outcomes.values()), "by_kind": dict(tally.outcomes),
-            "errors": dict(tally.errors), "p99_first_tenth_s": p99(first), "p99_last_tenth_s": p99(last),
-            "rss_after_warm_up_mb": rss_after_warm_up, "rss_end_mb": rss_end,
-            "rss_growth_pct": 100 * (rss_end - rss_after_warm_up) / rss_after_warm_up,
-            "leaked_slots": stats["num_slots"] - stats["free_slots"] - stats["cached_slots"]}
+    return {
+        "minutes": minutes,
+        "concurrency": concurrency,
+        "seed": seed,
+        "requests": sum(tally.outcomes.values()),
+        "by_kind": dict(tally.outcomes),
+        "errors": dict(tally.errors),
+        "p99_first_tenth_s": p99(first),
+        "p99_last_tenth_s": p99(last),
+        "rss_after_warm_up_mb": rss_after_warm_up,
+        "rss_end_mb": rss_end,
+        "rss_growth_pct": 100 * (rss_end - rss_after_warm_up) / rss_after_warm_up,
+        "leaked_slots": stats["num_slots"] - stats["free_slots"] - stats["cached_slots"],
+    }
 
 
 def main() -> None:
@@ -169,7 +224,11 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     running = radixserve(args.port, RESULTS, args.concurrency, args.kv_tokens)
     try:
-        report = asyncio.run(soak(running.target.base_url, running.proc.pid, args.minutes, args.concurrency, args.seed))
+        report = asyncio.run(
+            soak(
+                running.target.base_url, running.proc.pid, args.minutes, args.concurrency, args.seed
+            )
+        )
     finally:
         running.stop()
     print(json.dumps(report, indent=2))

@@ -16,6 +16,7 @@ tokens per verify step, from /metrics.
 
 Writes bench/results/<date>-<machine>-spec_decode.json and prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,21 +40,64 @@ sys.path.insert(0, str(BENCH / "peers"))
 import servers  # noqa: E402
 from serving import free_port  # noqa: E402
 
-CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quebec", "Tbilisi", "Perth", "Accra", "Bergen",
-          "Cusco", "Da Nang", "Kraków", "Mombasa", "Porto", "Tromsø"]
-TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a market at dawn", "an old violin",
-          "a night train", "a garden on a roof", "a letter never sent", "the last bookshop", "a fox in the city",
-          "a storm at sea", "a clockmaker", "a kite festival", "a quiet library", "a desert well", "a river ferry"]
+CITIES = [
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Lima",
+    "Hanoi",
+    "Quebec",
+    "Tbilisi",
+    "Perth",
+    "Accra",
+    "Bergen",
+    "Cusco",
+    "Da Nang",
+    "Kraków",
+    "Mombasa",
+    "Porto",
+    "Tromsø",
+]
+TOPICS = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "the first snow",
+    "a market at dawn",
+    "an old violin",
+    "a night train",
+    "a garden on a roof",
+    "a letter never sent",
+    "the last bookshop",
+    "a fox in the city",
+    "a storm at sea",
+    "a clockmaker",
+    "a kite festival",
+    "a quiet library",
+    "a desert well",
+    "a river ferry",
+]
 
 
 def rag_prompt(rng: random.Random, city: str) -> str:
-    """A retrieved passage of facts about a city, and a request to quote what answers the question."""
-    year, people, river = rng.randint(1200, 1900), rng.randint(120, 990), rng.choice(["Tagus", "Douro", "Nile", "Volga"])
-    passage = (f"{city} was founded in {year} by traders from the coast. Today about {people} thousand people "
-               f"live in {city}, most of them near the old harbour. The city is known for its tiled houses, its "
-               f"fish market and the {river} bridge, which opened in {year + 400}. Every summer {city} holds a "
-               f"music festival that lasts nine days and draws visitors from across the region.")
-    return (f"Context:\n{passage}\n\nRepeat the context above word for word, then stop.\n\nContext:\n")
+    """A retrieved passage of facts about a city, and a request to quote what answers the
+    question."""
+    year, people, river = (
+        rng.randint(1200, 1900),
+        rng.randint(120, 990),
+        rng.choice(["Tagus", "Douro", "Nile", "Volga"]),
+    )
+    passage = (
+        f"{city} was founded in {year} by traders from the coast. Today about {people} thousand "
+        "people "
+        f"live in {city}, most of them near the old harbour. The city is known for its tiled "
+        "houses, its "
+        f"fish market and the {river} bridge, which opened in {year + 400}. Every summer {city} "
+        "holds a "
+        f"music festival that lasts nine days and draws visitors from across the region."
+    )
+    return (
+        f"Context:\n{passage}\n\nRepeat the context above word for word, then stop.\n\nContext:\n"
+    )
 
 
 def story_prompt(topic: str, city: str) -> str:
@@ -61,12 +105,16 @@ def story_prompt(topic: str, city: str) -> str:
 
 
 def workload(name: str, count: int, first: int, seed: int) -> list[str]:
-    """Prompts number `first` .. `first + count - 1` of the workload: distinct numbers, distinct prompts."""
+    """Prompts number `first` .. `first + count - 1` of the workload: distinct numbers, distinct
+    prompts."""
     rng = random.Random(f"{seed}-{name}-{first}")
     numbers = range(first, first + count)
     if name == "rag_copy":
         return [rag_prompt(rng, CITIES[i % len(CITIES)]) for i in numbers]
-    return [story_prompt(TOPICS[i % len(TOPICS)], CITIES[i // len(TOPICS) % len(CITIES)]) for i in numbers]
+    return [
+        story_prompt(TOPICS[i % len(TOPICS)], CITIES[i // len(TOPICS) % len(CITIES)])
+        for i in numbers
+    ]
 
 
 async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
@@ -84,12 +132,17 @@ async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -
         outs = await asyncio.gather(*(one(client, p) for p in prompts))
         elapsed = time.perf_counter() - start
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
-            "output_ids": [o["output_ids"] for o in outs]}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed,
+        "output_ids": [o["output_ids"] for o in outs],
+    }
 
 
 def layer_prefix_draft(layers: int, folder: Path) -> Path:
     from draft_models import layer_prefix_model
+
     from radixserve.models.source import bundled_model_dir
 
     return layer_prefix_model(bundled_model_dir(), layers, folder / f"draft-{layers}-layers")
@@ -98,12 +151,22 @@ def layer_prefix_draft(layers: int, folder: Path) -> Path:
 def spec_counters(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics").text
     value = lambda name: servers._metric_sum(text, name) or 0.0  # noqa: E731
-    return value("radixserve:spec_verify_steps_total"), value("radixserve:spec_accepted_tokens_total")
+    return value("radixserve:spec_verify_steps_total"), value(
+        "radixserve:spec_accepted_tokens_total"
+    )
 
 
-def measure_cell(plain_url: str, spec_url: str, name: str, concurrency: int, count: int, first: int,
-                 args: argparse.Namespace) -> dict:
-    """`args.rounds` rounds of `count` fresh prompts on both servers, the first server alternating."""
+def measure_cell(
+    plain_url: str,
+    spec_url: str,
+    name: str,
+    concurrency: int,
+    count: int,
+    first: int,
+    args: argparse.Namespace,
+) -> dict:
+    """`args.rounds` rounds of `count` fresh prompts on both servers, the first server
+    alternating."""
     warm = workload(name, 1, first, args.seed)
     for url in (plain_url, spec_url):
         asyncio.run(run(url, warm, 1, 4))
@@ -119,22 +182,39 @@ def measure_cell(plain_url: str, spec_url: str, name: str, concurrency: int, cou
             outs[system] = asyncio.run(run(url, prompts, concurrency, args.output_len))
             totals[system][0] += outs[system]["elapsed_s"]
             totals[system][1] += outs[system]["output_tokens"]
-        round_speedups.append(round(outs["spec"]["output_tok_per_s"] / outs["plain"]["output_tok_per_s"], 2))
+        round_speedups.append(
+            round(outs["spec"]["output_tok_per_s"] / outs["plain"]["output_tok_per_s"], 2)
+        )
         identical = identical and outs["plain"]["output_ids"] == outs["spec"]["output_ids"]
     after = spec_counters(spec_url)
     steps, accepted = after[0] - before[0], after[1] - before[1]
     plain_rate, spec_rate = (totals[s][1] / totals[s][0] for s in ("plain", "spec"))
-    return {"workload": name, "concurrency": concurrency, "requests": count, "rounds": args.rounds,
-            "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
-            "round_speedups": round_speedups, "accept_length": 1 + accepted / steps if steps else None,
-            "verify_steps": steps, "output_tokens": totals["plain"][1], "identical_outputs": identical}
+    return {
+        "workload": name,
+        "concurrency": concurrency,
+        "requests": count,
+        "rounds": args.rounds,
+        "plain_tok_s": plain_rate,
+        "spec_tok_s": spec_rate,
+        "speedup": spec_rate / plain_rate,
+        "round_speedups": round_speedups,
+        "accept_length": 1 + accepted / steps if steps else None,
+        "verify_steps": steps,
+        "output_tokens": totals["plain"][1],
+        "identical_outputs": identical,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests-c1", type=int, default=6)
     ap.add_argument("--requests-c8", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per cell, fresh prompts each, the first server alternating")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds per cell, fresh prompts each, the first server alternating",
+    )
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--kv-tokens", type=int, default=16384)
@@ -142,13 +222,26 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--algorithm", choices=["ngram", "draft"], default="ngram")
     ap.add_argument("--draft-model", default=None, help="with --algorithm draft: a model folder")
-    ap.add_argument("--draft-layers", type=int, default=24,
-                    help="with --algorithm draft and no --draft-model: draft with the bundled model's first N layers")
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=24,
+        help="with --algorithm draft and no --draft-model: draft with the bundled model's first N "
+        "layers",
+    )
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-spec-bench-"))
-    spec_flags = ["--speculative-algorithm", args.algorithm, "--speculative-num-draft-tokens", str(args.draft_tokens)]
+    spec_flags = [
+        "--speculative-algorithm",
+        args.algorithm,
+        "--speculative-num-draft-tokens",
+        str(args.draft_tokens),
+    ]
     if args.algorithm == "draft":
-        spec_flags += ["--speculative-draft-model", args.draft_model or str(layer_prefix_draft(args.draft_layers, log_dir))]
+        spec_flags += [
+            "--speculative-draft-model",
+            args.draft_model or str(layer_prefix_draft(args.draft_layers, log_dir)),
+        ]
     plain = servers.radixserve(free_port(), log_dir, 8, args.kv_tokens, extra=[])
     spec = servers.radixserve(free_port(), log_dir, 8, args.kv_tokens, extra=spec_flags)
     rows = []
@@ -156,25 +249,53 @@ def main() -> None:
         for name in ("rag_copy", "no_copy"):
             first = 0
             for concurrency, count in ((1, args.requests_c1), (8, args.requests_c8)):
-                rows.append(measure_cell(plain.target.base_url, spec.target.base_url, name, concurrency, count,
-                                         first, args))
+                rows.append(
+                    measure_cell(
+                        plain.target.base_url,
+                        spec.target.base_url,
+                        name,
+                        concurrency,
+                        count,
+                        first,
+                        args,
+                    )
+                )
                 first += count * args.rounds + 1
                 r = rows[-1]
-                print(f"  {name:9s} c={concurrency}  plain {r['plain_tok_s']:6.1f} tok/s  {args.algorithm} "
-                      f"{r['spec_tok_s']:6.1f} tok/s  {r['speedup']:.2f}x (rounds {r['round_speedups']})  accept "
-                      f"length {r['accept_length'] or 0:.2f}  identical {r['identical_outputs']}", flush=True)
+                print(
+                    f"  {name:9s} c={concurrency}  plain {r['plain_tok_s']:6.1f} tok/s  "
+                    f"{args.algorithm} "
+                    f"{r['spec_tok_s']:6.1f} tok/s  {r['speedup']:.2f}x (rounds "
+                    f"{r['round_speedups']})  accept "
+                    f"length {r['accept_length'] or 0:.2f}  identical {r['identical_outputs']}",
+                    flush=True,
+                )
     finally:
         plain.stop()
         spec.stop()
-    results = {"date": str(datetime.date.today()), "machine": f"{platform.machine()}-{os.cpu_count()}cpu",
-               "args": vars(args), "rows": rows}
-    stem = BENCH / "results" / f"{results['date']}-{results['machine']}-spec_decode{'-' + args.tag if args.tag else ''}"
+    results = {
+        "date": str(datetime.date.today()),
+        "machine": f"{platform.machine()}-{os.cpu_count()}cpu",
+        "args": vars(args),
+        "rows": rows,
+    }
+    stem = (
+        BENCH
+        / "results"
+        / f"{results['date']}-{results['machine']}-spec_decode{'-' + args.tag if args.tag else ''}"
+    )
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    print(f"\n| workload | concurrency | plain tok/s | {args.algorithm} tok/s | speed-up | accept length | same output |")
+    print(
+        f"\n| workload | concurrency | plain tok/s | {args.algorithm} tok/s | speed-up | accept "
+        "length | same output |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['workload']} | {r['concurrency']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['accept_length'] or 0:.2f} | {r['identical_outputs']} |")
+        print(
+            f"| {r['workload']} | {r['concurrency']} | {r['plain_tok_s']:.1f} | "
+            f"{r['spec_tok_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['accept_length'] or 0:.2f} | {r['identical_outputs']} |"
+        )
     print(f"\nwrote {stem.with_suffix('.json')}; logs in {log_dir}")
 
 

@@ -1,12 +1,15 @@
 """Few-shot classification with select, over a batch: the shared examples are cached once."""
-from radixserve.lang import function, select
 
 from _backend import backend
 
-EXAMPLES = [("The food was cold and the waiter rude.", "negative"),
-            ("Absolutely loved the atmosphere!", "positive"),
-            ("Terrible service, never again.", "negative"),
-            ("Great value and friendly staff.", "positive")]
+from radixserve.lang import function, select
+
+EXAMPLES = [
+    ("The food was cold and the waiter rude.", "negative"),
+    ("Absolutely loved the atmosphere!", "positive"),
+    ("Terrible service, never again.", "negative"),
+    ("Great value and friendly staff.", "positive"),
+]
 
 
 @function
@@ -17,8 +20,13 @@ def classify(s, review):
 
 
 if __name__ == "__main__":
-    reviews = ["The pasta was delicious.", "I waited an hour for cold soup.", "Lovely place, will return."]
-    states = classify.run_batch([{"review": r} for r in reviews], backend=backend(), num_threads=3,
-                                progress_bar=True)
+    reviews = [
+        "The pasta was delicious.",
+        "I waited an hour for cold soup.",
+        "Lovely place, will return.",
+    ]
+    states = classify.run_batch(
+        [{"review": r} for r in reviews], backend=backend(), num_threads=3, progress_bar=True
+    )
     for review, state in zip(reviews, states):
         print(f"{state['label']:9s} {review}  (cached {state.report.cached_tokens} tokens)")

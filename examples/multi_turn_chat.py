@@ -1,7 +1,8 @@
 """Multi-turn chat: every turn re-sends the growing history, which the radix cache serves."""
-from radixserve.lang import assistant, function, gen, system, user
 
 from _backend import backend
+
+from radixserve.lang import assistant, function, gen, system, user
 
 
 @function
@@ -13,9 +14,13 @@ def chat(s, questions):
 
 
 if __name__ == "__main__":
-    state = chat.run(questions=["What is a prefix tree?", "Why is it useful for caching?",
-                                "Give one example."], backend=backend())
+    state = chat.run(
+        questions=["What is a prefix tree?", "Why is it useful for caching?", "Give one example."],
+        backend=backend(),
+    )
     for m in state.messages():
         print(f"[{m['role']}] {m['content']}")
-    print(f"prompt tokens {state.report.prompt_tokens}, cached {state.report.cached_tokens} "
-          f"({100 * state.report.hit_rate:.0f}%)")
+    print(
+        f"prompt tokens {state.report.prompt_tokens}, cached {state.report.cached_tokens} "
+        f"({100 * state.report.hit_rate:.0f}%)"
+    )

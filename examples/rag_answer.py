@@ -1,7 +1,8 @@
 """RAG: answer from several retrieved passages; a follow-up question reuses the cached context."""
-from radixserve.lang import assistant, function, gen, system, user
 
 from _backend import backend
+
+from radixserve.lang import assistant, function, gen, system, user
 
 PASSAGES = [
     "RadixAttention keeps the KV cache of finished requests in a radix tree keyed by token ids.",
@@ -21,7 +22,10 @@ def rag(s, question, follow_up):
 
 
 if __name__ == "__main__":
-    state = rag.run(question="How does a request reuse cached work?", follow_up="What happens when memory is full?",
-                    backend=backend())
+    state = rag.run(
+        question="How does a request reuse cached work?",
+        follow_up="What happens when memory is full?",
+        backend=backend(),
+    )
     print(state["answer"], "\n---\n", state["follow_up_answer"])
     print(f"cache hit rate {100 * state.report.hit_rate:.0f}%")

@@ -1,7 +1,8 @@
 """Tree of thought: fork branches that share the question's cached prefix, then judge them."""
-from radixserve.lang import function, gen, select, user
 
 from _backend import backend
+
+from radixserve.lang import function, gen, select, user
 
 
 @function
@@ -14,7 +15,11 @@ def tree_of_thought(s, question, branches=3):
     forks.join()
     for i, f in enumerate(forks):
         s += f"Idea {i + 1}:{f['idea']}\n"
-    s += "The best idea is Idea " + select("best", choices=[str(i + 1) for i in range(branches)]) + "."
+    s += (
+        "The best idea is Idea "
+        + select("best", choices=[str(i + 1) for i in range(branches)])
+        + "."
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ group over one slice of the request's tokens, keeping an online softmax, and wri
 partial output and its log-sum-exp. Stage 2: grid (batch, heads) merges the splits.
 `kv_indices` holds token slots (page_size 1) or page ids (page_size > 1).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,11 +26,29 @@ def _slots(kv_indices_ptr, start, pos, mask, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_ptr, seq_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, scale, stride_qb, stride_qh, stride_cs, stride_ch,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -43,10 +62,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indi
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -62,19 +84,28 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indi
         alpha = tl.exp(m - m_new)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        l = l * alpha + tl.sum(p, axis=1)
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
         m = m_new
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    has = row_sum > 0
+    out = acc / tl.where(has, row_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, row_sum, 1.0)), float("-inf"))
     row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+def _decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    o_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -85,7 +116,11 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, HE
     weights = weights / tl.sum(weights, axis=0)
     parts = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :])
     out = tl.sum(weights[:, None] * parts, axis=0)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        o_ptr + b * stride_ob + h * stride_oh + offs_d,
+        out.to(o_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def choose_splits(max_seq_len: int, tokens_per_split: int = 256, max_splits: int = 16) -> int:
@@ -94,9 +129,18 @@ def choose_splits(max_seq_len: int, tokens_per_split: int = 256, max_splits: int
     return 1 << (wanted - 1).bit_length()
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                     kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int = 1,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page_size: int = 1,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q `[B, H, D]`; caches `[slots, kv_heads, D]`; returns `[B, H, D]`.
 
     Request b's slots are `kv_indices[kv_indptr[b]:][:seq_lens[b]]`; only the starts of
@@ -113,19 +157,46 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty(batch, heads, splits, block_d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_N=32, NUM_SPLITS=splits, PAGE_SIZE=page_size, NUM_HEADS=heads)
-    _decode_merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), HEAD_DIM=dim,
-                                         BLOCK_D=block_d, NUM_SPLITS=splits, NUM_HEADS=heads)
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr,
+        kv_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        BLOCK_N=32,
+        NUM_SPLITS=splits,
+        PAGE_SIZE=page_size,
+        NUM_HEADS=heads,
+    )
+    _decode_merge_kernel[(batch, heads)](
+        mid_o,
+        mid_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+        NUM_HEADS=heads,
+    )
     return out
 
 
 def slots_of(kv_indices: torch.Tensor, start: int, length: int, page_size: int) -> torch.Tensor:
     pos = torch.arange(length, device=kv_indices.device)
     if page_size == 1:
-        return kv_indices[start:start + length]
+        return kv_indices[start : start + length]
     return kv_indices[start + pos // page_size] * page_size + pos % page_size
 
 

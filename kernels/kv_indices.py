@@ -1,4 +1,6 @@
-"""Gather each request's slot (or page) indices from the request-to-token table into one flat array."""
+"""Gather each request's slot (or page) indices from the request-to-token table into one flat
+array."""
+
 from __future__ import annotations
 
 import torch
@@ -7,7 +9,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_indices_kernel(table_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, table_stride, BLOCK: tl.constexpr):
+def _kv_indices_kernel(
+    table_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, table_stride, BLOCK: tl.constexpr
+):
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
     length = tl.load(lens_ptr + b)
@@ -19,20 +23,25 @@ def _kv_indices_kernel(table_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, table
         tl.store(out_ptr + start + offs, values, mask=mask)
 
 
-def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                     page_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def build_kv_indices(
+    req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, page_size: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (kv_indptr `[B+1]`, kv_indices): token slots, or page ids when page_size > 1.
 
     With pages, request b's page ids are read from its table row at every page_size-th
     position (the first slot of each page), divided by page_size.
     """
-    table = req_to_token if page_size == 1 else (req_to_token[:, ::page_size] // page_size).contiguous()
+    table = (
+        req_to_token if page_size == 1 else (req_to_token[:, ::page_size] // page_size).contiguous()
+    )
     counts = lens if page_size == 1 else (lens + page_size - 1) // page_size
     indptr = torch.zeros(len(rows) + 1, dtype=torch.int64, device=rows.device)
     indptr[1:] = torch.cumsum(counts, 0)
     out = torch.empty(int(indptr[-1].item()), dtype=table.dtype, device=rows.device)
     if len(rows):
-        _kv_indices_kernel[(len(rows),)](table, rows, counts, indptr, out, table.stride(0), BLOCK=512)
+        _kv_indices_kernel[(len(rows),)](
+            table, rows, counts, indptr, out, table.stride(0), BLOCK=512
+        )
     return indptr, out
 
 

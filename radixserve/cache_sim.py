@@ -20,6 +20,7 @@ feasible schedule of that relaxed problem, so its hits cannot exceed MIN's. (A s
 retracts requests caches their recomputed prefixes at times the log does not record, so it can
 beat this bound where retraction is heavy.)
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,8 +28,8 @@ import itertools
 from dataclasses import dataclass, replace
 
 from .config import RouterArgs
-from .mem.shadow import ReplicaCache
 from .kv_events import chain_hashes
+from .mem.shadow import ReplicaCache
 from .request_log import RequestRecord
 from .router.keys import ids_key
 from .router.policies import CacheAware, make_policy
@@ -63,15 +64,30 @@ class Trace:
         start = min((r.arrival for r in admitted), default=0.0)
         requests = []
         for r in admitted:
-            if full:  # the cache holds prompt + output but the newest token (its KV is not computed)
+            if (
+                full
+            ):  # the cache holds prompt + output but the newest token (its KV is not computed)
                 units = tuple(r.prompt_ids + r.output_ids[:-1])
                 prompt_units, lookup = r.prompt_tokens, r.prompt_tokens - 1
             else:
                 units = tuple(names.setdefault(h, len(names)) for h in r.block_hashes)
-                prompt_units, lookup = r.prompt_tokens // hash_block, (r.prompt_tokens - 1) // hash_block
+                prompt_units, lookup = (
+                    r.prompt_tokens // hash_block,
+                    (r.prompt_tokens - 1) // hash_block,
+                )
             arrival = r.arrival - start
-            requests.append(TraceRequest(arrival, arrival + r.queue_time, arrival + r.latency, units,
-                                         prompt_units, lookup, r.prompt_tokens, r.cached_tokens))
+            requests.append(
+                TraceRequest(
+                    arrival,
+                    arrival + r.queue_time,
+                    arrival + r.latency,
+                    units,
+                    prompt_units,
+                    lookup,
+                    r.prompt_tokens,
+                    r.cached_tokens,
+                )
+            )
         return cls(requests, 1 if full else hash_block)
 
     def in_blocks(self, block: int) -> "Trace":
@@ -80,16 +96,29 @@ class Trace:
         if block == self.unit_tokens:
             return self
         if self.unit_tokens != 1:
-            raise ValueError(f"this log is stored in blocks of {self.unit_tokens} tokens; it replays only in those")
+            raise ValueError(
+                f"this log is stored in blocks of {self.unit_tokens} tokens; it replays only in "
+                "those"
+            )
         names: dict[int, int] = {}
-        requests = [replace(r, units=tuple(names.setdefault(h, len(names)) for h in chain_hashes(list(r.units), block)),
-                            prompt_units=r.prompt_tokens // block, lookup_units=(r.prompt_tokens - 1) // block)
-                    for r in self.requests]
+        requests = [
+            replace(
+                r,
+                units=tuple(
+                    names.setdefault(h, len(names)) for h in chain_hashes(list(r.units), block)
+                ),
+                prompt_units=r.prompt_tokens // block,
+                lookup_units=(r.prompt_tokens - 1) // block,
+            )
+            for r in self.requests
+        ]
         return Trace(requests, block)
 
     def measured_hit_rate(self) -> float:
         """The server's own hit rate over these requests: cached prompt tokens / prompt tokens."""
-        return sum(r.cached_tokens for r in self.requests) / max(sum(r.prompt_tokens for r in self.requests), 1)
+        return sum(r.cached_tokens for r in self.requests) / max(
+            sum(r.prompt_tokens for r in self.requests), 1
+        )
 
 
 @dataclass(frozen=True)
@@ -111,12 +140,17 @@ def replay(trace: Trace, setting: Setting) -> float:
     """Hit rate (cached prompt tokens / prompt tokens) of `trace` under `setting`."""
     clock = itertools.count().__next__
     # a pool larger than the whole trace is as good as unbounded (and its free list stays small)
-    capacity = min(setting.cache_tokens // trace.unit_tokens, sum(len(r.units) for r in trace.requests))
+    capacity = min(
+        setting.cache_tokens // trace.unit_tokens, sum(len(r.units) for r in trace.requests)
+    )
     replicas = [ReplicaCache(capacity, setting.eviction, clock) for _ in range(setting.dp)]
     workers = [Worker(f"replica-{i}", CircuitBreaker()) for i in range(setting.dp)]
     router = RouterArgs(policy=setting.router)
-    policy = (CacheAware(router, PrefixTree(clock=clock)) if setting.router == "cache_aware"
-              else make_policy(router, seed=0))
+    policy = (
+        CacheAware(router, PrefixTree(clock=clock))
+        if setting.router == "cache_aware"
+        else make_policy(router, seed=0)
+    )
     placed: dict[int, int] = {}
     hit_tokens, next_tree_eviction = 0, router.eviction_interval_secs
     for _, kind, i in _events(trace):
@@ -125,11 +159,11 @@ def replay(trace: Trace, setting: Setting) -> float:
             if isinstance(policy, CacheAware) and r.arrival >= next_tree_eviction:
                 policy.evict()
                 next_tree_eviction += router.eviction_interval_secs
-            worker = policy.pick(workers, ids_key(list(r.units[:r.prompt_units])))
+            worker = policy.pick(workers, ids_key(list(r.units[: r.prompt_units])))
             worker.in_flight += 1
             placed[i] = workers.index(worker)
         elif kind == ADMIT:
-            matched = replicas[placed[i]].admit(i, r.units[:r.prompt_units], r.lookup_units)
+            matched = replicas[placed[i]].admit(i, r.units[: r.prompt_units], r.lookup_units)
             hit_tokens += min(matched * trace.unit_tokens, r.prompt_tokens)
         else:
             replicas[placed[i]].finish(i, r.units)
@@ -145,7 +179,11 @@ def _events(trace: Trace) -> list[tuple[float, int, int]]:
     events = []
     for i, r in enumerate(trace.requests):
         admitted = max(r.admitted, r.arrival)
-        events += [(r.arrival, ARRIVE, i), (admitted, ADMIT, i), (max(r.finished, admitted), FINISH, i)]
+        events += [
+            (r.arrival, ARRIVE, i),
+            (admitted, ADMIT, i),
+            (max(r.finished, admitted), FINISH, i),
+        ]
     return sorted(events)
 
 
@@ -157,7 +195,7 @@ def optimal_hit_rate(trace: Trace, capacity_tokens: int) -> float:
     for _, kind, i in _events(trace):
         r = trace.requests[i]
         if kind == ADMIT:
-            accesses += [(u, j < r.lookup_units) for j, u in enumerate(paths[i][:r.prompt_units])]
+            accesses += [(u, j < r.lookup_units) for j, u in enumerate(paths[i][: r.prompt_units])]
         elif kind == FINISH:
             accesses += [(u, False) for u in paths[i]]
     never = len(accesses)
@@ -205,4 +243,3 @@ def sweep(trace: Trace, settings: list[Setting]) -> list[Result]:
             optimum[total] = optimal_hit_rate(trace, total)
         results.append(Result(setting, replay(trace, setting), optimum[total]))
     return results
-

@@ -1,4 +1,5 @@
 """Frozen configuration dataclasses, composed per process."""
+
 from __future__ import annotations
 
 import json
@@ -104,8 +105,12 @@ class EngineArgs:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
     disable_cache_estimates: bool = False  # no live what-if hit rates for 0.5x/2x/4x the KV memory
-    log_requests: str | None = None  # folder of the rotating JSONL request log (cache sizing, `radixserve replay`)
-    log_requests_level: str = "full"  # full: token ids; hashes: chained hashes of 16-token blocks, no text
+    log_requests: str | None = (
+        None  # folder of the rotating JSONL request log (cache sizing, `radixserve replay`)
+    )
+    log_requests_level: str = (
+        "full"  # full: token ids; hashes: chained hashes of 16-token blocks, no text
+    )
     page_size: int = 1
     attention_backend: str = "auto"
     tp_size: int = 1
@@ -120,7 +125,9 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     enable_jump_forward: bool = False
     enable_torch_compile: bool = False
-    watchdog_timeout: float = 300.0  # the scheduler exits when a step takes longer (the server then stops)
+    watchdog_timeout: float = (
+        300.0  # the scheduler exits when a step takes longer (the server then stops)
+    )
     cuda_graph_max_bs: int = 64
     kv_events_config: str | None = None  # JSON (kv_events.KVEventsConfig): publish KV cache events
     nnodes: int = 1  # machines the tensor-parallel ranks span
@@ -132,7 +139,9 @@ class EngineArgs:
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
     hicache_storage_dir: str | None = None
-    speculative_algorithm: str | None = None  # ngram: drafts by n-gram lookup; draft: by a smaller model
+    speculative_algorithm: str | None = (
+        None  # ngram: drafts by n-gram lookup; draft: by a smaller model
+    )
     speculative_num_draft_tokens: int = 8  # most drafts a request proposes per step
     speculative_draft_model: str | None = None  # the draft model of speculative_algorithm "draft"
 
@@ -143,17 +152,28 @@ class EngineArgs:
 
     def _problems(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            yield f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            yield (
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            yield f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            yield (
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.dtype not in DTYPES:
             yield f"dtype must be one of {DTYPES}, got {self.dtype!r}"
         if self.page_size < 1:
             yield "page_size must be >= 1"
         if self.radix_eviction_policy not in EVICTION_POLICIES:
-            yield f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
+            yield (
+                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, "
+                f"got {self.radix_eviction_policy!r}"
+            )
         if self.log_requests_level not in REQUEST_LOG_LEVELS:
-            yield f"log_requests_level must be one of {REQUEST_LOG_LEVELS}, got {self.log_requests_level!r}"
+            yield (
+                f"log_requests_level must be one of {REQUEST_LOG_LEVELS}, "
+                f"got {self.log_requests_level!r}"
+            )
         if self.kv_events_config is not None:
             try:
                 KVEventsConfig.from_json(self.kv_events_config)
@@ -179,14 +199,18 @@ class EngineArgs:
             yield f"nnodes must be between 1 and tp_size ({self.tp_size}): every node hosts a rank"
         if not 0 <= self.node_rank < self.nnodes:
             yield f"node_rank must be in [0, nnodes), got {self.node_rank}"
-        if self.dist_init_addr is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", self.dist_init_addr):
+        if self.dist_init_addr is not None and not re.fullmatch(
+            r"[\w.\-\[\]:]+:\d+", self.dist_init_addr
+        ):
             yield f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"
         if self.nnodes > 1 and self.dist_init_addr is None:
             yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
         yield from self._hicache_problems()
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
-            yield (f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got "
-                   f"{self.speculative_algorithm!r}")
+            yield (
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got "
+                f"{self.speculative_algorithm!r}"
+            )
         if (self.speculative_algorithm == "draft") != (self.speculative_draft_model is not None):
             yield "speculative_algorithm draft and speculative_draft_model go together"
         if not 1 <= self.speculative_num_draft_tokens <= 16:
@@ -194,7 +218,10 @@ class EngineArgs:
 
     def _hicache_problems(self):
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            yield f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}"
+            yield (
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                f"got {self.hicache_write_policy!r}"
+            )
         if self.hicache_storage_backend not in (None, "file"):
             yield f"hicache_storage_backend must be 'file', got {self.hicache_storage_backend!r}"
         if (self.hicache_storage_backend is None) != (self.hicache_storage_dir is None):
@@ -263,8 +290,12 @@ class ServerArgs:
     served_model_name: str | None = None
     engine: EngineArgs = field(default_factory=EngineArgs)
     max_request_bytes: int = 8 << 20  # a larger body is a 413
-    max_queued_requests: int | None = None  # beyond the running ones; more is a 503 (None: no limit)
-    tool_call_parser: str | None = None  # None: detected from the chat template (tool_calls.detect_parser)
+    max_queued_requests: int | None = (
+        None  # beyond the running ones; more is a 503 (None: no limit)
+    )
+    tool_call_parser: str | None = (
+        None  # None: detected from the chat template (tool_calls.detect_parser)
+    )
     reasoning_parser: str | None = None  # None: no reasoning is split out (reasoning.PARSERS)
 
 
@@ -281,7 +312,9 @@ class RouterArgs:
     port: int = 30000
     policy: str = "cache_aware"
     cache_threshold: float = 0.3
-    balance_abs_threshold: int = 8  # SGLang's 64 suits GPU batches of hundreds; CPU replicas run ~10
+    balance_abs_threshold: int = (
+        8  # SGLang's 64 suits GPU batches of hundreds; CPU replicas run ~10
+    )
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 26
     eviction_interval_secs: float = 120.0
@@ -318,10 +351,23 @@ class RouterArgs:
             yield "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1"
         if self.max_tree_size < 1 or self.eviction_interval_secs <= 0:
             yield "max_tree_size and eviction_interval_secs must be positive"
-        if min(self.health_check_interval_secs, self.health_check_timeout_secs, self.cb_timeout_duration_secs) <= 0:
+        if (
+            min(
+                self.health_check_interval_secs,
+                self.health_check_timeout_secs,
+                self.cb_timeout_duration_secs,
+            )
+            <= 0
+        ):
             yield "health check interval and timeout and cb_timeout_duration_secs must be positive"
-        if min(self.health_failure_threshold, self.cb_failure_threshold, self.cb_success_threshold) < 1:
-            yield "health_failure_threshold, cb_failure_threshold and cb_success_threshold must be >= 1"
+        if (
+            min(self.health_failure_threshold, self.cb_failure_threshold, self.cb_success_threshold)
+            < 1
+        ):
+            yield (
+                "health_failure_threshold, cb_failure_threshold and cb_success_threshold "
+                "must be >= 1"
+            )
         if self.retry_max_retries < 0:
             yield "retry_max_retries must be >= 0"
         if self.kv_events and self.policy != "cache_aware":

@@ -8,6 +8,7 @@ Compiled grammars are cached per spec, so repeated schemas compile once. JSON sc
 compile to compact JSON (`", "` and `": "` separators, no free whitespace): small models
 otherwise tend to emit runs of whitespace.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,9 @@ class GrammarSpec:
 
     @classmethod
     def from_params(cls, params: Any) -> "GrammarSpec | None":
-        given = [(key, getattr(params, key)) for key in GRAMMAR_KEYS if getattr(params, key) is not None]
+        given = [
+            (key, getattr(params, key)) for key in GRAMMAR_KEYS if getattr(params, key) is not None
+        ]
         return cls(*given[0]) if given else None
 
 
@@ -60,8 +63,13 @@ def _check_depth(value: Any, key: str) -> None:
     """Refuse JSON nested deeper than MAX_NESTING (walked without recursion)."""
     level = [value]
     for _ in range(MAX_NESTING + 1):
-        level = [child for item in level
-                 for child in (item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())]
+        level = [
+            child
+            for item in level
+            for child in (
+                item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+            )
+        ]
         if not level:
             return
     raise ValueError(f"{key} is nested deeper than {MAX_NESTING} levels")
@@ -113,8 +121,11 @@ class GrammarBackend:
         if self.compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=sorted(self.stop_token_ids) or None)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=sorted(self.stop_token_ids) or None,
+            )
             self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self.compiler
 
@@ -174,4 +185,6 @@ def grammar_backend(tokenizer, info) -> GrammarBackend | None:
     """The grammar backend for a worker's vocabulary (`WorkerInfo`); None without a tokenizer."""
     if tokenizer is None:
         return None
-    return GrammarBackend(tokenizer, info.vocab_size, tuple(set(info.eos_token_ids) | set(eos_ids(tokenizer))))
+    return GrammarBackend(
+        tokenizer, info.vocab_size, tuple(set(info.eos_token_ids) | set(eos_ids(tokenizer)))
+    )

@@ -1,4 +1,5 @@
 """Incremental detokenization with stop-string trimming, one state per request."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,11 +38,13 @@ class Detokenizer:
         """Append this output's tokens to its request; return the newly visible text."""
         state = self.states.get(out.rid)
         if state is None:
-            state = self.states[out.rid] = DecodeState(out.skip_special_tokens, list(out.stop or []))
+            state = self.states[out.rid] = DecodeState(
+                out.skip_special_tokens, list(out.stop or [])
+            )
         state.ids += out.new_token_ids
         state.text += self._new_text(state, flush=out.finished)
         visible = self._visible(state, out.finished, out.finish_reason)
-        delta = visible[state.sent:]
+        delta = visible[state.sent :]
         state.sent = max(state.sent, len(visible))
         if out.finished:
             del self.states[out.rid]
@@ -49,12 +52,12 @@ class Detokenizer:
 
     def _new_text(self, s: DecodeState, flush: bool) -> str:
         """Text the new ids add; an incomplete UTF-8 sequence waits for more ids unless flushing."""
-        before = self.decode(s.ids[s.prefix_offset:s.read_offset], s.skip_special_tokens)
-        after = self.decode(s.ids[s.prefix_offset:], s.skip_special_tokens)
+        before = self.decode(s.ids[s.prefix_offset : s.read_offset], s.skip_special_tokens)
+        after = self.decode(s.ids[s.prefix_offset :], s.skip_special_tokens)
         if not flush and (after.endswith("\ufffd") or len(after) <= len(before)):
             return ""
         s.prefix_offset, s.read_offset = s.read_offset, len(s.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def _visible(self, s: DecodeState, finished: bool, reason: FinishReason | None) -> str:
         if finished:

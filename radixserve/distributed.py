@@ -5,6 +5,7 @@ by output (each rank owns whole attention heads and a slice of the MLP), o_proj 
 down_proj by input, and their partial outputs are summed with one all-reduce each.
 Embedding, norms and LM head are replicated.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -52,9 +53,15 @@ class TPGroup:
         """This rank's slice of the model: its heads and its part of the MLP."""
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(cfg, name) % self.size:
-                raise ValueError(f"tp_size {self.size} does not divide the model's {name} ({getattr(cfg, name)})")
-        return replace(cfg, num_heads=cfg.num_heads // self.size, num_kv_heads=cfg.num_kv_heads // self.size,
-                       intermediate_size=cfg.intermediate_size // self.size)
+                raise ValueError(
+                    f"tp_size {self.size} does not divide the model's {name} ({getattr(cfg, name)})"
+                )
+        return replace(
+            cfg,
+            num_heads=cfg.num_heads // self.size,
+            num_kv_heads=cfg.num_kv_heads // self.size,
+            intermediate_size=cfg.intermediate_size // self.size,
+        )
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's equal slice of a checkpoint tensor along `dim`."""
@@ -64,8 +71,11 @@ class TPGroup:
 
 
 def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_backend() == "nccl"
         else torch.device("cpu")
+    )
 
 
 IDLE_TIMEOUT = timedelta(days=365)  # ranks > 0 wait in a broadcast for as long as the server idles
@@ -76,6 +86,7 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) 
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                         timeout=IDLE_TIMEOUT)
+    torch.distributed.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
+    )
     return TPGroup(rank, size)

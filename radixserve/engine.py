@@ -3,6 +3,7 @@
 The scheduler runs in a background thread; `generate` and `generate_stream` may be
 called from any thread.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,10 +34,14 @@ class Engine:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.args = EngineArgs(model=model, **kwargs)
         if self.args.tp_size != 1:
-            raise ValueError("the offline Engine runs one process; serve with `radixserve serve --tp-size N` "
-                             "for tensor parallelism")
+            raise ValueError(
+                "the offline Engine runs one process; serve with `radixserve serve --tp-size N` "
+                "for tensor parallelism"
+            )
         if self.args.kv_events_config is not None:
-            raise ValueError("KV events are published by the server: `radixserve serve --kv-events-config ...`")
+            raise ValueError(
+                "KV events are published by the server: `radixserve serve --kv-events-config ...`"
+            )
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
@@ -47,8 +52,9 @@ class Engine:
         self._stopped = False
         self._error: BaseException | None = None
         started: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, args=(source, started), name="radixserve-scheduler",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(source, started), name="radixserve-scheduler", daemon=True
+        )
         self._thread.start()
         failure = started.get()
         if failure is not None:
@@ -57,24 +63,41 @@ class Engine:
         log.info(self.runner.info.capacity_line())
 
     # ---- public API ------------------------------------------------------
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | SamplingParams | list[dict | SamplingParams] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 return_text_in_logprobs: bool = False) -> dict | list[dict]:
-        """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in place)."""
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob,
-                                           logprob_start_len, top_logprobs_num)
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | SamplingParams | list[dict | SamplingParams] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+    ) -> dict | list[dict]:
+        """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in
+        place)."""
+        reqs, single = self._make_requests(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num
+        )
         streams = [self._submit(r) for r in reqs]
-        results = [self._collect(r, s, return_logprob, return_text_in_logprobs) for r, s in zip(reqs, streams)]
+        results = [
+            self._collect(r, s, return_logprob, return_text_in_logprobs)
+            for r, s in zip(reqs, streams)
+        ]
         return results[0] if single and len(results) == 1 else results
 
-    def generate_stream(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
-                        input_ids: list[int] | None = None, return_logprob: bool = False,
-                        logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Iterator[dict]:
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict | SamplingParams | None = None,
+        input_ids: list[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> Iterator[dict]:
         """Yields the cumulative result after every step that produced text."""
-        reqs, _ = self._make_requests(prompt, input_ids, sampling_params, return_logprob,
-                                      logprob_start_len, top_logprobs_num)
+        reqs, _ = self._make_requests(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num
+        )
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt with n=1")
         req = reqs[0]
@@ -120,27 +143,50 @@ class Engine:
         self.shutdown()
 
     # ---- request plumbing --------------------------------------------------
-    def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                       top_logprobs_num) -> tuple[list[GenerateReq], bool]:
+    def _make_requests(
+        self,
+        prompt,
+        input_ids,
+        sampling_params,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+    ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        single = isinstance(prompt, str) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], int)
+        )
         if input_ids is not None:
             id_lists = [input_ids] if single else list(input_ids)
         else:
             self._need_tokenizer()
             id_lists = [encode_prompt(self.tokenizer, p) for p in ([prompt] if single else prompt)]
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(id_lists)
+        )
         if len(params_list) != len(id_lists):
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, raw in zip(id_lists, params_list):
-            params = raw if isinstance(raw, SamplingParams) else SamplingParams.from_dict(raw, self.args.max_n)
+            params = (
+                raw
+                if isinstance(raw, SamplingParams)
+                else SamplingParams.from_dict(raw, self.args.max_n)
+            )
             if isinstance(raw, SamplingParams):
                 params.validate(self.args.max_n)
             for sample in params.per_sample():
-                req = GenerateReq(uuid.uuid4().hex, list(ids), sample, return_logprob, logprob_start_len,
-                                  top_logprobs_num)
+                req = GenerateReq(
+                    uuid.uuid4().hex,
+                    list(ids),
+                    sample,
+                    return_logprob,
+                    logprob_start_len,
+                    top_logprobs_num,
+                )
                 check_generate(req, self.runner.info)
                 reqs.append(req)
         return reqs, single
@@ -151,7 +197,9 @@ class Engine:
         self._post(("add", req))
         return stream
 
-    def _collect(self, req: GenerateReq, stream: queue.Queue, with_logprobs: bool, text_in_logprobs: bool) -> dict:
+    def _collect(
+        self, req: GenerateReq, stream: queue.Queue, with_logprobs: bool, text_in_logprobs: bool
+    ) -> dict:
         state = RequestState(req.rid)
         while not state.finished:
             state.update(self._next_output(stream))
@@ -164,7 +212,11 @@ class Engine:
         return item
 
     def _token_text(self, token_id: int) -> str:
-        return self.detokenizer.decode([token_id], skip_special_tokens=False) if self.detokenizer else ""
+        return (
+            self.detokenizer.decode([token_id], skip_special_tokens=False)
+            if self.detokenizer
+            else ""
+        )
 
     def _need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -194,8 +246,14 @@ class Engine:
         try:
             self.runner, draft_runner = build_runners(source, self.args)
             decode_tail = self.detokenizer.decode if self.detokenizer else None
-            self.scheduler = Scheduler(self.args, self.runner, decode_tail, eos_ids(self.tokenizer),
-                                       grammar_backend(self.tokenizer, self.runner.info), draft_runner)
+            self.scheduler = Scheduler(
+                self.args,
+                self.runner,
+                decode_tail,
+                eos_ids(self.tokenizer),
+                grammar_backend(self.tokenizer, self.runner.info),
+                draft_runner,
+            )
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             started.put(exc)
             return

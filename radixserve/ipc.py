@@ -4,6 +4,7 @@ Messages are the dataclasses of `messages`. Each travels as msgpack (msgspec, in
 `[class name, body]` envelope, and the body is decoded straight into its class, with every
 field's type checked. Nothing is ever unpickled.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,11 @@ import zmq
 
 from . import messages
 
-_MESSAGE_TYPES = {cls.__name__: cls for cls in vars(messages).values()
-                  if dataclasses.is_dataclass(cls) and isinstance(cls, type)}
+_MESSAGE_TYPES = {
+    cls.__name__: cls
+    for cls in vars(messages).values()
+    if dataclasses.is_dataclass(cls) and isinstance(cls, type)
+}
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _MESSAGE_TYPES.items()}

@@ -9,6 +9,7 @@ defaults are omitted, as msgspec does for vLLM). A block is one page of the radi
 hash chains its parent block's, so one hash names the whole prefix up to its page. With a
 `replay_endpoint`, missed batches can be asked for again (`KVEventPublisher`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,7 +63,7 @@ def chain_hashes(tokens: list[int], block: int, parent: int | None = None) -> li
     """The chained hashes of the whole blocks of `tokens`, the first chained to `parent`."""
     hashes = []
     for start in range(0, len(tokens) - block + 1, block):
-        parent = block_hash(parent, tokens[start:start + block])
+        parent = block_hash(parent, tokens[start : start + block])
         hashes.append(parent)
     return hashes
 
@@ -87,7 +88,9 @@ class KVEventsConfig:
         if not isinstance(given, dict):
             raise ValueError("kv_events_config must be a JSON object")
         given.pop("enable_kv_cache_events", None)
-        unknown = sorted(set(given) - {"endpoint", "topic", "publisher", "replay_endpoint", "buffer_steps"})
+        unknown = sorted(
+            set(given) - {"endpoint", "topic", "publisher", "replay_endpoint", "buffer_steps"}
+        )
         if unknown:
             raise ValueError(f"kv_events_config keys {unknown} are not supported by radixserve")
         config = cls(**given)
@@ -142,7 +145,10 @@ class KVEventPublisher:
     def _answer_replays(self) -> None:
         while self.replay.poll(0):
             frames = self.replay.recv_multipart()
-            client, start = frames[0], int.from_bytes(frames[-1], "big") if len(frames[-1]) == 8 else 0
+            client, start = (
+                frames[0],
+                int.from_bytes(frames[-1], "big") if len(frames[-1]) == 8 else 0,
+            )
             for sequence, payload in self.buffer:
                 if sequence >= start:
                     self.replay.send_multipart([client, b"", sequence.to_bytes(8, "big"), payload])

@@ -1,16 +1,18 @@
 """Reusable decoder layers: RMSNorm, rotary embedding, SwiGLU MLP.
 
-On CPU, `use_cpu_ops` hands the modules radixserve's compiled kernels (`radixserve_kernels.cpu_ops`):
+On CPU, `use_cpu_ops` hands the modules radixserve's compiled kernels
+(`radixserve_kernels.cpu_ops`):
 RMSNorm, the SwiGLU activation and the rotary embedding then run as one fused op each instead
 of a chain of small torch ops. Under torch.compile they keep the torch code, which inductor fuses.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def fused(cpu_ops):
@@ -32,8 +34,11 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(x + delta, norm(x + delta))`; with the CPU kernels in one pass, adding into x in place."""
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + delta, norm(x + delta))`; with the CPU kernels in one pass, adding into x in
+        place."""
         if (ops := fused(self.cpu_ops)) is not None:
             return x, ops.add_rms_norm_(x, delta, self.weight, self.eps)
         x = x + delta
@@ -74,12 +79,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token tables shaped to broadcast over heads: `[T, 1, head_dim/2]`."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=None) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=None
+) -> torch.Tensor:
     """x: `[T, heads, head_dim]`; with the CPU kernels, rotated in place."""
     if (ops := fused(cpu_ops)) is not None:
         return ops.rotary_(x, cos, sin)
@@ -88,16 +99,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=
 
 
 @torch.library.custom_op("radixserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """x @ W^T + b through radixserve's CPU kernel and its packed W. An op of our own, so that
     torch.compile keeps it as one opaque call."""
     from radixserve_kernels.cpu_ops import load
+
     return load().packed_linear(x, packed, bias, out_features)
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                         out_features: int) -> torch.Tensor:
+def _packed_linear_shape(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -151,12 +166,16 @@ class Linear(nn.Module):
         """
         weight = self.weight_t.t().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).to(torch.int8).contiguous())
+        self.register_buffer(
+            "weight_int8", torch.round(weight / scales[:, None]).to(torch.int8).contiguous()
+        )
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.weight_t = None
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).to(x.dtype)
+        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).to(
+            x.dtype
+        )
         return out + self.bias if self.bias is not None else out
 
     @torch.no_grad()

@@ -1,12 +1,15 @@
 """The typed messages between the parts of the server, as plain dataclasses.
 
 Across processes (ZeroMQ, msgpack through `ipc`):
-  api -> scheduler: GenerateReq (with SamplingParams validated once, in the api), AbortReq, ControlReq
-  scheduler -> detokenizer -> api: BatchOut of ReqOutput (text added by the detokenizer), ControlReply
+  api -> scheduler: GenerateReq (with SamplingParams validated once, in the api), AbortReq,
+  ControlReq
+  scheduler -> detokenizer -> api: BatchOut of ReqOutput (text added by the detokenizer),
+  ControlReply
 Inside the scheduler process, scheduler -> model runner: ForwardBatch in, ForwardResult out
 (TP ranks > 0 receive the batch's model inputs as one packed tensor, `worker/step_inputs.py`).
 Fields hold only plain values, so nothing is ever pickled.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +38,9 @@ class SamplingBatch:
     penalty_outputs: list[list[int] | None]
     penalty_prompts: list[list[int] | None]
     suppressed_ids: list[list[int] | None]
-    token_masks: list[list[int] | None] | None = None  # grammar bitmasks, int32 words (constrained.py)
+    token_masks: list[list[int] | None] | None = (
+        None  # grammar bitmasks, int32 words (constrained.py)
+    )
     logit_biases: list[list[tuple[int, float]] | None] | None = None
     # the token (EOS) a row takes when masks and suppression forbid every token
     fallback_ids: list[int] | None = None
@@ -45,8 +50,20 @@ class SamplingBatch:
     @classmethod
     def greedy(cls, n: int) -> "SamplingBatch":
         """n rows of plain argmax: no penalties, masks or seeds."""
-        return cls([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n, [0.0] * n,
-                   [1.0] * n, [None] * n, [None] * n, [None] * n)
+        return cls(
+            [0.0] * n,
+            [1.0] * n,
+            [-1] * n,
+            [0.0] * n,
+            [None] * n,
+            [0] * n,
+            [0.0] * n,
+            [0.0] * n,
+            [1.0] * n,
+            [None] * n,
+            [None] * n,
+            [None] * n,
+        )
 
 
 @dataclass
@@ -121,13 +138,17 @@ class WorkerInfo:
 
     def capacity_line(self) -> str:
         """The start-up log line: how many tokens, and how many full-context requests, fit."""
-        return (f"KV pool: {self.num_slots} tokens ({self.num_slots * self.bytes_per_token / 2**20:.1f} MB, "
-                f"{self.dtype}, {self.device}); fits {self.num_slots // self.max_context_len} full-context "
-                f"({self.max_context_len}-token) requests; attention backend {self.attention_backend}")
-
+        return (
+            f"KV pool: {self.num_slots} tokens "
+            f"({self.num_slots * self.bytes_per_token / 2**20:.1f} MB, "
+            f"{self.dtype}, {self.device}); fits {self.num_slots // self.max_context_len} "
+            "full-context "
+            f"({self.max_context_len}-token) requests; attention backend {self.attention_backend}"
+        )
 
 
 # ---- api <-> scheduler ---------------------------------------------------
+
 
 @dataclass
 class GenerateReq:
@@ -182,7 +203,9 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     output_logprobs: list[list] | None = None  # [logprob, token id] per token
-    output_top_logprobs: list[list | None] | None = None  # per token: [[logprob, token id], ...] or None
+    output_top_logprobs: list[list | None] | None = (
+        None  # per token: [[logprob, token id], ...] or None
+    )
     input_logprobs: list[list] | None = None
     input_top_logprobs: list[list | None] | None = None
     text: str = ""
@@ -223,15 +246,21 @@ class SchedulerStats:
     aborted_total: int = 0
     forward_steps: int = 0
     recent_hit_rate: float = 0.0
-    cache_estimates: dict = field(default_factory=dict)  # "0.5x"/"2x"/"4x" -> estimated recent hit rate
+    cache_estimates: dict = field(
+        default_factory=dict
+    )  # "0.5x"/"2x"/"4x" -> estimated recent hit rate
     cache_estimate_seconds: float = 0.0  # spent on those estimates
     gen_throughput: float = 0.0
     queue_times: list = field(default_factory=list)
-    hicache: dict = field(default_factory=dict)  # mem.hicache.TierStats and tier sizes, when enabled
+    hicache: dict = field(
+        default_factory=dict
+    )  # mem.hicache.TierStats and tier sizes, when enabled
 
     @property
     def cache_hit_rate(self) -> float:
-        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        return (
+            self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        )
 
 
 @dataclass

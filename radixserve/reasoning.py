@@ -10,6 +10,7 @@ Two formats of the family, as SGLang and vLLM name them:
 An output cut off before `</think>` is all reasoning. Text is never stripped: the reasoning is
 what lies between the tags, the content what follows the closing one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,12 +37,18 @@ class ReasoningParser:
         """The text after the opening tag, or None when the output does not reason."""
         opened = text.lstrip()
         if opened.startswith(START):
-            return opened[len(START):]
+            return opened[len(START) :]
         return text if self.starts_in_reasoning else None
 
 
-PARSERS = {p.name: p for p in (ReasoningParser("deepseek-r1", True), ReasoningParser("qwen3-thinking", True),
-                               ReasoningParser("qwen3", False))}
+PARSERS = {
+    p.name: p
+    for p in (
+        ReasoningParser("deepseek-r1", True),
+        ReasoningParser("qwen3-thinking", True),
+        ReasoningParser("qwen3", False),
+    )
+}
 
 
 def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
@@ -64,7 +71,7 @@ class StreamingReasoningParser:
     def feed(self, text: str, finished: bool = False) -> tuple[str, str]:
         """(reasoning delta, content delta) for the output so far."""
         reasoning, content = self._visible(text, finished)
-        deltas = ((reasoning or "")[self.sent_reasoning:], content[self.sent_content:])
+        deltas = ((reasoning or "")[self.sent_reasoning :], content[self.sent_content :])
         self.sent_reasoning, self.sent_content = len(reasoning or ""), len(content)
         return deltas
 
@@ -78,4 +85,4 @@ class StreamingReasoningParser:
             return None, text
         if END in body:
             return self.parser.split(text)
-        return body[:len(body) - partial_suffix(body, END)], ""
+        return body[: len(body) - partial_suffix(body, END)], ""

@@ -6,6 +6,7 @@ policies and replica counts, next to the offline optimum; a table, JSON and a pl
 
 Without a log, `--synthetic agent|rag|chat` generates traffic of that shape.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,7 +46,9 @@ def parse_tokens(text: str) -> int:
 
 def run_replay(args: ReplayArgs) -> int:
     if (args.log is None) == (args.synthetic is None):
-        raise ValueError("give a request log folder (from `radixserve serve --log-requests DIR`) or --synthetic")
+        raise ValueError(
+            "give a request log folder (from `radixserve serve --log-requests DIR`) or --synthetic"
+        )
     if args.log is not None:
         servers, records = read_log(args.log)
         trace = Trace.from_log(records, servers[0].hash_block)
@@ -56,16 +59,30 @@ def run_replay(args: ReplayArgs) -> int:
         own = Setting(16384)
         source = f"synthetic {args.synthetic}: {len(trace.requests)} requests"
     trace = trace.in_blocks(args.block_tokens) if args.block_tokens > 1 else trace
-    settings = [Setting(c, e, d, r) for c, e, d, r in itertools.product(
-        args.cache_tokens or (own.cache_tokens,), args.eviction or (own.eviction,), args.dp or (own.dp,),
-        args.router)]
+    settings = [
+        Setting(c, e, d, r)
+        for c, e, d, r in itertools.product(
+            args.cache_tokens or (own.cache_tokens,),
+            args.eviction or (own.eviction,),
+            args.dp or (own.dp,),
+            args.router,
+        )
+    ]
     results = sweep(trace, settings)
     measured = trace.measured_hit_rate() if args.log is not None else None
     print(report(source, own, measured, results))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({
-            "source": source, "server": asdict(own), "measured_hit_rate": measured,
-            "results": [asdict(r) for r in results]}, indent=2))
+        Path(args.json_path).write_text(
+            json.dumps(
+                {
+                    "source": source,
+                    "server": asdict(own),
+                    "measured_hit_rate": measured,
+                    "results": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
     if args.plot_path:
         plot(results, args.plot_path, source)
     return 0
@@ -74,18 +91,26 @@ def run_replay(args: ReplayArgs) -> int:
 def report(source: str, own: Setting, measured: float | None, results: list[Result]) -> str:
     lines = [source]
     if measured is not None:
-        lines.append(f"server: {own.cache_tokens} KV tokens x {own.dp}, {own.eviction}; measured hit rate "
-                     f"{measured:.1%}")
-    lines.append(f"{'cache tokens':>12} {'eviction':>8} {'dp':>3} {'router':>12} {'hit rate':>9} {'optimum':>8}")
+        lines.append(
+            f"server: {own.cache_tokens} KV tokens x {own.dp}, {own.eviction}; measured hit rate "
+            f"{measured:.1%}"
+        )
+    lines.append(
+        f"{'cache tokens':>12} {'eviction':>8} {'dp':>3} {'router':>12} {'hit rate':>9} "
+        f"{'optimum':>8}"
+    )
     for r in results:
         s = r.setting
-        lines.append(f"{s.cache_tokens:>12} {s.eviction:>8} {s.dp:>3} {s.router:>12} {r.hit_rate:>9.1%} "
-                     f"{r.optimum:>8.1%}")
+        lines.append(
+            f"{s.cache_tokens:>12} {s.eviction:>8} {s.dp:>3} {s.router:>12} {r.hit_rate:>9.1%} "
+            f"{r.optimum:>8.1%}"
+        )
     return "\n".join(lines)
 
 
 def plot(results: list[Result], path: str, title: str) -> None:
-    """Hit rate against total KV memory: one line per policy (and replica count, router), and MIN."""
+    """Hit rate against total KV memory: one line per policy (and replica count, router), and
+    MIN."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,9 +124,16 @@ def plot(results: list[Result], path: str, title: str) -> None:
     for (eviction, dp, router), rs in lines.items():
         rs.sort(key=lambda r: r.setting.cache_tokens)
         label = eviction + (f", dp {dp} {router}" if multi_dp else "")
-        ax.plot([r.setting.cache_tokens * dp for r in rs], [100 * r.hit_rate for r in rs], marker="o", label=label)
+        ax.plot(
+            [r.setting.cache_tokens * dp for r in rs],
+            [100 * r.hit_rate for r in rs],
+            marker="o",
+            label=label,
+        )
     optimum = sorted({(r.setting.cache_tokens * r.setting.dp, r.optimum) for r in results})
-    ax.plot([t for t, _ in optimum], [100 * o for _, o in optimum], "k--", label="optimum (Belady MIN)")
+    ax.plot(
+        [t for t, _ in optimum], [100 * o for _, o in optimum], "k--", label="optimum (Belady MIN)"
+    )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache tokens (all replicas)")
     ax.set_ylabel("prefix hit rate (%)")
@@ -133,8 +165,17 @@ def synthetic_trace(kind: str, requests: int = 400, seed: int = 0) -> Trace:
     for _ in range(requests):
         prompt, output = next(prompts)
         now += rng.expovariate(2.0)
-        out.append(TraceRequest(now, now, now + 0.5 + 0.03 * len(output), prompt + output[:-1], len(prompt),
-                                len(prompt) - 1, len(prompt)))
+        out.append(
+            TraceRequest(
+                now,
+                now,
+                now + 0.5 + 0.03 * len(output),
+                prompt + output[:-1],
+                len(prompt),
+                len(prompt) - 1,
+                len(prompt),
+            )
+        )
     return Trace(out, 1)
 
 

@@ -10,6 +10,7 @@ Level `full` stores prompt and output token ids. Level `hashes` stores only a ch
 hashes over the request's tokens (each 16-token block's hash covers every token before it, as
 KV-event block hashes do): prefixes can be compared, no text can be recovered.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,18 +67,31 @@ class RequestLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.level = level
         (self.folder / SERVER_FILE).write_bytes(msgspec.json.encode(server))
-        self.handler = logging.handlers.RotatingFileHandler(self.folder / LOG_NAME, maxBytes=MAX_FILE_BYTES,
-                                                            backupCount=KEPT_FILES, encoding="utf-8")
+        self.handler = logging.handlers.RotatingFileHandler(
+            self.folder / LOG_NAME,
+            maxBytes=MAX_FILE_BYTES,
+            backupCount=KEPT_FILES,
+            encoding="utf-8",
+        )
         self.handler.setFormatter(logging.Formatter("%(message)s"))
 
     def write(self, req: "Req", finish_reason: str) -> None:
         now = time.monotonic()
         full = self.level == "full"
-        record = RequestRecord(req.rid, time.time() - (now - req.arrival), req.admitted, req.queue_time,
-                               now - req.arrival, len(req.input_ids), len(req.output_ids), req.cached_tokens,
-                               finish_reason, prompt_ids=list(req.input_ids) if full else None,
-                               output_ids=list(req.output_ids) if full else None,
-                               block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids, HASH_BLOCK))
+        record = RequestRecord(
+            req.rid,
+            time.time() - (now - req.arrival),
+            req.admitted,
+            req.queue_time,
+            now - req.arrival,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+            finish_reason,
+            prompt_ids=list(req.input_ids) if full else None,
+            output_ids=list(req.output_ids) if full else None,
+            block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids, HASH_BLOCK),
+        )
         self.handler.emit(logging.makeLogRecord({"msg": msgspec.json.encode(record).decode()}))
 
     def close(self) -> None:
@@ -90,17 +104,28 @@ def read_log(folder: str | Path) -> tuple[list[ServerRecord], list[RequestRecord
     folder = Path(folder)
     replicas = sorted(p for p in folder.glob("replica-*") if p.is_dir())
     parts = [_read_one(p) for p in replicas] if replicas else [_read_one(folder)]
-    return [server for server, _ in parts], sorted((r for _, rs in parts for r in rs), key=lambda r: r.arrival)
+    return [server for server, _ in parts], sorted(
+        (r for _, rs in parts for r in rs), key=lambda r: r.arrival
+    )
 
 
 def _read_one(folder: Path) -> tuple[ServerRecord, list[RequestRecord]]:
     server_file = folder / SERVER_FILE
     if not server_file.is_file():
-        raise FileNotFoundError(f"{folder} is not a request log folder (no {SERVER_FILE}); "
-                                "record one with `radixserve serve --log-requests DIR`")
+        raise FileNotFoundError(
+            f"{folder} is not a request log folder (no {SERVER_FILE}); "
+            "record one with `radixserve serve --log-requests DIR`"
+        )
     server = msgspec.json.decode(server_file.read_bytes(), type=ServerRecord)
-    files = sorted(folder.glob(LOG_NAME + ".*"), key=lambda p: -int(p.suffix[1:])) + [folder / LOG_NAME]
+    files = sorted(folder.glob(LOG_NAME + ".*"), key=lambda p: -int(p.suffix[1:])) + [
+        folder / LOG_NAME
+    ]
     decoder = msgspec.json.Decoder(RequestRecord)
-    records = [decoder.decode(line) for f in files if f.is_file()
-               for line in f.read_bytes().splitlines() if line.strip()]
+    records = [
+        decoder.decode(line)
+        for f in files
+        if f.is_file()
+        for line in f.read_bytes().splitlines()
+        if line.strip()
+    ]
     return server, records

@@ -1,4 +1,5 @@
 """Accumulates a request's outputs into SGLang's response shape."""
+
 from __future__ import annotations
 
 import time
@@ -40,11 +41,17 @@ class RequestState:
         self.finished, self.finish_reason = out.finished, out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
-        self.spec_verify_ct, self.spec_accepted_tokens = out.spec_verify_ct, out.spec_accepted_tokens
+        self.spec_verify_ct, self.spec_accepted_tokens = (
+            out.spec_verify_ct,
+            out.spec_accepted_tokens,
+        )
         self.output_logprobs += out.output_logprobs or []
         self.output_top_logprobs += out.output_top_logprobs or []
         if out.input_logprobs is not None:
-            self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
+            self.input_logprobs, self.input_top_logprobs = (
+                out.input_logprobs,
+                out.input_top_logprobs,
+            )
 
     def _time_tokens(self, count: int) -> None:
         now = time.monotonic()
@@ -58,8 +65,9 @@ class RequestState:
     def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.created
 
-    def to_dict(self, with_logprobs: bool = False,
-                token_text: Callable[[int], str] | None = None) -> dict:
+    def to_dict(
+        self, with_logprobs: bool = False, token_text: Callable[[int], str] | None = None
+    ) -> dict:
         meta = {
             "id": self.rid,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),

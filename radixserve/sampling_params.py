@@ -1,4 +1,5 @@
 """Sampling parameters of one request, validated at the boundary."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
@@ -41,8 +42,12 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
-    structural_tag: str | None = None  # xgrammar's JSON format: free text with constrained tagged parts
-    logit_bias: dict[str, float] | None = None  # token id (as a string, like OpenAI) -> added to its logit
+    structural_tag: str | None = (
+        None  # xgrammar's JSON format: free text with constrained tagged parts
+    )
+    logit_bias: dict[str, float] | None = (
+        None  # token id (as a string, like OpenAI) -> added to its logit
+    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, max_n: int = 128) -> "SamplingParams":
@@ -73,12 +78,18 @@ class SamplingParams:
 
     def per_sample(self) -> list["SamplingParams"]:
         """n samples become n single-sample parameter sets; sample i draws with seed + i."""
-        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+        return [
+            replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+            for i in range(self.n)
+        ]
 
     @property
     def has_penalties(self) -> bool:
-        return (self.frequency_penalty != 0 or self.presence_penalty != 0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self, max_n: int = 128) -> None:
         problems = list(self._problems(max_n))
@@ -91,7 +102,12 @@ class SamplingParams:
             ("min_new_tokens", int, lambda v: v >= 0, "must be an integer >= 0"),
             ("temperature", float, lambda v: 0 <= v <= 100, "must be a number in [0, 100]"),
             ("top_p", float, lambda v: 0 < v <= 1, "must be a number in (0, 1]"),
-            ("top_k", int, lambda v: v == -1 or 1 <= v <= MAX_TOP_K, "must be -1 or an integer >= 1"),
+            (
+                "top_k",
+                int,
+                lambda v: v == -1 or 1 <= v <= MAX_TOP_K,
+                "must be -1 or an integer >= 1",
+            ),
             ("min_p", float, lambda v: 0 <= v <= 1, "must be a number in [0, 1]"),
             ("frequency_penalty", float, lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
             ("presence_penalty", float, lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
@@ -102,12 +118,19 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_kind(value, kind) or not ok(value):
                 yield f"{name} {message}, got {value!r}"
-        if self.seed is not None and not (_is_kind(self.seed, int) and 0 <= self.seed <= MAX_SEED - max_n):
-            yield f"seed must be an integer in [0, {MAX_SEED - max_n}] (sample i of n uses seed + i), got {self.seed!r}"
+        if self.seed is not None and not (
+            _is_kind(self.seed, int) and 0 <= self.seed <= MAX_SEED - max_n
+        ):
+            yield (
+                f"seed must be an integer in [0, {MAX_SEED - max_n}] "
+                f"(sample i of n uses seed + i), got {self.seed!r}"
+            )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             yield "stop must be a non-empty string or a list of non-empty strings"
         yield from _stop_regex_problems(self.stop_regex)
-        if not isinstance(self.stop_token_ids, list) or not all(_is_kind(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_kind(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
             yield "stop_token_ids must be a list of non-negative integers"
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
         if len(grammars) > 1:
@@ -138,8 +161,15 @@ def _stop_regex_problems(patterns: Any):
         try:
             compile_stop_regex(pattern)
         except re2.error as exc:
-            reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-            yield f"stop_regex {pattern[:80]!r} does not compile as RE2 syntax (no lookaround or backreferences): {reason}"
+            reason = (
+                exc.args[0].decode(errors="replace")
+                if exc.args and isinstance(exc.args[0], bytes)
+                else str(exc)
+            )
+            yield (
+                f"stop_regex {pattern[:80]!r} does not compile as RE2 syntax "
+                f"(no lookaround or backreferences): {reason}"
+            )
 
 
 @lru_cache(maxsize=256)
@@ -155,7 +185,9 @@ def compile_stop_regex(pattern: str) -> "re2._Regexp":
 def _valid_logit_bias(bias: Any) -> bool:
     if not isinstance(bias, dict):
         return False
-    return all(str(k).isdigit() and _is_kind(v, float) and -100 <= v <= 100 for k, v in bias.items())
+    return all(
+        str(k).isdigit() and _is_kind(v, float) and -100 <= v <= 100 for k, v in bias.items()
+    )
 
 
 def _is_kind(value: Any, kind: type) -> bool:

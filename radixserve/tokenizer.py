@@ -1,4 +1,5 @@
 """Tokenizer loading and prompt helpers shared by the engine and the api process."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,10 @@ from typing import Any
 
 from .tool_calls import with_tool_prompt
 
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5
+GENERIC_TOKENIZER_CLASSES = (
+    "TokenizersBackend",
+    "PreTrainedTokenizerFast",
+)  # one class in transformers 5
 
 
 def load_tokenizer(tokenizer_dir: Path | None) -> Any:
@@ -17,10 +20,15 @@ def load_tokenizer(tokenizer_dir: Path | None) -> Any:
     returns the same class but first loads the model's config through AutoConfig, which imports
     torch and its model modules (~5 s of a 2-core machine's start, in two processes)."""
     if tokenizer_dir is None:
-        raise FileNotFoundError("this model has no tokenizer; pass token ids (input_ids) instead of text")
+        raise FileNotFoundError(
+            "this model has no tokenizer; pass token ids (input_ids) instead of text"
+        )
     config = _tokenizer_config(Path(tokenizer_dir))
-    if (config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in config
-            and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+    if (
+        config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in config
+        and (Path(tokenizer_dir) / "tokenizer.json").is_file()
+    ):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(str(tokenizer_dir))
@@ -72,18 +80,30 @@ def load_decoder(tokenizer_dir: Path | None) -> Any:
 
 
 def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
-    """Decode, dropping ids the tokenizer does not know (a dummy model's vocabulary can be larger)."""
+    """Decode, dropping ids the tokenizer does not know (a dummy model's vocabulary can be
+    larger)."""
     limit = len(tokenizer)
-    return tokenizer.decode([i for i in ids if 0 <= i < limit], skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(
+        [i for i in ids if 0 <= i < limit], skip_special_tokens=skip_special_tokens
+    )
 
 
 def eos_ids(tokenizer: Any) -> tuple[int, ...]:
-    return (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+    return (
+        (tokenizer.eos_token_id,)
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else ()
+    )
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None, continue_final_message: bool = False,
-                        **template_kwargs: Any) -> str:
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
+) -> str:
     """The prompt text; `tools` (OpenAI function dicts) go to the template, or, when it has no
     tool support, into the default tool prompt (`tool_calls.with_tool_prompt`). With
     `continue_final_message` the last message is left open for the model to continue."""
@@ -93,9 +113,14 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     if tools and "tools" not in str(template):
         messages, tools = with_tool_prompt(messages, tools), None
     wrapped = [{"type": "function", "function": f} for f in tools] if tools else None
-    return tokenizer.apply_chat_template(messages, tools=wrapped, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, **template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=wrapped,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **template_kwargs,
+    )
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
@@ -115,15 +140,22 @@ def chat_roles(tokenizer: Any) -> dict[str, Any]:
     template inserts when a conversation does not start with a system message.
     """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return {"roles": {r: [f"{r}: ", "\n"] for r in ("system", "user", "assistant")}, "default_system": ""}
+        return {
+            "roles": {r: [f"{r}: ", "\n"] for r in ("system", "user", "assistant")},
+            "default_system": "",
+        }
     render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False)  # noqa: E731
     base = [{"role": "system", "content": "S"}]
     head = render(base)
     roles = {}
     for role in ("system", "user", "assistant"):
-        msgs = [{"role": role, "content": SENTINEL}] if role == "system" else base + [{"role": role, "content": SENTINEL}]
+        msgs = (
+            [{"role": role, "content": SENTINEL}]
+            if role == "system"
+            else base + [{"role": role, "content": SENTINEL}]
+        )
         text = render(msgs)
-        text = text if role == "system" else text[len(head):]
+        text = text if role == "system" else text[len(head) :]
         prefix, _, suffix = text.partition(SENTINEL)
         roles[role] = [prefix, suffix]
     alone = render([{"role": "user", "content": SENTINEL}])

@@ -1,7 +1,8 @@
 """Tool calls in model output: the formats models are trained to emit, parsed whole or as a stream.
 
 Formats (`--tool-call-parser`, names as in SGLang where one exists):
-- `hermes` (Qwen 2.5+, Hermes, SmolLM3 and many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+- `hermes` (Qwen 2.5+, Hermes, SmolLM3 and many fine-tunes): `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`,
   one block per call.
 - `llama3`: a JSON object `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`),
   several separated by `;`; the whole output must be calls.
@@ -12,6 +13,7 @@ constrain decoding so that this cannot happen). Streaming holds back any text th
 start of a call marker, so a partial tag never leaks out as content; each call is emitted once
 its closing marker (or the end of the output) arrives: first its name, then its arguments.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +55,8 @@ def _loads(text: str) -> Any:
 
 
 class TaggedParser:
-    """Calls between a start and an end marker (hermes); the end may be missing at the end of output."""
+    """Calls between a start and an end marker (hermes); the end may be missing at the end of
+    output."""
 
     def __init__(self, start: str, end: str, arguments_key: str = "arguments"):
         self.start, self.end, self.arguments_key = start, end, arguments_key
@@ -67,10 +70,10 @@ class TaggedParser:
             body = rest[body_start:] if stop < 0 else rest[body_start:stop]
             call = _call_from(_loads(body.strip()), self.arguments_key)
             if call is None:  # not a call after all: keep the text
-                content.append(rest[at:] if stop < 0 else rest[at:stop + len(self.end)])
+                content.append(rest[at:] if stop < 0 else rest[at : stop + len(self.end)])
             else:
                 calls.append(call)
-            rest = "" if stop < 0 else rest[stop + len(self.end):]
+            rest = "" if stop < 0 else rest[stop + len(self.end) :]
         content.append(rest)
         return Parsed("".join(content).strip() if calls else "".join(content), calls)
 
@@ -85,7 +88,7 @@ class MistralParser:
         at = text.find(self.marker)
         if at < 0:
             return Parsed(text)
-        listed = _loads(text[at + len(self.marker):].strip())
+        listed = _loads(text[at + len(self.marker) :].strip())
         objs = listed if isinstance(listed, list) else [listed]
         calls = [_call_from(obj, "arguments") for obj in objs]
         if not calls or any(c is None for c in calls):
@@ -102,7 +105,9 @@ class Llama3Parser:
         body = text.strip().removeprefix(self.start).strip()
         if not body.startswith("{"):
             return Parsed(text)
-        calls = [_call_from(_loads(part.strip()), "parameters") for part in _split_top_level(body, ";")]
+        calls = [
+            _call_from(_loads(part.strip()), "parameters") for part in _split_top_level(body, ";")
+        ]
         if not calls or any(c is None for c in calls):
             return Parsed(text)
         return Parsed("", calls)
@@ -136,7 +141,9 @@ class JsonCallsParser:
 
     def parse(self, text: str) -> Parsed:
         value = _loads(text.strip())
-        calls = [_call_from(obj, "arguments") for obj in (value if isinstance(value, list) else [value])]
+        calls = [
+            _call_from(obj, "arguments") for obj in (value if isinstance(value, list) else [value])
+        ]
         if not calls or any(c is None for c in calls):
             return Parsed(text)
         return Parsed("", calls)
@@ -145,9 +152,18 @@ class JsonCallsParser:
 def calls_schema(functions: list[dict], parallel: bool) -> dict:
     """JSON schema of a call to one of `functions` (OpenAI function dicts), or of a non-empty
     list of calls: decoding constrained by it can only produce calls that validate."""
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
     one = options[0] if len(options) == 1 else {"anyOf": options}
     return {"type": "array", "items": one, "minItems": 1} if parallel else one
 
@@ -163,15 +179,31 @@ def calls_structural_tag(parser, functions: list[dict], parallel: bool) -> dict 
         listed = calls_schema(functions, True) | ({} if parallel else {"maxItems": 1})
         tags, triggers = [_tag(parser.marker, listed, "")], [parser.marker]
         parallel = False  # one list holds every call
-    elif isinstance(parser, Llama3Parser):  # {"name": "f", "parameters": {args}}, one tag per function
+    elif isinstance(
+        parser, Llama3Parser
+    ):  # {"name": "f", "parameters": {args}}, one tag per function
         opening = '{"name": '
-        tags = [_tag(f'{opening}"{f["name"]}", "parameters": ', f.get("parameters") or {"type": "object"}, "}")
-                for f in functions]
+        tags = [
+            _tag(
+                f'{opening}"{f["name"]}", "parameters": ',
+                f.get("parameters") or {"type": "object"},
+                "}",
+            )
+            for f in functions
+        ]
         triggers = [opening]
     else:
         return None
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags,
-                                                 "at_least_one": False, "stop_after_first": not parallel}}
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": triggers,
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        },
+    }
 
 
 def _tag(begin: str, schema: dict, end: str) -> dict:
@@ -181,10 +213,15 @@ def _tag(begin: str, schema: dict, end: str) -> dict:
 def default_tool_prompt(functions: list[dict]) -> str:
     """The system text that offers `functions` to a model whose chat template has no tool
     support, asking for the hermes format."""
-    listed = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
-    return ("You can call functions. Their signatures, one JSON object per line:\n" + listed +
-            "\nTo call one, answer with a JSON object in tags, one block per call:\n"
-            '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>')
+    listed = "\n".join(
+        json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions
+    )
+    return (
+        "You can call functions. Their signatures, one JSON object per line:\n"
+        + listed
+        + "\nTo call one, answer with a JSON object in tags, one block per call:\n"
+        '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>'
+    )
 
 
 def with_tool_prompt(messages: list[dict], functions: list[dict]) -> list[dict]:
@@ -193,10 +230,21 @@ def with_tool_prompt(messages: list[dict], functions: list[dict]) -> list[dict]:
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")} | (
-            {"content": message.get("content", "") + "".join(
-                "<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                           ensure_ascii=False) + "</tool_call>" for c in message["tool_calls"])}
-            if message.get("tool_calls") else {})
+            {
+                "content": message.get("content", "")
+                + "".join(
+                    "<tool_call>"
+                    + json.dumps(
+                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                        ensure_ascii=False,
+                    )
+                    + "</tool_call>"
+                    for c in message["tool_calls"]
+                )
+            }
+            if message.get("tool_calls")
+            else {}
+        )
         out.append(message)
     prompt = default_tool_prompt(functions)
     if out and out[0]["role"] == "system":
@@ -214,7 +262,9 @@ PARSERS = {
 
 def make_parser(name: str):
     if name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}"
+        )
     return PARSERS[name]()
 
 
@@ -258,13 +308,15 @@ class StreamingToolParser:
     def _advance(self, final: bool) -> list[Event]:
         events: list[Event] = []
         while True:
-            pending = self.text[self.shown:]
+            pending = self.text[self.shown :]
             if not pending:
                 return events
-            at = call_start(self.parser, pending, at_output_start=not self.text[:self.shown].strip())
+            at = call_start(
+                self.parser, pending, at_output_start=not self.text[: self.shown].strip()
+            )
             if at < 0:
                 keep = 0 if final else partial_suffix(pending, self.parser.start)
-                return events + self._content(pending[:len(pending) - keep])
+                return events + self._content(pending[: len(pending) - keep])
             events += self._content(pending[:at])
             block_end = self._block_end(pending, at, final)
             if block_end is None:  # the call is still being written
@@ -295,7 +347,12 @@ def call_start(parser, text: str, at_output_start: bool) -> int:
     """Index in `text` where a call begins, or -1. A llama3 call may also be a bare JSON object,
     but only as the whole output."""
     at = text.find(parser.start)
-    if at < 0 and isinstance(parser, Llama3Parser) and at_output_start and text.lstrip().startswith("{"):
+    if (
+        at < 0
+        and isinstance(parser, Llama3Parser)
+        and at_output_start
+        and text.lstrip().startswith("{")
+    ):
         return len(text) - len(text.lstrip())
     return at
 

@@ -4,6 +4,7 @@ The api process (TokenizerManager) and the offline Engine run them; the schedule
 it receives. Sampling parameters are checked on their own by `SamplingParams.from_dict`; what
 is checked here needs the model's limits (`WorkerInfo`). Each message names the field.
 """
+
 from __future__ import annotations
 
 from .messages import GenerateReq, WorkerInfo
@@ -17,10 +18,15 @@ def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
     params = req.sampling_params
     outside = [t for t in params.stop_token_ids if t >= info.vocab_size]
     if outside:
-        raise ValueError(f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})")
+        raise ValueError(
+            f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, "
+            f"{info.vocab_size})"
+        )
     outside = [k for k in (params.logit_bias or {}) if int(k) >= info.vocab_size]
     if outside:
-        raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})")
+        raise ValueError(
+            f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})"
+        )
     if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
     if req.logprob_start_len < -1:
@@ -32,7 +38,11 @@ def _check_prompt(ids: list[int], info: WorkerInfo) -> None:
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= limit:
-        raise ValueError(f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1} "
-                         "(the context and the KV pool must hold the prompt and one new token)")
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size for t in ids):
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1} "
+            "(the context and the KV pool must hold the prompt and one new token)"
+        )
+    if any(
+        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size for t in ids
+    ):
         raise ValueError(f"input_ids must be integers in the vocabulary [0, {info.vocab_size})")

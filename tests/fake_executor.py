@@ -4,12 +4,12 @@ The "KV pool" stores the token id written at each slot; the next token is a hash
 the context read back through the request-to-token table. If the scheduler maps a
 slot wrongly, the context changes and so does the output, which `reference` predicts.
 """
+
 from __future__ import annotations
 
 import hashlib
 
-from radixserve.messages import ForwardBatch, ForwardResult
-from radixserve.messages import WorkerInfo
+from radixserve.messages import ForwardBatch, ForwardResult, WorkerInfo
 
 VOCAB = 1000
 EOS = 999
@@ -24,13 +24,25 @@ def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
     seq = list(prompt)
     for _ in range(max_new_tokens):
         seq.append(next_token(seq))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 class FakeExecutor:
-    def __init__(self, num_pages: int, page_size: int = 1, max_running: int = 8, max_context: int = 512):
-        self.info = WorkerInfo(num_pages, page_size, max_context, max_running, VOCAB, (EOS,),
-                               "float32", "cpu", "fake", 1)
+    def __init__(
+        self, num_pages: int, page_size: int = 1, max_running: int = 8, max_context: int = 512
+    ):
+        self.info = WorkerInfo(
+            num_pages,
+            page_size,
+            max_context,
+            max_running,
+            VOCAB,
+            (EOS,),
+            "float32",
+            "cpu",
+            "fake",
+            1,
+        )
         self.pool: dict[int, int] = {}
         self.table = [[0] * max_context for _ in range(max_running)]
         self.batches: list[ForwardBatch] = []
@@ -38,7 +50,7 @@ class FakeExecutor:
     def forward(self, fb: ForwardBatch) -> ForwardResult:
         self.batches.append(fb)
         for row, start, slots in fb.row_writes:
-            self.table[row][start:start + len(slots)] = slots
+            self.table[row][start : start + len(slots)] = slots
         pos = 0
         next_ids = []
         for row, seq_len, n in zip(fb.rows, fb.seq_lens, fb.extend_lens):

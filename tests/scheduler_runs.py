@@ -1,4 +1,5 @@
 """Drive a real Scheduler over a model runner in-process and collect what every request produced."""
+
 from radixserve.config import EngineArgs
 from radixserve.messages import GenerateReq
 from radixserve.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
 """Start a real `radixserve serve` process on a free loopback port."""
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,9 @@ class Server:
 
     def client(self, **kw) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw)
+        return httpx.Client(
+            base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw
+        )
 
     def children(self) -> list[int]:
         return child_pids(self.proc.pid)
@@ -67,15 +70,28 @@ class Server:
 
 def start_server(tmp_path, *args: str, api_key: str | None = None, timeout: float = 180) -> Server:
     port = free_port()
-    cmd = ["serve", "--port", str(port), "--dtype", "float32", *args] + (["--api-key", api_key] if api_key else [])
-    return _launch(cmd, port, tmp_path / f"server-{port}.log", api_key, timeout,
-                   ready=lambda url: httpx.get(f"{url}/health", timeout=1).status_code == 200)
+    cmd = ["serve", "--port", str(port), "--dtype", "float32", *args] + (
+        ["--api-key", api_key] if api_key else []
+    )
+    return _launch(
+        cmd,
+        port,
+        tmp_path / f"server-{port}.log",
+        api_key,
+        timeout,
+        ready=lambda url: httpx.get(f"{url}/health", timeout=1).status_code == 200,
+    )
 
 
-def _launch(cmd: list[str], port: int, log_path, api_key: str | None, timeout: float, ready) -> Server:
+def _launch(
+    cmd: list[str], port: int, log_path, api_key: str | None, timeout: float, ready
+) -> Server:
     """Run `radixserve <cmd>` until `ready(url)` holds; its output goes to `log_path`."""
-    proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", *cmd], stdout=open(log_path, "w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", *cmd],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+    )
     server = Server(proc, f"http://127.0.0.1:{port}", api_key, str(log_path))
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -102,14 +118,22 @@ def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
             assert s["running_slots"] == 0, s
             return s
         time.sleep(0.2)
-    raise AssertionError(f"requests still running: {client.get('/get_server_info').json()['stats']}")
+    raise AssertionError(
+        f"requests still running: {client.get('/get_server_info').json()['stats']}"
+    )
 
 
 def start_router(tmp_path, *args: str, timeout: float = 60) -> Server:
     """A real `radixserve router` process; ready when it answers HTTP at all."""
     port = free_port()
-    return _launch(["router", "--port", str(port), *args], port, tmp_path / f"router-{port}.log", None, timeout,
-                   ready=lambda url: httpx.get(f"{url}/list_workers", timeout=1) is not None)
+    return _launch(
+        ["router", "--port", str(port), *args],
+        port,
+        tmp_path / f"router-{port}.log",
+        None,
+        timeout,
+        ready=lambda url: httpx.get(f"{url}/list_workers", timeout=1) is not None,
+    )
 
 
 def ipc_folder(pid: int) -> str | None:

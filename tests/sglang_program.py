@@ -2,6 +2,7 @@
 
 Usage: python sglang_program.py URL   (with the `sglang` package importable)
 """
+
 import json
 import sys
 
@@ -26,7 +27,9 @@ def branches(s, topic):
 
 @sgl.function
 def dated(s):
-    s += "The Eiffel Tower was finished in the year " + sgl.gen("year", max_tokens=6, regex="1[89][0-9]{2}")
+    s += "The Eiffel Tower was finished in the year " + sgl.gen(
+        "year", max_tokens=6, regex="1[89][0-9]{2}"
+    )
 
 
 def main(url: str) -> None:
@@ -35,12 +38,20 @@ def main(url: str) -> None:
     tree = branches.run(topic="saving energy at home " * 6)
     year = dated.run()
     batch = qa.run_batch([{"question": q} for q in ["2+2?", "Color of the sky?", "Largest ocean?"]])
-    print(json.dumps({
-        "qa": {"text": first.text(), "answer": first["answer"], "verdict": first["verdict"]},
-        "tree": {"text": tree.text(), "ideas": [tree.text().count("Chosen: ")]},
-        "batch": [{"text": s.text(), "answer": s["answer"]} for s in batch],
-        "year": year["year"],
-    }))
+    print(
+        json.dumps(
+            {
+                "qa": {
+                    "text": first.text(),
+                    "answer": first["answer"],
+                    "verdict": first["verdict"],
+                },
+                "tree": {"text": tree.text(), "ideas": [tree.text().count("Chosen: ")]},
+                "batch": [{"text": s.text(), "answer": s["answer"]} for s in batch],
+                "year": year["year"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The C++ decoder loop (kernels/cpu_decoder.cpp) against the Python layers it replaces, on the
 bundled model in float32: the same kernels in the same order, so the same bits, in prefill,
 mixed and decode steps (the end-to-end HF comparisons run through it too: test_engine_hf.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,10 @@ ROW_SLOTS = 64  # request row r owns slots 1 + r * ROW_SLOTS ...
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(resolve_model(None), EngineArgs(max_total_tokens=4 * ROW_SLOTS + 8, max_running_requests=4,
-                                                       dtype="float32"))
+    return ModelRunner(
+        resolve_model(None),
+        EngineArgs(max_total_tokens=4 * ROW_SLOTS + 8, max_running_requests=4, dtype="float32"),
+    )
 
 
 def step(mode: ForwardMode, requests: list[tuple[int, int, list[int]]]) -> ForwardBatch:
@@ -36,8 +39,18 @@ def step(mode: ForwardMode, requests: list[tuple[int, int, list[int]]]) -> Forwa
         seq_lens.append(cached + len(new))
         extend_lens.append(len(new))
         writes.append((row, 0, list(range(base, base + cached))))
-    return ForwardBatch(mode, ids, positions, slots, rows, seq_lens, extend_lens, writes,
-                        SamplingBatch.greedy(len(rows)), [None] * len(rows))
+    return ForwardBatch(
+        mode,
+        ids,
+        positions,
+        slots,
+        rows,
+        seq_lens,
+        extend_lens,
+        writes,
+        SamplingBatch.greedy(len(rows)),
+        [None] * len(rows),
+    )
 
 
 def hidden_states(runner: ModelRunner, fb: ForwardBatch, fused: bool) -> torch.Tensor:
@@ -55,17 +68,22 @@ def test_the_float32_cpu_model_runs_its_layers_in_one_call(runner):
     assert runner.model.cpu_decoder is not None
 
 
-@pytest.mark.parametrize("mode,requests", [
-    (ForwardMode.EXTEND, [(0, 0, list(range(100, 117))), (1, 0, list(range(300, 305)))]),
-    (ForwardMode.MIXED, [(0, 17, [42]), (1, 5, [7, 8, 9]), (2, 0, list(range(500, 520)))]),
-    (ForwardMode.DECODE, [(0, 18, [11]), (1, 8, [12]), (2, 20, [13])]),
-])
+@pytest.mark.parametrize(
+    "mode,requests",
+    [
+        (ForwardMode.EXTEND, [(0, 0, list(range(100, 117))), (1, 0, list(range(300, 305)))]),
+        (ForwardMode.MIXED, [(0, 17, [42]), (1, 5, [7, 8, 9]), (2, 0, list(range(500, 520)))]),
+        (ForwardMode.DECODE, [(0, 18, [11]), (1, 8, [12]), (2, 20, [13])]),
+    ],
+)
 def test_fused_layers_give_the_python_layers_bits(runner, mode, requests):
     # Each case stores its tokens' K/V before attending, at the same slots either way, and the
     # cases run in order so that later ones attend over the K/V of earlier ones.
     fb = step(mode, requests)
     python = hidden_states(runner, fb, fused=False)
     fused = hidden_states(runner, fb, fused=True)
-    assert runner.backend.kernel_groups(), "the step's attention did not go through the paged kernels"
+    assert runner.backend.kernel_groups(), (
+        "the step's attention did not go through the paged kernels"
+    )
     assert fused.shape == (sum(len(new) for _, _, new in requests), runner.config.hidden_size)
     assert torch.equal(fused, python)

@@ -1,5 +1,6 @@
 """The CPU kernels against their torch references: paged decode and extend attention (against
 gathering K/V and running SDPA) and the fused RMSNorm, SwiGLU activation and rotary embedding."""
+
 import subprocess
 import sys
 
@@ -17,10 +18,16 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler to build
 def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
     out = []
     for b in range(q.shape[0]):
-        slots = table[rows[b], :seq_lens[b]]
-        k, v = k_cache[slots].transpose(0, 1).float(), v_cache[slots].transpose(0, 1).float()  # [kvh, L, D]
-        out.append(F.scaled_dot_product_attention(q[b].unsqueeze(1).float(), k, v, scale=scale,
-                                                  enable_gqa=True).squeeze(1))
+        slots = table[rows[b], : seq_lens[b]]
+        k, v = (
+            k_cache[slots].transpose(0, 1).float(),
+            v_cache[slots].transpose(0, 1).float(),
+        )  # [kvh, L, D]
+        out.append(
+            F.scaled_dot_product_attention(
+                q[b].unsqueeze(1).float(), k, v, scale=scale, enable_gqa=True
+            ).squeeze(1)
+        )
     return torch.stack(out)
 
 
@@ -34,17 +41,23 @@ def test_decode_kernel_matches_sdpa_over_scattered_slots(dtype, tol, heads, kv_h
     rows = torch.tensor([6, 0, 3, 7, 1])
     used = 0
     for row, n in zip(rows.tolist(), seq_lens.tolist()):
-        table[row, :n] = slots[used:used + n]
+        table[row, :n] = slots[used : used + n]
         used += n
     k_cache = torch.randn(2001, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(2001, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(len(rows), heads, dim, generator=gen).to(dtype)
-    expected = reference(q, k_cache, v_cache, table, rows, seq_lens, dim ** -0.5)
-    strided = torch.cat([q.flatten(1), q.new_zeros(len(q), 8)], 1)[:, :heads * dim].view_as(q)  # a view, as in the model
-    for n in (len(rows), 2):  # tasks per request (whole token rows), and per KV head for few requests
+    expected = reference(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5)
+    strided = torch.cat([q.flatten(1), q.new_zeros(len(q), 8)], 1)[:, : heads * dim].view_as(
+        q
+    )  # a view, as in the model
+    for n in (
+        len(rows),
+        2,
+    ):  # tasks per request (whole token rows), and per KV head for few requests
         for queries in (q, strided):
-            out = kernel.paged_decode_attention(queries[-n:], k_cache, v_cache, table, rows[-n:], seq_lens[-n:],
-                                                dim ** -0.5)
+            out = kernel.paged_decode_attention(
+                queries[-n:], k_cache, v_cache, table, rows[-n:], seq_lens[-n:], dim**-0.5
+            )
             assert out.dtype == dtype
             torch.testing.assert_close(out.float(), expected[-n:], atol=tol, rtol=tol)
 
@@ -56,7 +69,10 @@ def test_extend_kernel_matches_causal_sdpa_after_a_cached_prefix(heads, kv_heads
     if not kernel.extend_supported(dim):
         pytest.skip("no extend kernel on this CPU")
     gen = torch.Generator().manual_seed(heads + dim)
-    prefix_lens, extend_lens = torch.tensor([0, 17, 300, 5, 0, 31]), torch.tensor([1, 9, 45, 70, 3, 16])
+    prefix_lens, extend_lens = (
+        torch.tensor([0, 17, 300, 5, 0, 31]),
+        torch.tensor([1, 9, 45, 70, 3, 16]),
+    )
     rows = torch.tensor([4, 0, 2, 1, 3, 5])
     table = torch.stack([torch.randperm(1999, generator=gen)[:400] + 1 for _ in range(6)])
     k_cache = torch.randn(2000, kv_heads, dim, generator=gen)
@@ -64,16 +80,26 @@ def test_extend_kernel_matches_causal_sdpa_after_a_cached_prefix(heads, kv_heads
     q = torch.randn(int(extend_lens.sum()), heads, dim, generator=gen)
     expected, start = [], 0
     for row, prefix, n in zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
-        slots = table[row, :prefix + n]
+        slots = table[row, : prefix + n]
         causal = torch.arange(prefix + n).view(1, -1) <= (prefix + torch.arange(n)).view(-1, 1)
-        expected.append(F.scaled_dot_product_attention(
-            q[start:start + n].transpose(0, 1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
-            attn_mask=causal, scale=dim ** -0.5, enable_gqa=True).transpose(0, 1))
+        expected.append(
+            F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1),
+                k_cache[slots].transpose(0, 1),
+                v_cache[slots].transpose(0, 1),
+                attn_mask=causal,
+                scale=dim**-0.5,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )
         start += n
-    strided = torch.cat([q.flatten(1), torch.randn(len(q), 8, generator=gen)], 1)[:, :heads * dim].view_as(q)
+    strided = torch.cat([q.flatten(1), torch.randn(len(q), 8, generator=gen)], 1)[
+        :, : heads * dim
+    ].view_as(q)
     for queries in (q, strided):  # the model's q is a view into the fused projection
-        out = kernel.paged_extend_attention(queries, k_cache, v_cache, table, rows, prefix_lens, extend_lens,
-                                            dim ** -0.5)
+        out = kernel.paged_extend_attention(
+            queries, k_cache, v_cache, table, rows, prefix_lens, extend_lens, dim**-0.5
+        )
         torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
@@ -83,15 +109,21 @@ def test_fused_ops_match_torch(dtype, tol):
     x = torch.randn(37, 576, generator=gen).to(dtype)
     weight = torch.rand(576, generator=gen).to(dtype)
     expected = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
-    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5).float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        kernel.rms_norm(x, weight, 1e-5).float(), expected, atol=tol, rtol=tol
+    )
     delta = torch.randn(37, 576, generator=gen).to(dtype)
     total = x.float() + delta.float()
     normed = kernel.add_rms_norm_(x, delta, weight, 1e-5)  # x becomes x + delta
     torch.testing.assert_close(x.float(), total, atol=tol, rtol=tol)
-    torch.testing.assert_close(normed.float(), F.rms_norm(total, (576,), weight.float(), 1e-5), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        normed.float(), F.rms_norm(total, (576,), weight.float(), 1e-5), atol=tol, rtol=tol
+    )
     gate_up = torch.randn(37, 2 * 96, generator=gen).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(kernel.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        kernel.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol, rtol=tol
+    )
 
 
 def test_argmax_rows_matches_torch_ties_included():
@@ -109,7 +141,9 @@ def test_argmax_rows_matches_torch_ties_included():
 def test_store_kv_writes_strided_rows_at_their_slots(dtype):
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(6, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
-    k, v = (qkv[:, 9 * 64 + i * 192:9 * 64 + (i + 1) * 192].view(6, 3, 64) for i in range(2))  # views, as in the model
+    k, v = (
+        qkv[:, 9 * 64 + i * 192 : 9 * 64 + (i + 1) * 192].view(6, 3, 64) for i in range(2)
+    )  # views, as in the model
     k_cache, v_cache = torch.zeros(50, 3, 64, dtype=dtype), torch.zeros(50, 3, 64, dtype=dtype)
     slots = torch.tensor([7, 3, 49, 0, 12, 8])
     kernel.store_kv_(k_cache, v_cache, slots, k, v)
@@ -125,14 +159,16 @@ def test_store_kv_writes_strided_rows_at_their_slots(dtype):
 def test_rotary_rotates_a_strided_view_in_place(dtype, tol):
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(11, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
-    q = qkv[:, :9 * 64].view(11, 9, 64)  # a view into the fused projection, as in the model
+    q = qkv[:, : 9 * 64].view(11, 9, 64)  # a view into the fused projection, as in the model
     angles = torch.rand(11, 1, 32, generator=gen) * 6
     cos, sin = angles.cos(), angles.sin()
     expected = apply_rotary(q.float(), cos, sin)
-    rest = qkv[:, 9 * 64:].clone()
+    rest = qkv[:, 9 * 64 :].clone()
     kernel.rotary_(q, cos, sin)
-    torch.testing.assert_close(qkv[:, :9 * 64].view(11, 9, 64).float(), expected, atol=tol, rtol=tol)
-    assert torch.equal(qkv[:, 9 * 64:], rest)  # k and v untouched
+    torch.testing.assert_close(
+        qkv[:, : 9 * 64].view(11, 9, 64).float(), expected, atol=tol, rtol=tol
+    )
+    assert torch.equal(qkv[:, 9 * 64 :], rest)  # k and v untouched
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 20, 97, 300])
@@ -145,10 +181,16 @@ def test_packed_linear_matches_float64_reference(rows, out_features, in_features
     packed = kernel.pack_linear_weight(weight)
     for b in (None, bias):
         expected = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
-        torch.testing.assert_close(kernel.packed_linear(x, packed, b, out_features), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            kernel.packed_linear(x, packed, b, out_features), expected, atol=1e-4, rtol=1e-4
+        )
     strided = torch.randn(rows, 2 * in_features, generator=gen)[:, ::2]  # a non-contiguous view
-    torch.testing.assert_close(kernel.packed_linear(strided, packed, None, out_features),
-                               F.linear(strided.double(), weight.double()).float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        kernel.packed_linear(strided, packed, None, out_features),
+        F.linear(strided.double(), weight.double()).float(),
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def test_a_build_killed_midway_does_not_block_later_loads():

@@ -1,20 +1,29 @@
 """Decode graphs: capture per batch size, padded replay. On CPU `EagerGraph` stands in for
 `torch.cuda.CUDAGraph`, so the static buffers, padding and backend graph planning run for
 real (Triton kernels under the interpreter); scripts/gpu_check.sh runs the CUDA side."""
+
 import random
 
 import pytest
 import torch
+from scheduler_runs import greedy_run
 
 from radixserve.config import EngineArgs
 from radixserve.messages import ForwardBatch, ForwardMode
 from radixserve.models.source import resolve_model
 from radixserve.worker.cuda_graph import PAD_SLOT, EagerGraph, capture_batch_sizes
 from radixserve.worker.model_runner import ModelRunner
-from scheduler_runs import greedy_run
 
-ARGS = EngineArgs(model="dummy:tiny", dtype="float32", attention_backend="triton", max_total_tokens=2048,
-                  max_running_requests=8, cuda_graph_max_bs=8, chunked_prefill_size=64, max_context_len=512)
+ARGS = EngineArgs(
+    model="dummy:tiny",
+    dtype="float32",
+    attention_backend="triton",
+    max_total_tokens=2048,
+    max_running_requests=8,
+    cuda_graph_max_bs=8,
+    chunked_prefill_size=64,
+    max_context_len=512,
+)
 
 
 def test_capture_batch_sizes():
@@ -33,8 +42,11 @@ def runners():
 def test_no_graphs_on_cpu_unless_asked(runners):
     eager, _ = runners
     assert eager.graphs is None
-    torch_native = ModelRunner(resolve_model(ARGS.model), ARGS.with_(attention_backend="torch_native"),
-                               graph_cls=EagerGraph)
+    torch_native = ModelRunner(
+        resolve_model(ARGS.model),
+        ARGS.with_(attention_backend="torch_native"),
+        graph_cls=EagerGraph,
+    )
     assert torch_native.graphs is None  # the backend cannot be captured
 
 
@@ -64,9 +76,13 @@ def test_padding_writes_only_the_reserved_slot(runners):
     slots = torch.tensor([100, 200, 300])
     graphed.req_to_token[rows, 0] = slots
     with torch.inference_mode():
-            graphed.graphs.replay(ids, torch.zeros(3, dtype=torch.long), slots, rows, torch.ones(3, dtype=torch.long))
+        graphed.graphs.replay(
+            ids, torch.zeros(3, dtype=torch.long), slots, rows, torch.ones(3, dtype=torch.long)
+        )
     for (k0, v0), k, v in zip(before, pool.k, pool.v):
-        changed = ((k != k0).flatten(1).any(1) | (v != v0).flatten(1).any(1)).nonzero().flatten().tolist()
+        changed = (
+            ((k != k0).flatten(1).any(1) | (v != v0).flatten(1).any(1)).nonzero().flatten().tolist()
+        )
         assert set(changed) <= {100, 200, 300, PAD_SLOT}
         assert {100, 200, 300} <= set(changed)
 
@@ -80,4 +96,6 @@ def test_mixed_and_prefill_steps_stay_eager(runners):
 
 
 def _batch(mode, n):
-    return ForwardBatch(mode, [1] * n, [0] * n, [1] * n, list(range(n)), [1] * n, [1] * n, [], None, [None] * n)
+    return ForwardBatch(
+        mode, [1] * n, [0] * n, [1] * n, list(range(n)), [1] * n, [1] * n, [], None, [None] * n
+    )

@@ -1,10 +1,10 @@
 """The engine against HF transformers on the same weights (real model, CPU)."""
+
 import pytest
 import torch
+from conftest import PROMPTS
 
 from radixserve import Engine
-
-from conftest import PROMPTS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
@@ -18,21 +18,30 @@ def test_greedy_batch_of_mixed_lengths_matches_hf(engine, tokenizer, hf_greedy):
     results = engine.generate(PROMPTS, GREEDY)
     expect_hf(results, tokenizer, hf_greedy)
     assert all(r["meta_info"]["completion_tokens"] == 16 for r in results)
-    assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(tokenizer.encode(p)) for p in PROMPTS]
+    assert [r["meta_info"]["prompt_tokens"] for r in results] == [
+        len(tokenizer.encode(p)) for p in PROMPTS
+    ]
     engine.check_memory()
 
 
 def test_prompt_logprobs_close_to_hf(engine, tokenizer, hf_model):
     prompt = PROMPTS[4]
     ids = tokenizer.encode(prompt)
-    result = engine.generate(prompt, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
-                             logprob_start_len=0, top_logprobs_num=3)
+    result = engine.generate(
+        prompt,
+        {"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+    )
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
     got = result["meta_info"]["input_token_logprobs"]
     assert got[0][0] is None and [t for _, t, _ in got] == ids
     expected = [ref[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
-    assert torch.allclose(torch.tensor([lp for lp, _, _ in got[1:]]), torch.tensor(expected), atol=2e-3)
+    assert torch.allclose(
+        torch.tensor([lp for lp, _, _ in got[1:]]), torch.tensor(expected), atol=2e-3
+    )
     top = result["meta_info"]["input_top_logprobs"][1]
     assert [t for _, t, _ in top] == ref[0].topk(3).indices.tolist()
     out_lp = result["meta_info"]["output_token_logprobs"][0][0]
@@ -44,7 +53,9 @@ def test_prefix_hits_give_same_output(engine, tokenizer, hf_greedy):
     first = engine.generate(PROMPTS, GREEDY)
     again = engine.generate(PROMPTS, GREEDY)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in first]
-    assert all(r["meta_info"]["cached_tokens"] >= r["meta_info"]["prompt_tokens"] - 1 for r in again)
+    assert all(
+        r["meta_info"]["cached_tokens"] >= r["meta_info"]["prompt_tokens"] - 1 for r in again
+    )
     branches = [PROMPTS[4] + " Answer briefly.", PROMPTS[4] + " Use ten words."]
     results = engine.generate(branches, GREEDY)
     assert all(r["meta_info"]["cached_tokens"] >= 60 for r in results)
@@ -54,8 +65,13 @@ def test_prefix_hits_give_same_output(engine, tokenizer, hf_greedy):
 
 @pytest.mark.parametrize("page_size,chunk", [(1, 8), (4, 16), (16, 32)])
 def test_chunked_prefill_and_pages_match_hf(page_size, chunk, tokenizer, hf_greedy):
-    with Engine(max_total_tokens=4096, page_size=page_size, chunked_prefill_size=chunk, dtype="float32",
-                max_prefill_tokens=chunk * 2) as eng:
+    with Engine(
+        max_total_tokens=4096,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        dtype="float32",
+        max_prefill_tokens=chunk * 2,
+    ) as eng:
         results = eng.generate(PROMPTS, GREEDY)
         expect_hf(results, tokenizer, hf_greedy)
         again = eng.generate(PROMPTS[4], GREEDY)
@@ -65,7 +81,9 @@ def test_chunked_prefill_and_pages_match_hf(page_size, chunk, tokenizer, hf_gree
 
 
 def test_tiny_pool_evicts_and_retracts_yet_matches_hf(tokenizer, hf_greedy):
-    with Engine(max_total_tokens=160, max_running_requests=8, chunked_prefill_size=32, dtype="float32") as eng:
+    with Engine(
+        max_total_tokens=160, max_running_requests=8, chunked_prefill_size=32, dtype="float32"
+    ) as eng:
         prompts = [p for p in PROMPTS if len(tokenizer.encode(p)) < 40] * 2
         results = eng.generate(prompts, dict(GREEDY, max_new_tokens=40))
         expect_hf(results, tokenizer, hf_greedy, prompts, n=40)
@@ -88,8 +106,12 @@ def test_disabled_radix_cache_still_correct(tokenizer, hf_greedy):
 def test_bfloat16_stays_close_to_hf(tokenizer, hf_greedy, hf_model):
     """bf16 (the CPU default where AMX-BF16 exists) tracks the fp32 oracle closely."""
     with Engine(max_total_tokens=1024, dtype="bfloat16") as eng:
-        result = eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
-                              return_logprob=True, logprob_start_len=0)
+        result = eng.generate(
+            PROMPTS[0],
+            {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
     ids = tokenizer.encode(PROMPTS[0])
     assert result["output_ids"][:2] == hf_greedy(ids, 4)[:2]
     with torch.no_grad():
@@ -101,7 +123,10 @@ def test_bfloat16_stays_close_to_hf(tokenizer, hf_greedy, hf_model):
 
 def test_engine_takes_the_sampling_params_it_exports(engine, tokenizer, hf_greedy):
     from radixserve import SamplingParams
-    result = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+
+    result = engine.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    )
     assert result["output_ids"] == hf_greedy(tokenizer.encode(PROMPTS[0]), 8)
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(PROMPTS[0], SamplingParams(temperature=-1.0))

@@ -3,16 +3,17 @@
 Storage is checked block by block (corrupt, truncated, missing, foreign, disk full), then
 the real model: greedy output is the same with and without the tiers while the device pool
 thrashes, for every write policy, and a restarted server finds a long prefix on disk."""
+
 import time
 
 import httpx
 import pytest
 import torch
+from server_utils import start_server
 
 from radixserve import Engine
 from radixserve.mem.hicache import HiCache, chain_hashes
 from radixserve.mem.kv_pool import KVPool
-from server_utils import start_server
 
 BLOCK = 64
 
@@ -36,13 +37,15 @@ def test_blocks_survive_in_storage_and_come_back_exactly(tmp_path):
     writer.backup(tokens, slots)
     writer.storage.flush()
     assert writer.stats.storage_written_blocks == 2 and len(list(tmp_path.rglob("*.kv"))) == 2
-    want = [pool.k[1][slots[:2 * BLOCK]].clone(), pool.v[0][slots[:2 * BLOCK]].clone()]
+    want = [pool.k[1][slots[: 2 * BLOCK]].clone(), pool.v[0][slots[: 2 * BLOCK]].clone()]
     reader = HiCache.create(pool, 1, 4 * BLOCK, "00" * 8, str(tmp_path))
     loaded = reader.load(tokens, 0, allocator(300))
     assert loaded == list(range(300, 300 + 2 * BLOCK))
     assert torch.equal(pool.k[1][loaded], want[0]) and torch.equal(pool.v[0][loaded], want[1])
     assert reader.stats.storage_hit_tokens == 2 * BLOCK
-    partial = HiCache.create(pool, 1, 4 * BLOCK, "00" * 8, str(tmp_path)).load(tokens, 16, allocator(300))
+    partial = HiCache.create(pool, 1, 4 * BLOCK, "00" * 8, str(tmp_path)).load(
+        tokens, 16, allocator(300)
+    )
     assert len(partial) == 2 * BLOCK - 16  # a match ending inside a block loads the rest of it
     assert torch.equal(pool.k[1][partial], want[0][16:])
 
@@ -79,7 +82,9 @@ def test_another_models_blocks_are_never_read(tmp_path):
     pool, tokens, files = stored(tmp_path, "00" * 8)
     other = HiCache.create(pool, 1, 4 * BLOCK, "11" * 8, str(tmp_path))
     assert other.load(tokens, 0, allocator(300)) == []  # its own folder is empty
-    first = chain_hashes(tokens, BLOCK, other.seed)[0]  # a foreign file where it would look fails the header check
+    first = chain_hashes(tokens, BLOCK, other.seed)[
+        0
+    ]  # a foreign file where it would look fails the header check
     target = other.storage.path(first)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(files[0].read_bytes())
@@ -94,12 +99,42 @@ def test_a_full_disk_skips_writes(tmp_path):
     cache.backup(list(range(2 * BLOCK)), list(range(1, 2 * BLOCK + 1)))
     cache.storage.flush()
     assert cache.stats.storage_skipped_blocks == 2 and not list(tmp_path.rglob("*.kv"))
-    assert cache.load(list(range(2 * BLOCK)), 0, allocator(300)) == allocator(300)(2 * BLOCK)  # L2 still serves
+    assert cache.load(list(range(2 * BLOCK)), 0, allocator(300)) == allocator(300)(
+        2 * BLOCK
+    )  # L2 still serves
 
 
-PROMPTS = [f"Report {i}: " + " ".join(f"item {i}-{j} is noted." for j in range(36)) for i in range(4)]
-CYCLE = [0, 1, 2, 3, 0, 1, 2, 3]  # four ~240-token prompts through a 512-token pool: each evicts the last
-REPEATED = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 0, 1, 2, 3]  # hit on the device before it is evicted
+PROMPTS = [
+    f"Report {i}: " + " ".join(f"item {i}-{j} is noted." for j in range(36)) for i in range(4)
+]
+CYCLE = [
+    0,
+    1,
+    2,
+    3,
+    0,
+    1,
+    2,
+    3,
+]  # four ~240-token prompts through a 512-token pool: each evicts the last
+REPEATED = [
+    0,
+    0,
+    0,
+    1,
+    1,
+    1,
+    2,
+    2,
+    2,
+    3,
+    3,
+    3,
+    0,
+    1,
+    2,
+    3,
+]  # hit on the device before it is evicted
 WITHOUT_TIERS: dict[tuple, tuple] = {}
 
 
@@ -107,7 +142,9 @@ def run(order: list[int], **kw) -> tuple[list[str], float, dict]:
     with Engine(dtype="float32", max_total_tokens=512, **kw) as engine:
         texts, cached, total = [], 0, 0
         for i in order:
-            out = engine.generate([PROMPTS[i] + " Summary:"], {"max_new_tokens": 6, "temperature": 0})[0]
+            out = engine.generate(
+                [PROMPTS[i] + " Summary:"], {"max_new_tokens": 6, "temperature": 0}
+            )[0]
             texts.append(out["text"])
             cached += out["meta_info"]["cached_tokens"]
             total += out["meta_info"]["prompt_tokens"]
@@ -115,24 +152,36 @@ def run(order: list[int], **kw) -> tuple[list[str], float, dict]:
         return texts, cached / total, engine.scheduler.snapshot().hicache
 
 
-@pytest.mark.parametrize("policy, order", [("write_through", CYCLE), ("write_back", CYCLE),
-                                           ("write_through_selective", REPEATED)])
+@pytest.mark.parametrize(
+    "policy, order",
+    [("write_through", CYCLE), ("write_back", CYCLE), ("write_through_selective", REPEATED)],
+)
 def test_greedy_output_is_identical_with_the_tiers_and_hits_more(policy, order):
     """write_through_selective keeps only prefixes hit more than once, hence its own order."""
     if tuple(order) not in WITHOUT_TIERS:
         WITHOUT_TIERS[tuple(order)] = run(order)
     texts, hit_rate, _ = WITHOUT_TIERS[tuple(order)]
-    tiered_texts, tiered_rate, stats = run(order, enable_hierarchical_cache=True, hicache_ratio=4,
-                                           hicache_write_policy=policy)
+    tiered_texts, tiered_rate, stats = run(
+        order, enable_hierarchical_cache=True, hicache_ratio=4, hicache_write_policy=policy
+    )
     assert tiered_texts == texts
     assert stats["loaded_tokens"] > 0 and stats["host_hit_tokens"] > 0
     assert tiered_rate > hit_rate + 0.15, (tiered_rate, hit_rate)
 
 
 def test_a_restarted_server_finds_a_long_prefix_on_disk(tmp_path):
-    args = ["--max-total-tokens", "4096", "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-            "--hicache-storage-dir", str(tmp_path / "kv")]
-    prompt = "Chapter one. " + " ".join(f"Line {i} of the long shared document." for i in range(260))
+    args = [
+        "--max-total-tokens",
+        "4096",
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-dir",
+        str(tmp_path / "kv"),
+    ]
+    prompt = "Chapter one. " + " ".join(
+        f"Line {i} of the long shared document." for i in range(260)
+    )
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     first = start_server(tmp_path, *args)
     try:
@@ -150,7 +199,10 @@ def test_a_restarted_server_finds_a_long_prefix_on_disk(tmp_path):
         warm = second.client().post("/generate", json=body).json()
         assert warm["text"] == cold["text"]
         assert warm["meta_info"]["cached_tokens"] >= 0.9 * warm["meta_info"]["prompt_tokens"]
-        assert 'radixserve:hicache_hit_tokens_total{tier="storage"}' in httpx.get(f"{second.url}/metrics").text
+        assert (
+            'radixserve:hicache_hit_tokens_total{tier="storage"}'
+            in httpx.get(f"{second.url}/metrics").text
+        )
     finally:
         assert second.stop() == 0
 
@@ -169,7 +221,7 @@ def test_a_load_pins_its_blocks_while_making_room_backs_up_others(tmp_path):
     cache = HiCache.create(pool, 1, 2 * BLOCK, "00" * 8, None)  # room for two blocks only
     first = list(range(2 * BLOCK))
     cache.backup(first, list(range(1, 2 * BLOCK + 1)))
-    want = pool.k[0][1:2 * BLOCK + 1].clone()
+    want = pool.k[0][1 : 2 * BLOCK + 1].clone()
 
     def alloc_after_backing_up_others(n):
         cache.backup(list(range(5000, 5000 + 2 * BLOCK)), list(range(300, 300 + 2 * BLOCK)))
@@ -181,8 +233,13 @@ def test_a_load_pins_its_blocks_while_making_room_backs_up_others(tmp_path):
 
 
 def test_the_dashboard_names_the_tiers_holding_each_prefix(tmp_path):
-    with Engine(dtype="float32", max_total_tokens=1024, enable_hierarchical_cache=True,
-                hicache_storage_backend="file", hicache_storage_dir=str(tmp_path)) as engine:
+    with Engine(
+        dtype="float32",
+        max_total_tokens=1024,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+    ) as engine:
         engine.generate([PROMPTS[0]], {"max_new_tokens": 2, "temperature": 0})
         engine.scheduler.hicache.storage.flush()
         top = engine.scheduler.top_prefixes(1)[0]
@@ -195,5 +252,5 @@ def test_a_prefix_longer_than_the_host_tier_keeps_its_first_blocks_right():
     tokens = list(range(4 * BLOCK))
     cache.backup(tokens, list(range(1, 4 * BLOCK + 1)))
     loaded = cache.load(tokens, 0, allocator(300))
-    assert loaded and torch.equal(pool.k[0][loaded], pool.k[0][1:len(loaded) + 1])
+    assert loaded and torch.equal(pool.k[0][loaded], pool.k[0][1 : len(loaded) + 1])
     cache.host.check()

@@ -1,4 +1,5 @@
 """Host memory in huge-page mappings: the packed weights' copies and the KV pool's zeros."""
+
 import torch
 
 from radixserve.mem.huge_pages import HUGE_PAGE, anonymous_zeros, into_huge_pages
@@ -6,8 +7,12 @@ from radixserve.mem.huge_pages import HUGE_PAGE, anonymous_zeros, into_huge_page
 
 def test_copies_hold_the_same_values_back_to_back_and_aligned():
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, 5, generator=gen), torch.randint(0, 100, (7,), generator=gen),
-               torch.randn(300, 17, generator=gen).to(torch.bfloat16), torch.randn(0, 4, generator=gen)]
+    tensors = [
+        torch.randn(3, 5, generator=gen),
+        torch.randint(0, 100, (7,), generator=gen),
+        torch.randn(300, 17, generator=gen).to(torch.bfloat16),
+        torch.randn(0, 4, generator=gen),
+    ]
     copies = into_huge_pages(tensors)
     for t, c in zip(tensors, copies):
         assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)

@@ -2,6 +2,7 @@
 
 bf16 is left to the GPU check: the interpreter's tl.dot gives garbage on bf16 inputs.
 """
+
 import os
 
 import pytest
@@ -30,7 +31,7 @@ def make_pool(seq_lens, kv_heads, dim, dtype, page_size=1, seed=0):
     table = torch.zeros(len(seq_lens), max(seq_lens) + page_size, dtype=torch.int64)
     used = 0
     for b, (n, pages) in enumerate(zip(seq_lens, pages_per_req)):
-        mine = order[used:used + pages]
+        mine = order[used : used + pages]
         used += pages
         slots = (mine[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
         table[b, :n] = slots
@@ -59,16 +60,20 @@ def test_decode_attention(seq_lens, heads, kv_heads, dim, page_size, dtype):
     ref_indptr, ref_indices = K.build_kv_indices_ref(table, rows, lens, page_size)
     assert torch.equal(indptr, ref_indptr) and torch.equal(indices, ref_indices)
     q = torch.randn(len(seq_lens), heads, dim).to(dtype).to(DEVICE)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     expected = K.decode_attention_ref(q, k_cache, v_cache, indptr, indices, lens, scale, page_size)
     for splits in (1, 4):
-        got = K.decode_attention(q, k_cache, v_cache, indptr, indices, lens, scale, page_size, num_splits=splits)
+        got = K.decode_attention(
+            q, k_cache, v_cache, indptr, indices, lens, scale, page_size, num_splits=splits
+        )
         torch.testing.assert_close(got.float(), expected.float(), atol=tol(dtype), rtol=tol(dtype))
 
 
 def test_decode_attention_reads_the_table_rows_directly():
-    """The backends' decode path: the flat request-to-token table as kv_indices, row offsets as starts,
-    with more splits than some requests have tokens (as a captured graph's fixed split count gives)."""
+    """The backends' decode path: the flat request-to-token table as kv_indices, row offsets as
+    starts,
+    with more splits than some requests have tokens (as a captured graph's fixed split count
+    gives)."""
     seq_lens = [1, 17, 40]
     k_cache, v_cache, table = make_pool(seq_lens, 3, 64, torch.float32)
     rows = torch.tensor([2, 0, 1], device=DEVICE)
@@ -76,32 +81,42 @@ def test_decode_attention_reads_the_table_rows_directly():
     q = torch.randn(3, 9, 64, device=DEVICE)
     indptr, indices = K.build_kv_indices(table, rows, lens)
     expected = K.decode_attention_ref(q, k_cache, v_cache, indptr, indices, lens, 0.125)
-    got = K.decode_attention(q, k_cache, v_cache, rows * table.stride(0), table.view(-1), lens, 0.125, num_splits=16)
+    got = K.decode_attention(
+        q, k_cache, v_cache, rows * table.stride(0), table.view(-1), lens, 0.125, num_splits=16
+    )
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("prefix_lens,extend_lens,heads,kv_heads,dim", [
-    ([0], [7], 4, 4, 64),
-    ([0, 12, 33], [20, 1, 40], 9, 3, 64),
-    ([48, 0], [5, 17], 8, 1, 128),
-    ([16], [64], 16, 2, 64),
-])
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,heads,kv_heads,dim",
+    [
+        ([0], [7], 4, 4, 64),
+        ([0, 12, 33], [20, 1, 40], 9, 3, 64),
+        ([48, 0], [5, 17], 8, 1, 128),
+        ([16], [64], 16, 2, 64),
+    ],
+)
 def test_extend_attention(prefix_lens, extend_lens, heads, kv_heads, dim, page_size, dtype):
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     k_cache, v_cache, table = make_pool(seq_lens, kv_heads, dim, dtype, page_size, seed=1)
     rows = torch.arange(len(seq_lens), device=DEVICE)
-    indptr, indices = K.build_kv_indices(table, rows, torch.tensor(seq_lens, device=DEVICE), page_size)
+    indptr, indices = K.build_kv_indices(
+        table, rows, torch.tensor(seq_lens, device=DEVICE), page_size
+    )
     ext = torch.tensor(extend_lens, device=DEVICE)
     qo = torch.zeros(len(ext) + 1, dtype=torch.int64, device=DEVICE)
     qo[1:] = torch.cumsum(ext, 0)
     prefix = torch.tensor(prefix_lens, device=DEVICE)
     q = torch.randn(int(ext.sum()), heads, dim).to(dtype).to(DEVICE)
-    scale = dim ** -0.5
-    expected = K.extend_attention_ref(q, k_cache, v_cache, qo, indptr, indices, prefix, ext, scale, page_size)
-    got = K.extend_attention(q, k_cache, v_cache, qo, indptr, indices, prefix, ext, max(extend_lens), scale,
-                             page_size)
+    scale = dim**-0.5
+    expected = K.extend_attention_ref(
+        q, k_cache, v_cache, qo, indptr, indices, prefix, ext, scale, page_size
+    )
+    got = K.extend_attention(
+        q, k_cache, v_cache, qo, indptr, indices, prefix, ext, max(extend_lens), scale, page_size
+    )
     torch.testing.assert_close(got.float(), expected.float(), atol=tol(dtype), rtol=tol(dtype))
 
 
@@ -119,14 +134,17 @@ def test_store_kv(dtype):
 
 
 def test_triton_backend_matches_torch_native_on_the_real_model(tokenizer):
-    """The whole model through the Triton backend (interpreted on CPU) gives the same greedy tokens."""
+    """The whole model through the Triton backend (interpreted on CPU) gives the same greedy
+    tokens."""
     from radixserve import Engine
 
     prompts = ["The capital of France is", "def add(a, b):"]
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     outputs = {}
     for backend in ("torch_native", "triton"):
-        with Engine(max_total_tokens=512, max_running_requests=4, attention_backend=backend, dtype="float32") as eng:
+        with Engine(
+            max_total_tokens=512, max_running_requests=4, attention_backend=backend, dtype="float32"
+        ) as eng:
             first = eng.generate(prompts, params)
             again = eng.generate(prompts[0] + " Paris", params)  # a cached prefix plus new tokens
             outputs[backend] = [r["output_ids"] for r in first] + [again["output_ids"]]

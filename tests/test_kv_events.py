@@ -1,29 +1,42 @@
 """KV events of a real server, as Dynamo and llm-d read them: a subscriber rebuilds the
 replica's cached block set from BlockStored / BlockRemoved / AllBlocksCleared alone, and it
 matches the server's own count of cached slots through inserts, evictions and a flush."""
+
 import time
 
 import httpx
 import msgspec
 import pytest
 import zmq
-
-from radixserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig
-
 from server_utils import free_port, start_server, wait_idle
+
+from radixserve.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+)
 
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     port, replay_port = free_port(), free_port()
-    config = (f'{{"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv", '
-              f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "buffer_steps": 1000}}')
+    config = (
+        f'{{"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv", '
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "buffer_steps": 1000}}'
+    )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    srv = start_server(tmp_path_factory.mktemp("kv_events"), "--max-total-tokens", "1024",
-                       "--kv-events-config", config)
+    srv = start_server(
+        tmp_path_factory.mktemp("kv_events"),
+        "--max-total-tokens",
+        "1024",
+        "--kv-events-config",
+        config,
+    )
     with httpx.Client(base_url=srv.url, timeout=120) as client:
         client.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
         yield client, sub
@@ -73,7 +86,10 @@ class Mirror:
 
 
 def generate(client, text: str, tokens: int = 8) -> None:
-    r = client.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}})
+    r = client.post(
+        "/generate",
+        json={"text": text, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -123,13 +139,16 @@ def test_a_late_subscriber_catches_up_through_replay(replica):
     assert mirror.cached_tokens() == stats["cached_slots"] > 0
 
 
-@pytest.mark.parametrize("text,needle", [
-    ('{"hwm": 10}', "hwm"),
-    ('{"buffer_steps": 0}', "buffer_steps"),
-    ('{"endpoint": 5}', "endpoint"),
-    ('{"publisher": "nats"}', "publisher"),
-    ("[1]", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"hwm": 10}', "hwm"),
+        ('{"buffer_steps": 0}', "buffer_steps"),
+        ('{"endpoint": 5}', "endpoint"),
+        ('{"publisher": "nats"}', "publisher"),
+        ("[1]", "JSON object"),
+    ],
+)
 def test_unsupported_configs_are_refused_by_name(text, needle):
     with pytest.raises(ValueError, match=needle):
         KVEventsConfig.from_json(text)

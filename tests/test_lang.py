@@ -1,14 +1,24 @@
 """radixserve.lang against the in-process engine and against a real server."""
-import pytest
 
 import json
 
 import jsonschema
-
-from radixserve.lang import (EngineBackend, RuntimeEndpoint, assistant, function, gen, select, system,
-                             tool_call, user, user_begin, user_end)
-
+import pytest
 from server_utils import start_server
+
+from radixserve.lang import (
+    EngineBackend,
+    RuntimeEndpoint,
+    assistant,
+    function,
+    gen,
+    select,
+    system,
+    tool_call,
+    user,
+    user_begin,
+    user_end,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,9 @@ def _normalized_choice_logprob(engine, prompt: str, choice: str) -> float:
     """Mean logprob of the tokens of prompt+choice after the prompt's last intact token."""
     a, b = engine.encode(prompt), engine.encode(prompt + choice)
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    r = engine.generate(prompt + choice, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    r = engine.generate(
+        prompt + choice, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
     lps = [lp for lp, _, _ in r["meta_info"]["input_token_logprobs"][n:]]
     return sum(lps) / len(lps)
 
@@ -84,7 +96,9 @@ def tree_of_thought(s, question):
 
 
 def test_fork_join_shares_the_prefix(backend):
-    state = tree_of_thought.run(question="How can I learn to play chess quickly? " * 4, backend=backend)
+    state = tree_of_thought.run(
+        question="How can I learn to play chess quickly? " * 4, backend=backend
+    )
     assert "Best: " in state.text()
     assert state.report.calls == 4  # the cached prefix + three branches
     assert state.report.cached_tokens >= 3 * 40
@@ -106,9 +120,19 @@ def test_run_batch_keeps_order_and_isolates_errors(backend):
 
 @function
 def profile(s, name):
-    s += f"Facts about {name}. Born in year: " + gen("year", max_tokens=6, regex="1[89][0-9]{2}", temperature=0)
-    s += "\nAs JSON: " + gen("card", max_tokens=40, temperature=0, json_schema={
-        "type": "object", "properties": {"job": {"type": "string", "maxLength": 16}}, "required": ["job"]})
+    s += f"Facts about {name}. Born in year: " + gen(
+        "year", max_tokens=6, regex="1[89][0-9]{2}", temperature=0
+    )
+    s += "\nAs JSON: " + gen(
+        "card",
+        max_tokens=40,
+        temperature=0,
+        json_schema={
+            "type": "object",
+            "properties": {"job": {"type": "string", "maxLength": 16}},
+            "required": ["job"],
+        },
+    )
 
 
 def test_constrained_gen(backend):
@@ -130,20 +154,41 @@ def test_bad_usage_errors_clearly(engine):
     @function
     def unbalanced(s):
         s += user_end()
+
     with pytest.raises(ValueError, match="user_end"):
         unbalanced.run(backend=EngineBackend(engine))
     with pytest.raises(ValueError, match="choices"):
         select("x", [])
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Current time in a time zone",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
-                       "required": ["zone"], "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["CET", "UTC"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -162,14 +207,17 @@ def tool_agent(s, question, seed):
 def test_tool_calls_in_a_program_always_validate(backend):
     """Sampled calls (temperature 1.0) from the tools given to system(): each parses and
     validates; a parallel call is a list; the later calls reuse the cached history."""
-    states = tool_agent.run_batch([{"question": "Weather in Paris?", "seed": seed} for seed in range(4)],
-                                  backend=backend)
+    states = tool_agent.run_batch(
+        [{"question": "Weather in Paris?", "seed": seed} for seed in range(4)], backend=backend
+    )
     for state in states:
         assert state.error is None, state.error
         assert len(state["calls"]) == 1 and state["more"]
         for call in state["calls"] + state["more"]:
             jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
-        blocks = state.text().split("<tool_call>")[-2:]  # the calls stay in the text as hermes blocks
+        blocks = state.text().split("<tool_call>")[
+            -2:
+        ]  # the calls stay in the text as hermes blocks
         assert all(b.count("</tool_call>") == 1 for b in blocks)
         assert json.loads(blocks[0].split("</tool_call>")[0])["name"] == state["calls"][0]["name"]
         assert state.report.cached_tokens > 0

@@ -1,11 +1,11 @@
 """Prometheus metrics and the live dashboard, against a real server (and a real browser)."""
+
 import os
 import re
 import shutil
 import time
 
 import pytest
-
 from conftest import PROMPTS, private_home
 from server_utils import start_server
 
@@ -30,8 +30,13 @@ def metric(text: str, name: str, labels: str = "") -> float:
 def repeated_prefix_workload(client) -> list[dict]:
     results = []
     for suffix in [" First question?", " Second question?", " Third question?"]:
-        r = client.post("/generate", json={"text": PROMPTS[4] + suffix,
-                                           "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+        r = client.post(
+            "/generate",
+            json={
+                "text": PROMPTS[4] + suffix,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            },
+        )
         results.append(r.json())
     return results
 
@@ -47,9 +52,13 @@ def test_metrics_match_reported_cached_tokens(server):
     assert cached > 0
     assert metric(after, "cached_tokens_total") - metric(before, "cached_tokens_total") == cached
     assert metric(after, "prompt_tokens_total") - metric(before, "prompt_tokens_total") == prompt
-    assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == 12
+    assert (
+        metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == 12
+    )
     rate = metric(after, "cache_hit_rate")
-    assert rate == pytest.approx(metric(after, "cached_tokens_total") / metric(after, "prompt_tokens_total"))
+    assert rate == pytest.approx(
+        metric(after, "cached_tokens_total") / metric(after, "prompt_tokens_total")
+    )
     assert rate == pytest.approx(info["cache_hit_rate"])
     assert metric(after, "requests_total", '{finish_reason="length"}') >= 3
     assert metric(after, "kv_capacity_tokens") == 4096
@@ -76,21 +85,34 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
     with server.client() as c:
         repeated_prefix_workload(c)
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, env=private_home(tmp_path), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--no-first-run", "--disable-sync"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            env=private_home(tmp_path),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+                "--disable-sync",
+            ],
+        )
         page = browser.new_page()
         errors = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{server.url}/dashboard#key={KEY}")
-        page.wait_for_function("Number(document.getElementById('updates').textContent) >= 2", timeout=15000)
+        page.wait_for_function(
+            "Number(document.getElementById('updates').textContent) >= 2", timeout=15000
+        )
         hit = page.text_content("#hit-rate")
         assert hit.endswith("%") and float(hit[:-1]) > 0
         first = int(page.text_content("#updates"))
         with server.client() as c:
             repeated_prefix_workload(c)
-        page.wait_for_function(f"Number(document.getElementById('updates').textContent) > {first + 1}", timeout=15000)
+        page.wait_for_function(
+            f"Number(document.getElementById('updates').textContent) > {first + 1}", timeout=15000
+        )
         assert "Radix trees" in page.text_content("#prefixes")
         assert page.text_content("#est-2x").endswith("%")  # what twice the KV memory would give
         if os.environ.get("RADIXSERVE_SCREENSHOT"):

@@ -1,7 +1,8 @@
 import itertools
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixserve.config import EVICTION_POLICIES
 from radixserve.mem.allocator import SlotAllocator
@@ -10,18 +11,29 @@ from radixserve.mem.radix_cache import EVICTION_PRIORITY, RadixCache
 
 def make_cache(page_size=1, num_pages=1000, policy="lru"):
     alloc = SlotAllocator(num_pages, page_size)
-    return RadixCache(page_size, alloc.free, eviction_policy=policy, clock=itertools.count().__next__), alloc
+    return RadixCache(
+        page_size, alloc.free, eviction_policy=policy, clock=itertools.count().__next__
+    ), alloc
 
 
 def test_every_configurable_policy_has_an_eviction_order():
     assert set(EVICTION_POLICIES) == set(EVICTION_PRIORITY)
 
 
-@pytest.mark.parametrize("policy, order", [
-    ("lru", [[7, 8], [1, 2], [5, 6], [3, 4]]),    # least recently used first; hits do not matter
-    ("lfu", [[7, 8], [3, 4], [5, 6], [1, 2]]),    # fewest hits first ([1,2] hit twice), then least recent
-    ("slru", [[7, 8], [3, 4], [1, 2], [5, 6]]),   # never hit, least recent first, then the hit ones
-])
+@pytest.mark.parametrize(
+    "policy, order",
+    [
+        ("lru", [[7, 8], [1, 2], [5, 6], [3, 4]]),  # least recently used first; hits do not matter
+        (
+            "lfu",
+            [[7, 8], [3, 4], [5, 6], [1, 2]],
+        ),  # fewest hits first ([1,2] hit twice), then least recent
+        (
+            "slru",
+            [[7, 8], [3, 4], [1, 2], [5, 6]],
+        ),  # never hit, least recent first, then the hit ones
+    ],
+)
 def test_eviction_order_of_each_policy(policy, order):
     cache, alloc = make_cache(policy=policy)
     for key in ([1, 2], [3, 4], [5, 6], [7, 8]):
@@ -115,7 +127,9 @@ keys = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "hit", "evict"]), keys), max_size=40))
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "hit", "evict"]), keys), max_size=40)
+)
 def test_radix_cache_agrees_with_naive_reference(policy, ops):
     cache, alloc = make_cache(num_pages=10_000, policy=policy)
     naive = NaiveCache()
@@ -147,15 +161,22 @@ def _all_paths(cache):
             out.append((key, value))
         for child in node.children.values():
             walk(child, key + child.key, value + child.value)
+
     walk(cache.root, [], [])
     return out
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 @settings(max_examples=60, deadline=None)
-@given(inserts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda k: k * 2), min_size=1,
-                        max_size=20),
-       evict_n=st.integers(1, 30), hits=st.lists(st.integers(0, 19), max_size=10))
+@given(
+    inserts=st.lists(
+        st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda k: k * 2),
+        min_size=1,
+        max_size=20,
+    ),
+    evict_n=st.integers(1, 30),
+    hits=st.lists(st.integers(0, 19), max_size=10),
+)
 def test_locked_paths_survive_any_eviction(policy, inserts, evict_n, hits):
     cache, alloc = make_cache(page_size=2, num_pages=10_000, policy=policy)
     for key in inserts:

@@ -1,5 +1,6 @@
 """Reasoning parsers, whole and streamed, and the chat prompt's template options, on the
 bundled model's real tokenizer (the server end is in test_tool_calling.py)."""
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -7,21 +8,33 @@ from radixserve.models.source import resolve_model
 from radixserve.reasoning import PARSERS, StreamingReasoningParser, make_reasoning_parser
 from radixserve.tokenizer import apply_chat_template, encode_prompt
 
-OUTPUTS = ["<think>plan it</think>The answer", "plan it</think>The answer", "<think>still thinking",
-           "No thoughts here", "<thinking>is not the tag", "  <think>a</think>b</think>c", "", "<thi",
-           "</think>only content", "<think></think>"]
+OUTPUTS = [
+    "<think>plan it</think>The answer",
+    "plan it</think>The answer",
+    "<think>still thinking",
+    "No thoughts here",
+    "<thinking>is not the tag",
+    "  <think>a</think>b</think>c",
+    "",
+    "<thi",
+    "</think>only content",
+    "<think></think>",
+]
 
 
-@pytest.mark.parametrize("name,text,expected", [
-    ("qwen3", "<think>plan it</think>The answer", ("plan it", "The answer")),
-    ("qwen3", "No thoughts here", (None, "No thoughts here")),
-    ("qwen3", "<think>cut off", ("cut off", "")),
-    ("qwen3", "<thinking>is not the tag", (None, "<thinking>is not the tag")),
-    ("deepseek-r1", "plan it</think>The answer", ("plan it", "The answer")),
-    ("deepseek-r1", "<think>plan it</think>The answer", ("plan it", "The answer")),
-    ("deepseek-r1", "no end tag", ("no end tag", "")),
-    ("qwen3-thinking", "a</think>b</think>c", ("a", "b</think>c")),
-])
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [
+        ("qwen3", "<think>plan it</think>The answer", ("plan it", "The answer")),
+        ("qwen3", "No thoughts here", (None, "No thoughts here")),
+        ("qwen3", "<think>cut off", ("cut off", "")),
+        ("qwen3", "<thinking>is not the tag", (None, "<thinking>is not the tag")),
+        ("deepseek-r1", "plan it</think>The answer", ("plan it", "The answer")),
+        ("deepseek-r1", "<think>plan it</think>The answer", ("plan it", "The answer")),
+        ("deepseek-r1", "no end tag", ("no end tag", "")),
+        ("qwen3-thinking", "a</think>b</think>c", ("a", "b</think>c")),
+    ],
+)
 def test_whole_outputs_split(name, text, expected):
     assert PARSERS[name].split(text) == expected
 
@@ -71,15 +84,20 @@ def test_a_rendered_prompt_that_starts_with_bos_gets_no_second_one(bos_tokenizer
 
 def test_template_variables_and_a_continued_final_message(bos_tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The sky is"}]
-    continued = apply_chat_template(bos_tokenizer, messages, add_generation_prompt=False,
-                                    continue_final_message=True)
+    continued = apply_chat_template(
+        bos_tokenizer, messages, add_generation_prompt=False, continue_final_message=True
+    )
     assert continued.endswith("<|im_start|>assistant\nThe sky is")
     closed = apply_chat_template(bos_tokenizer, messages, add_generation_prompt=False)
     assert closed.endswith("The sky is<|im_end|>\n")
     template = bos_tokenizer.chat_template
     bos_tokenizer.chat_template = "{% if enable_thinking %}THINK {% endif %}" + template
     try:
-        assert apply_chat_template(bos_tokenizer, messages[:1], enable_thinking=True).startswith("THINK ")
-        assert not apply_chat_template(bos_tokenizer, messages[:1], enable_thinking=False).startswith("THINK ")
+        assert apply_chat_template(bos_tokenizer, messages[:1], enable_thinking=True).startswith(
+            "THINK "
+        )
+        assert not apply_chat_template(
+            bos_tokenizer, messages[:1], enable_thinking=False
+        ).startswith("THINK ")
     finally:
         bos_tokenizer.chat_template = template

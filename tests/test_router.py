@@ -2,6 +2,7 @@
 placement, worker management, metrics, and a replica killed mid-run.
 
 The kill test runs last: it takes one replica down for good."""
+
 import asyncio
 import glob
 import os
@@ -11,8 +12,15 @@ import time
 
 import httpx
 import pytest
-
-from server_utils import alive, child_pids, free_port, ipc_folder, start_router, start_server, wait_idle
+from server_utils import (
+    alive,
+    child_pids,
+    free_port,
+    ipc_folder,
+    start_router,
+    start_server,
+    wait_idle,
+)
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
@@ -20,10 +28,27 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
-    replicas = [start_server(tmp, "--num-threads", "1", "--max-total-tokens", "4096", "--kv-events-config",
-                             f'{{"endpoint": "tcp://*:{free_port()}", "topic": "kv"}}') for _ in range(2)]
-    router = start_router(tmp, "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
-                          "--health-check-interval-secs", "1")
+    replicas = [
+        start_server(
+            tmp,
+            "--num-threads",
+            "1",
+            "--max-total-tokens",
+            "4096",
+            "--kv-events-config",
+            f'{{"endpoint": "tcp://*:{free_port()}", "topic": "kv"}}',
+        )
+        for _ in range(2)
+    ]
+    router = start_router(
+        tmp,
+        "--worker-urls",
+        *[r.url for r in replicas],
+        "--policy",
+        "cache_aware",
+        "--health-check-interval-secs",
+        "1",
+    )
     yield router, replicas
     assert router.stop() == 0, router.log()
     for replica in replicas:
@@ -42,17 +67,31 @@ def test_generate_and_chat_through_the_router_equal_a_direct_call(cluster):
         routed = c.post("/generate", json=body)
         assert routed.status_code == 200 and worker_of(routed) in {r.url for r in replicas}
         assert routed.json()["text"] == direct.post("/generate", json=body).json()["text"]
-        chat = {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "temperature": 0}
+        chat = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 6,
+            "temperature": 0,
+        }
         routed = c.post("/v1/chat/completions", json=chat).json()
-        assert routed["choices"][0]["message"] == direct.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+        assert (
+            routed["choices"][0]["message"]
+            == direct.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+        )
         assert c.get("/v1/models").json()["data"][0]["id"]
 
 
 def test_a_stream_is_passed_through_chunk_by_chunk(cluster):
     """The first chunk reaches the client while the worker is still generating."""
     router, _ = cluster
-    chat = {"model": "m", "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 48,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Tell me a long story"}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with router.client() as c, c.stream("POST", "/v1/chat/completions", json=chat) as stream:
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -67,19 +106,29 @@ def test_a_stream_is_passed_through_chunk_by_chunk(cluster):
 
 def test_prefix_groups_stay_on_one_worker_and_hit_its_cache(cluster):
     router, replicas = cluster
-    groups = [f"Document {g}: " + " ".join(f"fact {g}-{i} is true." for i in range(40)) for g in range(4)]
+    groups = [
+        f"Document {g}: " + " ".join(f"fact {g}-{i} is true." for i in range(40)) for g in range(4)
+    ]
     homes: dict[int, set[str]] = {g: set() for g in range(4)}
     cached = []
     with router.client() as c:
         for q in range(3):
             for g in range(4):
-                r = c.post("/generate", json={"text": groups[g] + f" Question {q}?", "sampling_params": GREEDY})
+                r = c.post(
+                    "/generate",
+                    json={"text": groups[g] + f" Question {q}?", "sampling_params": GREEDY},
+                )
                 assert r.status_code == 200
                 homes[g].add(worker_of(r))
                 if q:
-                    cached.append(r.json()["meta_info"]["cached_tokens"] / r.json()["meta_info"]["prompt_tokens"])
+                    cached.append(
+                        r.json()["meta_info"]["cached_tokens"]
+                        / r.json()["meta_info"]["prompt_tokens"]
+                    )
     assert all(len(h) == 1 for h in homes.values()), homes
-    assert {next(iter(h)) for h in homes.values()} == {r.url for r in replicas}  # groups spread over both
+    assert {next(iter(h)) for h in homes.values()} == {
+        r.url for r in replicas
+    }  # groups spread over both
     assert min(cached) > 0.9
     for replica in replicas:
         with replica.client() as direct:
@@ -93,7 +142,9 @@ def test_bad_requests_get_the_workers_4xx_or_the_routers(cluster):
         assert r.status_code == 400 and "max_new_tokens" in r.json()["message"]
         r = c.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["message"]
-        r = c.post("/generate", content=b"x" * (9 << 20), headers={"content-type": "application/json"})
+        r = c.post(
+            "/generate", content=b"x" * (9 << 20), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 413
         assert c.get("/no_such_route").status_code == 404
         assert c.post("/add_worker").status_code == 400
@@ -126,16 +177,28 @@ def test_metrics_dashboard_and_flush_span_the_cluster(cluster):
         metrics = c.get("/metrics").text
         for replica in replicas:
             assert f'radixserve_router:requests_total{{worker="{replica.url}"}}' in metrics
-        rate = float(next(line.split()[-1] for line in metrics.splitlines()
-                          if line.startswith("radixserve_router:cluster_cache_hit_rate")))
+        rate = float(
+            next(
+                line.split()[-1]
+                for line in metrics.splitlines()
+                if line.startswith("radixserve_router:cluster_cache_hit_rate")
+            )
+        )
         totals = [r.client().get("/get_server_info").json()["stats"] for r in replicas]
-        want = sum(s["cached_tokens_total"] for s in totals) / sum(s["prompt_tokens_total"] for s in totals)
+        want = sum(s["cached_tokens_total"] for s in totals) / sum(
+            s["prompt_tokens_total"] for s in totals
+        )
         assert rate == pytest.approx(want) and rate > 0.3
         data = c.get("/dashboard/data").json()
-        assert data["policy"] == "cache_aware" and all(w["stats"]["num_slots"] == 4096 for w in data["workers"])
+        assert data["policy"] == "cache_aware" and all(
+            w["stats"]["num_slots"] == 4096 for w in data["workers"]
+        )
         assert "radixserve cluster" in c.get("/dashboard").text
         assert c.post("/flush_cache").status_code == 200
-        assert all(r.client().get("/get_server_info").json()["stats"]["cached_slots"] == 0 for r in replicas)
+        assert all(
+            r.client().get("/get_server_info").json()["stats"]["cached_slots"] == 0
+            for r in replicas
+        )
 
 
 def test_kv_events_router_mirrors_each_replicas_cache_and_routes_by_it(cluster, tmp_path):
@@ -143,8 +206,14 @@ def test_kv_events_router_mirrors_each_replicas_cache_and_routes_by_it(cluster, 
     the blocks it holds per replica equal the replica's own cached slots, and each prefix
     group (sent as chat and as completions) stays on one replica."""
     _, replicas = cluster
-    router = start_router(tmp_path, "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
-                          "--kv-events")
+    router = start_router(
+        tmp_path,
+        "--worker-urls",
+        *[r.url for r in replicas],
+        "--policy",
+        "cache_aware",
+        "--kv-events",
+    )
     try:
         with router.client() as c:
             deadline = time.time() + 60
@@ -156,9 +225,18 @@ def test_kv_events_router_mirrors_each_replicas_cache_and_routes_by_it(cluster, 
             homes: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
             for q in range(3):
                 for g in homes:
-                    system = f"You answer questions about topic {g}. " + " ".join(f"Rule {g}.{i}." for i in range(30))
-                    chat = {"model": "m", "max_tokens": 4, "temperature": 0,
-                            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Q{q}?"}]}
+                    system = f"You answer questions about topic {g}. " + " ".join(
+                        f"Rule {g}.{i}." for i in range(30)
+                    )
+                    chat = {
+                        "model": "m",
+                        "max_tokens": 4,
+                        "temperature": 0,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"Q{q}?"},
+                        ],
+                    }
                     r = c.post("/v1/chat/completions", json=chat)
                     assert r.status_code == 200
                     homes[g].add(worker_of(r))
@@ -182,8 +260,12 @@ def test_an_api_key_is_checked_by_the_router_and_forwarded(cluster, tmp_path):
     try:
         assert httpx.post(f"{keyed.url}/generate", json={"text": "a"}).status_code == 401
         assert httpx.get(f"{keyed.url}/health").status_code == 200
-        r = httpx.post(f"{keyed.url}/generate", json={"text": "a", "sampling_params": GREEDY},
-                       headers={"Authorization": "Bearer sekret"}, timeout=60)
+        r = httpx.post(
+            f"{keyed.url}/generate",
+            json={"text": "a", "sampling_params": GREEDY},
+            headers={"Authorization": "Bearer sekret"},
+            timeout=60,
+        )
         assert r.status_code == 200
     finally:
         assert keyed.stop() == 0
@@ -194,11 +276,19 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_streamed(cluste
     replica 0 is marked dead within 5 s, and later traffic goes to replica 1. (A round-robin
     router, so that replica 0 surely has requests in flight.)"""
     _, replicas = cluster
-    router = start_router(tmp_path, "--worker-urls", *[r.url for r in replicas], "--policy", "round_robin")
+    router = start_router(
+        tmp_path, "--worker-urls", *[r.url for r in replicas], "--policy", "round_robin"
+    )
 
     async def run() -> tuple[list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=router.url, timeout=120) as c:
-            body = lambda i: {"text": f"Story {i}: once upon a time", "sampling_params": {"max_new_tokens": 32}}  # noqa: E731
+
+            def body(i: int) -> dict:
+                return {
+                    "text": f"Story {i}: once upon a time",
+                    "sampling_params": {"max_new_tokens": 32},
+                }
+
             tasks = [asyncio.create_task(c.post("/generate", json=body(i))) for i in range(10)]
             deadline = time.monotonic() + 30
             while not (await c.get("/list_workers")).json()["workers"][0]["in_flight"]:
@@ -237,25 +327,39 @@ def descendants(pid: int) -> list[int]:
     return kids + [d for k in kids for d in descendants(k)]
 
 
-def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path, server_socket_folders):
+def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(
+    tmp_path, server_socket_folders
+):
     """The one-command launch: two replicas, each on its own core, behind the router on the
     given port; SIGTERM stops everything it started."""
     folders = set(glob.glob(os.path.join(server_socket_folders, "radixserve-*")))
-    server = start_server(tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048")
+    server = start_server(
+        tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048"
+    )
     everything = descendants(server.proc.pid)
     try:
         with server.client() as c:
             workers = c.get("/list_workers").json()["workers"]
             assert len(workers) == 2 and all(w["healthy"] for w in workers)
-            seen = {worker_of(c.post("/generate", json={"text": f"Topic {i} " * 30, "sampling_params": GREEDY}))
-                    for i in range(4)}
+            seen = {
+                worker_of(
+                    c.post(
+                        "/generate", json={"text": f"Topic {i} " * 30, "sampling_params": GREEDY}
+                    )
+                )
+                for i in range(4)
+            }
             assert seen == {w["url"] for w in workers}
-        replicas = [p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p)]
+        replicas = [
+            p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p)
+        ]
         assert len(replicas) == 2
         cores = [os.sched_getaffinity(p) for p in replicas]
         if len(os.sched_getaffinity(0)) >= 2:
             assert not cores[0] & cores[1], cores
-        for pid in replicas:  # as a process-group SIGTERM does: the replicas get it as well as the launcher
+        for pid in (
+            replicas
+        ):  # as a process-group SIGTERM does: the replicas get it as well as the launcher
             os.kill(pid, signal.SIGTERM)
     finally:
         assert server.stop() == 0, server.log()
@@ -263,30 +367,52 @@ def test_serve_dp_size_two_runs_two_pinned_replicas_behind_a_router(tmp_path, se
     while any(alive(p) for p in everything) and time.time() < deadline:
         time.sleep(0.1)
     assert not [p for p in everything if alive(p)], "processes outlived the launcher"
-    assert set(glob.glob(os.path.join(server_socket_folders, "radixserve-*"))) <= folders, "socket folders left behind"
+    assert set(glob.glob(os.path.join(server_socket_folders, "radixserve-*"))) <= folders, (
+        "socket folders left behind"
+    )
 
 
 def test_a_replica_killed_under_dp_size_is_started_again(tmp_path):
     """SIGKILL (as the OOM killer sends) one of two replicas: the launcher starts it again on its
     port, the router finds it healthy and routes to it; the launcher still stops cleanly."""
-    server = start_server(tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048")
+    server = start_server(
+        tmp_path, "--dp-size", "2", "--num-threads", "2", "--max-total-tokens", "2048"
+    )
     try:
-        replicas = [p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p)]
+        replicas = [
+            p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p)
+        ]
         os.kill(replicas[0], signal.SIGKILL)
         deadline = time.time() + 180
         with server.client() as c:
-            while time.time() < deadline:  # restarted, serving on its port, and back in the router's rotation
+            while (
+                time.time() < deadline
+            ):  # restarted, serving on its port, and back in the router's rotation
                 workers = c.get("/list_workers").json()["workers"]
-                up = [_answers(w["url"]) and w["healthy"] and w["circuit"] != "open" for w in workers]
+                up = [
+                    _answers(w["url"]) and w["healthy"] and w["circuit"] != "open" for w in workers
+                ]
                 if "starting it again" in server.log() and all(up):
                     break
                 time.sleep(1)
             else:
-                raise AssertionError(f"the killed replica did not come back: {server.log()[-3000:]}")
-            now = [p for p in child_pids(server.proc.pid) if b"multiprocessing.spawn" in cmdline(p) and alive(p)]
+                raise AssertionError(
+                    f"the killed replica did not come back: {server.log()[-3000:]}"
+                )
+            now = [
+                p
+                for p in child_pids(server.proc.pid)
+                if b"multiprocessing.spawn" in cmdline(p) and alive(p)
+            ]
             assert len(now) == 2 and replicas[0] not in now
-            seen = {worker_of(c.post("/generate", json={"text": f"Topic {i} " * 30, "sampling_params": GREEDY}))
-                    for i in range(6)}
+            seen = {
+                worker_of(
+                    c.post(
+                        "/generate", json={"text": f"Topic {i} " * 30, "sampling_params": GREEDY}
+                    )
+                )
+                for i in range(6)
+            }
             assert seen == {w["url"] for w in workers}
     finally:
         assert server.stop() == 0, server.log()

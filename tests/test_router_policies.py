@@ -1,8 +1,10 @@
 """The router's approximate prefix tree and its policies, as pure logic (no processes)."""
+
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixserve.config import RouterArgs
 from radixserve.router.keys import routing_key
@@ -56,8 +58,13 @@ def test_match_reports_each_tenants_prefix():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.text("ab", min_size=0, max_size=12), st.sampled_from(["w1", "w2", "w3"])), max_size=40),
-       st.integers(0, 30))
+@given(
+    st.lists(
+        st.tuples(st.text("ab", min_size=0, max_size=12), st.sampled_from(["w1", "w2", "w3"])),
+        max_size=40,
+    ),
+    st.integers(0, 30),
+)
 def test_tree_sizes_match_and_eviction_hold_their_invariants(inserts, bound):
     tree = PrefixTree(clock=Clock())
     for key, tenant in inserts:
@@ -119,7 +126,9 @@ def test_cache_aware_sends_to_the_idlest_worker_when_load_is_out_of_balance():
     key = "shared prefix " * 10
     first = policy.pick(pool, key)
     first.in_flight = 3
-    assert policy.pick(pool, key) is first  # 3 vs 0 is within the absolute threshold: the cache wins
+    assert (
+        policy.pick(pool, key) is first
+    )  # 3 vs 0 is within the absolute threshold: the cache wins
     first.in_flight = 10
     assert policy.pick(pool, key) is not first  # 10 vs 0: out of balance
 
@@ -134,7 +143,12 @@ def test_cache_aware_below_threshold_picks_the_worker_holding_least():
 def test_round_robin_and_power_of_two():
     pool = workers(5, 0, 5)
     rr = RoundRobin()
-    assert [rr.pick(pool, "").url for _ in range(4)] == ["http://w1", "http://w2", "http://w0", "http://w1"]
+    assert [rr.pick(pool, "").url for _ in range(4)] == [
+        "http://w1",
+        "http://w2",
+        "http://w0",
+        "http://w1",
+    ]
     p2 = PowerOfTwo(seed=1)
     picks = {p2.pick(pool, "").url for _ in range(50)}
     assert "http://w1" in picks and all(p2.pick(pool[:1], "") is pool[0] for _ in range(3))
@@ -152,29 +166,43 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
     assert breaker.opened_at is None and breaker.allows(12.0)
 
 
-@pytest.mark.parametrize("path, body, key", [
-    ("/generate", b'{"text": "hello"}', "hello"),
-    ("/generate", b'{"text": ["a", "b"]}', "a"),
-    ("/generate", b'{"input_ids": [72, 105]}', "Hi"),
-    ("/generate", b'{"input_ids": [[72], [73]]}', "H"),
-    ("/v1/completions", b'{"prompt": "p"}', "p"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}]}', "<user>q"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}', "<user>q"),
-    ("/v1/chat/completions", b'{"messages": 5}', ""),  # malformed fields: no key, the worker names the field
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 7}, "x"], "tools": 3}', "3<user>"),
-    ("/generate", b'{"text": {"a": 1}}', ""),
-    ("/generate", b"not json", ""),
-    ("/generate", b'{"input_ids": [-1]}', ""),
-    ("/v1/completions", b"[1]", ""),
-])
+@pytest.mark.parametrize(
+    "path, body, key",
+    [
+        ("/generate", b'{"text": "hello"}', "hello"),
+        ("/generate", b'{"text": ["a", "b"]}', "a"),
+        ("/generate", b'{"input_ids": [72, 105]}', "Hi"),
+        ("/generate", b'{"input_ids": [[72], [73]]}', "H"),
+        ("/v1/completions", b'{"prompt": "p"}', "p"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}]}', "<user>q"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}',
+            "<user>q",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": 5}',
+            "",
+        ),  # malformed fields: no key, the worker names the field
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": 7}, "x"], "tools": 3}',
+            "3<user>",
+        ),
+        ("/generate", b'{"text": {"a": 1}}', ""),
+        ("/generate", b"not json", ""),
+        ("/generate", b'{"input_ids": [-1]}', ""),
+        ("/v1/completions", b"[1]", ""),
+    ],
+)
 def test_routing_keys(path, body, key):
     assert routing_key(path, body) == key
 
 
 def test_kv_event_index_matches_whole_pages_from_events_and_pending_routes():
-    from radixserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from radixserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
     from radixserve.router.keys import ids_key
-    from radixserve.kv_events import chain_hashes
     from radixserve.router.kv_index import KVEventIndex, events_endpoint
 
     clock = Clock()
@@ -194,12 +222,21 @@ def test_kv_event_index_matches_whole_pages_from_events_and_pending_routes():
     assert index.match(ids_key(prompt)) == {"w1": 2}
     index.apply("w1", [AllBlocksCleared()])
     assert index.match(ids_key(prompt)) == {}
-    assert events_endpoint('{"endpoint": "tcp://*:5557", "topic": "kv"}', "10.0.0.2") == ("tcp://10.0.0.2:5557", b"kv")
+    assert events_endpoint('{"endpoint": "tcp://*:5557", "topic": "kv"}', "10.0.0.2") == (
+        "tcp://10.0.0.2:5557",
+        b"kv",
+    )
     assert events_endpoint('{"endpoint": "tcp://127.0.0.1:1"}', "h") == ("tcp://127.0.0.1:1", b"")
 
 
 def test_router_args_refuse_what_they_cannot_do():
-    for bad in [dict(policy="lpm"), dict(worker_urls=("localhost:1",)), dict(worker_urls=("http://a:1",) * 2),
-                dict(kv_events=True, policy="round_robin"), dict(cache_threshold=2.0), dict(retry_max_retries=-1)]:
+    for bad in [
+        dict(policy="lpm"),
+        dict(worker_urls=("localhost:1",)),
+        dict(worker_urls=("http://a:1",) * 2),
+        dict(kv_events=True, policy="round_robin"),
+        dict(cache_threshold=2.0),
+        dict(retry_max_retries=-1),
+    ]:
         with pytest.raises(ValueError):
             RouterArgs(**bad)

@@ -1,4 +1,5 @@
 """Each sampling parameter does what it says (real model)."""
+
 import math
 
 import pytest
@@ -12,10 +13,20 @@ PROMPT = "List three colors:"
 
 
 def batch(n, **overrides):
-    fields = dict(temperatures=[1.0] * n, top_ps=[1.0] * n, top_ks=[-1] * n, min_ps=[0.0] * n,
-                  seeds=[None] * n, steps=[0] * n, frequency_penalties=[0.0] * n,
-                  presence_penalties=[0.0] * n, repetition_penalties=[1.0] * n,
-                  penalty_outputs=[None] * n, penalty_prompts=[None] * n, suppressed_ids=[None] * n)
+    fields = dict(
+        temperatures=[1.0] * n,
+        top_ps=[1.0] * n,
+        top_ks=[-1] * n,
+        min_ps=[0.0] * n,
+        seeds=[None] * n,
+        steps=[0] * n,
+        frequency_penalties=[0.0] * n,
+        presence_penalties=[0.0] * n,
+        repetition_penalties=[1.0] * n,
+        penalty_outputs=[None] * n,
+        penalty_prompts=[None] * n,
+        suppressed_ids=[None] * n,
+    )
     fields.update(overrides)
     return SamplingBatch(**fields)
 
@@ -36,24 +47,55 @@ def test_sampler_filters():
 def test_a_row_with_every_token_forbidden_takes_its_fallback(temperature):
     logits = torch.tensor([[0.1, 2.0, 0.3, 0.0], [0.1, 2.0, 0.3, 0.0]])
     mask_only_3 = [0b1000]  # a grammar that allows only token 3 ...
-    draws = sample(logits, batch(2, temperatures=[temperature] * 2, token_masks=[mask_only_3, None],
-                                 suppressed_ids=[[3], None], fallback_ids=[2, 2]))  # ... which min_new_tokens bans
+    draws = sample(
+        logits,
+        batch(
+            2,
+            temperatures=[temperature] * 2,
+            token_masks=[mask_only_3, None],
+            suppressed_ids=[[3], None],
+            fallback_ids=[2, 2],
+        ),
+    )  # ... which min_new_tokens bans
     assert draws[0].item() == 2  # not NaN probabilities, not a crash
     assert temperature > 0 or draws[1].item() == 1  # the other row samples as usual
 
 
 def test_sampler_penalties_and_suppression():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
-    assert sample(logits, batch(1, temperatures=[0.0], frequency_penalties=[1.0], penalty_outputs=[[0]])).item() == 1
-    assert sample(logits, batch(1, temperatures=[0.0], presence_penalties=[0.5], penalty_outputs=[[0, 0]])).item() == 1
-    assert sample(logits, batch(1, temperatures=[0.0], repetition_penalties=[1.2], penalty_outputs=[[]],
-                                penalty_prompts=[[0]])).item() == 1
+    assert (
+        sample(
+            logits, batch(1, temperatures=[0.0], frequency_penalties=[1.0], penalty_outputs=[[0]])
+        ).item()
+        == 1
+    )
+    assert (
+        sample(
+            logits, batch(1, temperatures=[0.0], presence_penalties=[0.5], penalty_outputs=[[0, 0]])
+        ).item()
+        == 1
+    )
+    assert (
+        sample(
+            logits,
+            batch(
+                1,
+                temperatures=[0.0],
+                repetition_penalties=[1.2],
+                penalty_outputs=[[]],
+                penalty_prompts=[[0]],
+            ),
+        ).item()
+        == 1
+    )
     assert sample(logits, batch(1, temperatures=[0.0], suppressed_ids=[[0, 1]])).item() == 2
 
 
 def test_a_vanishing_temperature_samples_greedily(engine):
     greedy = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6})
-    tiny = engine.generate(PROMPT, {"temperature": 1e-39, "max_new_tokens": 6})  # 1/T overflows float32
+    tiny = engine.generate(
+        PROMPT, {"temperature": 1e-39, "max_new_tokens": 6}
+    )  # 1/T overflows float32
     assert tiny["output_ids"] == greedy["output_ids"]
 
 
@@ -67,8 +109,10 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_n_samples_share_the_prompt(engine):
-    results = engine.generate("Tell me a story about a dragon named " * 8,
-                              {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 5})
+    results = engine.generate(
+        "Tell me a story about a dragon named " * 8,
+        {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 5},
+    )
     assert len(results) == 4
     assert len({tuple(r["output_ids"]) for r in results}) > 1
     assert sum(r["meta_info"]["cached_tokens"] for r in results) > 0
@@ -89,12 +133,21 @@ def test_max_new_tokens_min_new_tokens_ignore_eos(engine):
     assert r["meta_info"]["finish_reason"]["type"] == "stop"  # the chat model ends itself
     eos = r["output_ids"][-1]
     n = len(r["output_ids"])
-    longer = engine.generate("Say hi.", {"temperature": 0, "max_new_tokens": n + 5, "min_new_tokens": n + 2})
+    longer = engine.generate(
+        "Say hi.", {"temperature": 0, "max_new_tokens": n + 5, "min_new_tokens": n + 2}
+    )
     assert len(longer["output_ids"]) >= n + 2 and eos not in longer["output_ids"][: n + 1]
-    ignore = engine.generate("Say hi.", {"temperature": 0, "max_new_tokens": n + 3, "ignore_eos": True})
+    ignore = engine.generate(
+        "Say hi.", {"temperature": 0, "max_new_tokens": n + 3, "ignore_eos": True}
+    )
     assert len(ignore["output_ids"]) == n + 3
-    zero = engine.generate("Say hi.", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
-    assert zero["output_ids"] == [] and len(zero["meta_info"]["input_token_logprobs"]) == zero["meta_info"]["prompt_tokens"]
+    zero = engine.generate(
+        "Say hi.", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
+    assert (
+        zero["output_ids"] == []
+        and len(zero["meta_info"]["input_token_logprobs"]) == zero["meta_info"]["prompt_tokens"]
+    )
 
 
 def test_temperature_and_top_k_one_are_greedy(engine):
@@ -106,15 +159,24 @@ def test_temperature_and_top_k_one_are_greedy(engine):
 def test_frequency_penalty_reduces_repetition(engine):
     prompt = "Repeat after me: la la la la la la la la la la"
     plain = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
-    penal = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True,
-                                     "frequency_penalty": 2.0})
+    penal = engine.generate(
+        prompt,
+        {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "frequency_penalty": 2.0},
+    )
     assert len(set(penal["output_ids"])) > len(set(plain["output_ids"]))
 
 
 def test_output_logprobs_are_probabilities(engine):
-    r = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4}, return_logprob=True,
-                        top_logprobs_num=5, return_text_in_logprobs=True)
-    for (lp, tid, text), top in zip(r["meta_info"]["output_token_logprobs"], r["meta_info"]["output_top_logprobs"]):
+    r = engine.generate(
+        PROMPT,
+        {"temperature": 0, "max_new_tokens": 4},
+        return_logprob=True,
+        top_logprobs_num=5,
+        return_text_in_logprobs=True,
+    )
+    for (lp, tid, text), top in zip(
+        r["meta_info"]["output_token_logprobs"], r["meta_info"]["output_top_logprobs"]
+    ):
         assert lp <= 0 and top[0][1] == tid and math.isclose(top[0][0], lp, abs_tol=1e-5)
         assert isinstance(text, str)
 
@@ -126,13 +188,24 @@ def test_streaming_yields_growing_text(engine):
     assert all(final["text"].startswith(c["text"]) for c in chunks)
 
 
-@pytest.mark.parametrize("bad,msg", [
-    ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
-    ({"max_new_tokens": -1}, "max_new_tokens"), ({"n": 0}, "n "), ({"stop": [""]}, "stop"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"frequency_penalty": 5}, "frequency_penalty"),
-    ({"min_p": 2}, "min_p"), ({"max_new_tokens": "ten"}, "max_new_tokens"), ({"bogus": 1}, "unknown"),
-    ({"seed": 2**64 - 1, "n": 2}, "seed"), ({"seed": -1}, "seed"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"n": 0}, "n "),
+        ({"stop": [""]}, "stop"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": 5}, "frequency_penalty"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_new_tokens": "ten"}, "max_new_tokens"),
+        ({"bogus": 1}, "unknown"),
+        ({"seed": 2**64 - 1, "n": 2}, "seed"),
+        ({"seed": -1}, "seed"),
+    ],
+)
 def test_bad_parameters_raise(engine, bad, msg):
     with pytest.raises(ValueError, match=msg):
         engine.generate(PROMPT, bad)
@@ -154,11 +227,15 @@ def test_logit_bias_steers_and_bans_tokens(engine, tokenizer):
     prompt = "The capital of France is"
     free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1})
     first = free["output_ids"][0]
-    banned = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1, "logit_bias": {str(first): -100}})
+    banned = engine.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 1, "logit_bias": {str(first): -100}}
+    )
     assert banned["output_ids"][0] != first
     target = tokenizer.encode(" London")[0]
-    forced = engine.generate(prompt, {"temperature": 0.7, "max_new_tokens": 3, "logit_bias": {str(target): 100},
-                                      "seed": 3})
+    forced = engine.generate(
+        prompt,
+        {"temperature": 0.7, "max_new_tokens": 3, "logit_bias": {str(target): 100}, "seed": 3},
+    )
     assert forced["output_ids"] == [target] * 3
     for bad in ({"abc": 1}, {"5": 300}, [1, 2], {str(10**7): 1}):
         with pytest.raises(ValueError, match="logit_bias"):
@@ -169,7 +246,9 @@ def test_stop_regex(engine):
     prompt = "Count from one: 1, 2, 3,"
     free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16})
     assert " 5" in free["text"], free["text"]
-    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "stop_regex": r"\b[5-9]\b"})
+    out = engine.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 16, "stop_regex": r"\b[5-9]\b"}
+    )
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     assert out["text"] == free["text"][: free["text"].index("5")]
     with pytest.raises(ValueError, match="stop_regex"):

@@ -1,7 +1,9 @@
 """Scheduler tests without a model: the fake executor checks every slot mapping."""
+
 import random
 
 import pytest
+from fake_executor import EOS, FakeExecutor, reference
 
 from radixserve.config import EngineArgs
 from radixserve.messages import FinishReason, ForwardMode, GenerateReq
@@ -9,12 +11,14 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.validation import check_generate
 
-from fake_executor import EOS, FakeExecutor, reference
-
 
 def make(num_pages=4096, page_size=1, max_running=8, **kw):
-    args = EngineArgs(page_size=page_size, max_running_requests=max_running,
-                      chunked_prefill_size=kw.pop("chunk", 64), **kw)
+    args = EngineArgs(
+        page_size=page_size,
+        max_running_requests=max_running,
+        chunked_prefill_size=kw.pop("chunk", 64),
+        **kw,
+    )
     ex = FakeExecutor(num_pages, page_size, max_running)
     return Scheduler(args, ex), ex
 
@@ -25,7 +29,9 @@ def request(rid, prompt, params: dict) -> GenerateReq:
 
 def submit(sched, rid, prompt, max_new=8, **params):
     """Validate as the api does, then queue."""
-    req = request(rid, prompt, dict(dict(max_new_tokens=max_new, temperature=0, ignore_eos=True), **params))
+    req = request(
+        rid, prompt, dict(dict(max_new_tokens=max_new, temperature=0, ignore_eos=True), **params)
+    )
     check_generate(req, sched.info)
     sched.add_request(req)
 
@@ -85,7 +91,9 @@ def test_shared_prefix_is_computed_once_in_a_burst():
         submit(sched, str(i), p, max_new=2)
     res = run(sched)
     fed = sum(len(b.input_ids) for b in ex.batches)
-    assert fed - 5 * 1 == 64 + 5 * 8  # every token fed but one decode step per request is prompt work
+    assert (
+        fed - 5 * 1 == 64 + 5 * 8
+    )  # every token fed but one decode step per request is prompt work
     assert sorted(res[str(i)]["out"].cached_tokens for i in range(5)) == [0, 64, 64, 64, 64]
 
 
@@ -132,7 +140,10 @@ def test_chunked_prefill_keeps_decodes_running(mixed):
     chunks = [i for i, b in enumerate(ex.batches) if 16 in b.extend_lens]
     assert len(chunks) >= 6
     if mixed:  # each chunk rides along with the short request's decode
-        assert all(ex.batches[i].mode == ForwardMode.MIXED and 1 in ex.batches[i].extend_lens for i in chunks[:3])
+        assert all(
+            ex.batches[i].mode == ForwardMode.MIXED and 1 in ex.batches[i].extend_lens
+            for i in chunks[:3]
+        )
     else:  # chunks alternate with decode steps
         assert all(ex.batches[i + 1].mode == ForwardMode.DECODE for i in chunks[:3])
 
@@ -235,7 +246,9 @@ def test_a_failing_step_aborts_its_requests_and_the_scheduler_goes_on():
     for rid in ("healthy", "poisoned"):
         reason = res[rid]["out"].finish_reason
         assert reason.kind == "abort" and "injected worker failure" in reason.message, reason
-    assert sched.cache.total_size() == 20  # the healthy prompt's KV was cached; nothing of the failed step
+    assert (
+        sched.cache.total_size() == 20
+    )  # the healthy prompt's KV was cached; nothing of the failed step
     after = prompts(1, 12, seed=4)[0]
     submit(sched, "after", after, max_new=6)
     assert run(sched)["after"]["ids"] == reference(after, 6)

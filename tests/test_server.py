@@ -1,4 +1,5 @@
 """The real server: processes, HTTP, ZeroMQ, the bundled model."""
+
 import json
 import os
 import signal
@@ -6,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import PROMPTS
 from server_utils import alive, start_server, wait_idle
 
@@ -16,8 +16,16 @@ LONG = PROMPTS[4] * 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("srv"), "--max-total-tokens", "4096",
-                       "--max-running-requests", "16", "--chunked-prefill-size", "256", api_key=KEY)
+    srv = start_server(
+        tmp_path_factory.mktemp("srv"),
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "16",
+        "--chunked-prefill-size",
+        "256",
+        api_key=KEY,
+    )
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -33,14 +41,22 @@ def stats(client):
 
 
 def test_generate_matches_hf(client, tokenizer, hf_greedy):
-    r = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+    r = client.post(
+        "/generate",
+        json={
+            "text": PROMPTS[0],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200
     body = r.json()
     assert body["output_ids"] == hf_greedy(tokenizer.encode(PROMPTS[0]), 12)
     assert body["text"] == tokenizer.decode(body["output_ids"], skip_special_tokens=True)
     meta = body["meta_info"]
-    assert meta["prompt_tokens"] == len(tokenizer.encode(PROMPTS[0])) and meta["completion_tokens"] == 12
+    assert (
+        meta["prompt_tokens"] == len(tokenizer.encode(PROMPTS[0]))
+        and meta["completion_tokens"] == 12
+    )
     assert meta["finish_reason"] == {"type": "length", "length": 12}
 
 
@@ -55,8 +71,9 @@ def test_batch_generate_and_input_ids(client, tokenizer, hf_greedy):
 
 def test_stream_sse(client):
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    with client.stream("POST", "/generate", json={"text": PROMPTS[1], "stream": True,
-                                                   "sampling_params": params}) as r:
+    with client.stream(
+        "POST", "/generate", json={"text": PROMPTS[1], "stream": True, "sampling_params": params}
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -77,7 +94,11 @@ def test_stream_several_prompts(client):
         last[chunk["index"]] = chunk
     full = client.post("/generate", json=dict(body, stream=False)).json()
     assert [last[i]["text"] for i in (0, 1)] == [f["text"] for f in full]
-    long = {"text": ["First: " + LONG, "Second: " + LONG], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    long = {
+        "text": ["First: " + LONG, "Second: " + LONG],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     with client.stream("POST", "/generate", json=long) as r:
         for i, line in enumerate(r.iter_lines()):
             if i >= 6:
@@ -87,15 +108,26 @@ def test_stream_several_prompts(client):
 
 def test_logprobs_and_select_style_request(client, tokenizer):
     choices = [PROMPTS[3] + " 100", PROMPTS[3] + " banana"]
-    r = client.post("/generate", json={"text": choices, "sampling_params": {"max_new_tokens": 0},
-                                       "return_logprob": True, "logprob_start_len": 0,
-                                       "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()
+    r = client.post(
+        "/generate",
+        json={
+            "text": choices,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
+    ).json()
     for res, text in zip(r, choices):
         entries = res["meta_info"]["input_token_logprobs"]
         assert len(entries) == len(tokenizer.encode(text)) and entries[0][0] is None
         assert isinstance(entries[1][2], str)
         assert res["output_ids"] == []
-    assert r[0]["meta_info"]["normalized_prompt_logprob"] > r[1]["meta_info"]["normalized_prompt_logprob"]
+    assert (
+        r[0]["meta_info"]["normalized_prompt_logprob"]
+        > r[1]["meta_info"]["normalized_prompt_logprob"]
+    )
 
 
 def test_repeated_long_prompt_is_cached(client, tokenizer):
@@ -113,23 +145,41 @@ def test_openai_client_chat_and_completions(server):
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
     models = oai.models.list()
     model = models.data[0].id
-    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
-                                       max_tokens=10, temperature=0)
+    chat = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=10,
+        temperature=0,
+    )
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 10
-    again = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
-                                        max_tokens=10, temperature=0)
+    again = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=10,
+        temperature=0,
+    )
     assert again.choices[0].message.content == chat.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    stream = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
-                                         max_tokens=10, temperature=0, stream=True)
+    stream = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == chat.choices[0].message.content
-    comp = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, n=2,
-                                  logprobs=2, stop=["\n\n"])
+    comp = oai.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, n=2, logprobs=2, stop=["\n\n"]
+    )
     assert len(comp.choices) == 2 and comp.choices[0].text == comp.choices[1].text
     assert len(comp.choices[0].logprobs.token_logprobs) >= 1
-    streamed = "".join(c.choices[0].text for c in oai.completions.create(
-        model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, stop=["\n\n"], stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in oai.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, stop=["\n\n"], stream=True
+        )
+    )
     assert streamed == comp.choices[0].text
 
 
@@ -146,50 +196,97 @@ def test_echo_and_streamed_logprobs(server):
     prompt_len = len(echoed.logprobs.tokens) - len(plain.logprobs.tokens)
     assert prompt_len > 1 and echoed.logprobs.token_logprobs[0] is None
     assert "".join(echoed.logprobs.tokens[:prompt_len]) == PROMPTS[0]
-    assert echoed.logprobs.token_logprobs[prompt_len:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert echoed.logprobs.token_logprobs[prompt_len:] == pytest.approx(
+        plain.logprobs.token_logprobs, abs=1e-4
+    )
     chunks = [c.choices[0] for c in oai.completions.create(stream=True, echo=True, **args)]
     assert "".join(c.text for c in chunks) == echoed.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == echoed.logprobs.tokens
-    chat_args = dict(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
-                     logprobs=True, top_logprobs=2)
+    chat_args = dict(
+        model="default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     whole = oai.chat.completions.create(**chat_args).choices[0].logprobs.content
-    streamed = [e for c in oai.chat.completions.create(stream=True, **chat_args)
-                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in oai.chat.completions.create(stream=True, **chat_args)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in whole] and len(whole) == 6
     assert all(len(e.top_logprobs) == 2 for e in streamed)
 
 
 def test_structured_output_over_http(server, client):
-    r = client.post("/generate", json={"text": "Is the sky blue? Answer:",
-                                       "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(yes|no)"}})
+    r = client.post(
+        "/generate",
+        json={
+            "text": "Is the sky blue? Answer:",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(yes|no)"},
+        },
+    )
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
     r = client.post("/generate", json={"text": "x", "sampling_params": {"regex": "(unclosed"}})
     assert r.status_code == 400 and "invalid regex" in r.json()["message"]
     openai = pytest.importorskip("openai")
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
     chat = oai.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Name a city in France as JSON."}],
-        max_tokens=40, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        model="default",
+        messages=[{"role": "user", "content": "Name a city in France as JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
     assert set(json.loads(chat.choices[0].message.content)) == {"city"}
     chat = oai.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
-        max_tokens=60, temperature=0, response_format={"type": "json_object"})
-    assert chat.choices[0].finish_reason == "length" or isinstance(json.loads(chat.choices[0].message.content), dict)
-    comp = oai.completions.create(model="default", prompt="The year:", max_tokens=8, temperature=0,
-                                  extra_body={"regex": "19[0-9]{2}"})
+        model="default",
+        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert chat.choices[0].finish_reason == "length" or isinstance(
+        json.loads(chat.choices[0].message.content), dict
+    )
+    comp = oai.completions.create(
+        model="default",
+        prompt="The year:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"regex": "19[0-9]{2}"},
+    )
     assert comp.choices[0].text.startswith("19") and len(comp.choices[0].text) == 4
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                  "response_format": {"type": "json_schema"}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema"},
+        },
+    )
     assert r.status_code == 400 and "json_schema" in r.json()["message"]
     wait_idle(client)
 
 
 def test_openai_logit_bias(client, tokenizer):
     target = tokenizer.encode(" London")[0]
-    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2,
-                                             "temperature": 0, "logit_bias": {str(target): 100}})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "The capital of France is",
+            "max_tokens": 2,
+            "temperature": 0,
+            "logit_bias": {str(target): 100},
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " London London"
     r = client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 500}})
     assert r.status_code == 400 and "logit_bias" in r.json()["message"]
@@ -197,7 +294,9 @@ def test_openai_logit_bias(client, tokenizer):
 
 def test_disconnect_mid_stream_aborts_and_frees(client):
     params = {"max_new_tokens": 2000, "ignore_eos": True}
-    with client.stream("POST", "/generate", json={"text": LONG, "stream": True, "sampling_params": params}) as r:
+    with client.stream(
+        "POST", "/generate", json={"text": LONG, "stream": True, "sampling_params": params}
+    ) as r:
         seen = 0
         for line in r.iter_lines():
             seen += bool(line)
@@ -210,24 +309,32 @@ def test_disconnect_mid_stream_aborts_and_frees(client):
 def test_disconnect_while_waiting_aborts(server, client):
     with server.client(timeout=1.0) as short:
         with pytest.raises(httpx.TimeoutException):
-            short.post("/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 2000,
-                                                                               "ignore_eos": True}})
+            short.post(
+                "/generate",
+                json={
+                    "text": LONG,
+                    "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+                },
+            )
     wait_idle(client)
 
 
-@pytest.mark.parametrize("body,needle", [
-    (b"{not json", "malformed JSON"),
-    (b'{"text": 5}', "text"),
-    (b'{"text": "hi", "sampling_params": {"temperature": -1}}', "temperature"),
-    (b'{"text": "hi", "sampling_params": {"max_new_tokens": 1e9}}', "max_new_tokens"),
-    (b'{"text": "hi", "sampling_params": {"top_p": "high"}}', "top_p"),
-    (b'{"text": "hi", "sampling_params": {"n": 1000}}', "n "),
-    (b'{"text": "hi", "sampling_params": {"colour": 1}}', "unknown"),
-    (b'{"text": ""}', "empty"),
-    (b'{"input_ids": [1, 99999999]}', "input_ids"),
-    (b'{"text": "hi", "input_ids": [1]}', "exactly one"),
-    (b'[1, 2]', "object"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (b"{not json", "malformed JSON"),
+        (b'{"text": 5}', "text"),
+        (b'{"text": "hi", "sampling_params": {"temperature": -1}}', "temperature"),
+        (b'{"text": "hi", "sampling_params": {"max_new_tokens": 1e9}}', "max_new_tokens"),
+        (b'{"text": "hi", "sampling_params": {"top_p": "high"}}', "top_p"),
+        (b'{"text": "hi", "sampling_params": {"n": 1000}}', "n "),
+        (b'{"text": "hi", "sampling_params": {"colour": 1}}', "unknown"),
+        (b'{"text": ""}', "empty"),
+        (b'{"input_ids": [1, 99999999]}', "input_ids"),
+        (b'{"text": "hi", "input_ids": [1]}', "exactly one"),
+        (b"[1, 2]", "object"),
+    ],
+)
 def test_bad_generate_inputs_are_400(client, body, needle):
     r = client.post("/generate", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
@@ -270,7 +377,9 @@ def test_child_crash_is_detected(tmp_path):
     kids = srv.children()
     try:
         with srv.client() as c:
-            scheduler = c.get("/get_server_info").json()["processes"]["scheduler"]  # it hosts the model
+            scheduler = c.get("/get_server_info").json()["processes"][
+                "scheduler"
+            ]  # it hosts the model
         assert scheduler in kids
         os.kill(scheduler, signal.SIGKILL)
         rc = srv.proc.wait(timeout=30)
@@ -301,12 +410,18 @@ def test_the_detokenizer_process_decodes_as_the_hf_tokenizer_does(tokenizer):
     for _ in range(500):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
         for skip in (True, False):
-            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
     text = "Déjà vu: 数据库 🚀 <|im_end|> done"
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok, pieces = Detokenizer(decoder), []
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        pieces.append(detok.text_for(ReqOutput("r", [token], last, None, 1, i + 1, 0, skip_special_tokens=False)))
+        pieces.append(
+            detok.text_for(
+                ReqOutput("r", [token], last, None, 1, i + 1, 0, skip_special_tokens=False)
+            )
+        )
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False)
     assert all("\ufffd" not in piece for piece in pieces)

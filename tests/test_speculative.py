@@ -1,21 +1,25 @@
 """N-gram speculative decoding: the drafter, exact verification, and the real model and server."""
+
 import json
 
 import pytest
 import torch
-
 from conftest import PROMPTS
 from server_utils import start_server, wait_idle
+
 from radixserve.messages import SamplingBatch
 from radixserve.scheduler.speculative import NgramDrafter, SpecState, StepCost, budget_drafts
 from radixserve.worker.sampler import verify
 
 PASSAGES = [
-    "The Apollo 11 mission launched on July 16, 1969. Neil Armstrong and Buzz Aldrin landed the lunar "
+    "The Apollo 11 mission launched on July 16, 1969. Neil Armstrong and Buzz Aldrin landed the "
+    "lunar "
     "module Eagle on July 20, while Michael Collins stayed in orbit aboard Columbia.",
-    "Photosynthesis turns light, water and carbon dioxide into glucose and oxygen. It happens in the "
+    "Photosynthesis turns light, water and carbon dioxide into glucose and oxygen. It happens in "
+    "the "
     "chloroplasts of plant cells, where chlorophyll absorbs mostly red and blue light.",
-    "The Rhine rises in the Swiss Alps, flows through Lake Constance, forms part of the border between "
+    "The Rhine rises in the Swiss Alps, flows through Lake Constance, forms part of the border "
+    "between "
     "France and Germany, and reaches the North Sea in the Netherlands.",
     "A radix tree stores strings by their shared prefixes; each edge holds a run of symbols and a "
     "lookup walks down from the root, matching as much as it can.",
@@ -40,24 +44,48 @@ def constrained_requests() -> list[dict]:
     penalties (they change with every output token) and grammars (a bitmask per position)."""
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     greedy = {"temperature": 0, "max_new_tokens": 30}
-    return [dict(sampling_params=greedy, return_logprob=True, top_logprobs_num=2),
-            dict(sampling_params=dict(greedy, frequency_penalty=0.5, presence_penalty=0.3)),
-            dict(sampling_params=dict(greedy, repetition_penalty=1.3)),
-            dict(sampling_params=dict(greedy, regex=r"The Apollo 11 mission launched on (July|June) [0-9]+, 1969\. [A-Za-z ,.]+")),
-            dict(sampling_params=dict(greedy, json_schema=json.dumps(schema))),
-            # the context's words follow "launched on", but this grammar wants a number there:
-            # drafts copied from the context are cut where the grammar refuses them
-            dict(sampling_params=dict(greedy, regex=r"The Apollo 11 mission launched on [0-9]+ [a-z ]+\."))]
+    return [
+        dict(sampling_params=greedy, return_logprob=True, top_logprobs_num=2),
+        dict(sampling_params=dict(greedy, frequency_penalty=0.5, presence_penalty=0.3)),
+        dict(sampling_params=dict(greedy, repetition_penalty=1.3)),
+        dict(
+            sampling_params=dict(
+                greedy,
+                regex=r"The Apollo 11 mission launched on (July|June) [0-9]+, 1969\. [A-Za-z ,.]+",
+            )
+        ),
+        dict(sampling_params=dict(greedy, json_schema=json.dumps(schema))),
+        # the context's words follow "launched on", but this grammar wants a number there:
+        # drafts copied from the context are cut where the grammar refuses them
+        dict(
+            sampling_params=dict(
+                greedy, regex=r"The Apollo 11 mission launched on [0-9]+ [a-z ]+\."
+            )
+        ),
+    ]
 
 
 def greedy_batch(*sizes_and_temps) -> SamplingBatch:
     n = len(sizes_and_temps)
     temps = list(sizes_and_temps)
-    return SamplingBatch(temps, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n, [0.0] * n, [0.0] * n,
-                         [1.0] * n, [None] * n, [None] * n, [None] * n)
+    return SamplingBatch(
+        temps,
+        [1.0] * n,
+        [-1] * n,
+        [0.0] * n,
+        [None] * n,
+        [0] * n,
+        [0.0] * n,
+        [0.0] * n,
+        [1.0] * n,
+        [None] * n,
+        [None] * n,
+        [None] * n,
+    )
 
 
 # ---- the drafter ----------------------------------------------------------------
+
 
 def test_drafts_follow_the_latest_earlier_occurrence_of_the_last_tokens():
     drafter = NgramDrafter(max_drafts=4)
@@ -82,7 +110,9 @@ def test_acceptance_is_tracked_per_draft_and_misses_pause_speculation():
     state.record(proposed=2, accepted=0, output_len=13)
     state.record(proposed=1, accepted=0, output_len=14)
     assert state.paused_until > 14
-    assert NgramDrafter(max_drafts=4).propose(state, [1, 2, 3, 1, 2, 3], output_len=15, limit=8) == []
+    assert (
+        NgramDrafter(max_drafts=4).propose(state, [1, 2, 3, 1, 2, 3], output_len=15, limit=8) == []
+    )
     assert (state.verify_steps, state.accepted_total) == (4, 5)
 
 
@@ -93,9 +123,13 @@ def test_step_cost_follows_the_measured_steps_of_each_row_count():
         cost.observe(rows, seconds)
     assert cost.seconds(8) == pytest.approx(0.040)
     assert cost.seconds(10) == pytest.approx(0.050)  # between measured counts: linear
-    assert cost.seconds(300) == pytest.approx(1.0 + 36 * (1.0 - 0.060) / 252)  # past the last: its slope
+    assert cost.seconds(300) == pytest.approx(
+        1.0 + 36 * (1.0 - 0.060) / 252
+    )  # past the last: its slope
     cost.observe(8, 0.090)
-    assert cost.seconds(8) == pytest.approx(0.040)  # one step slowed by something else does not move it
+    assert cost.seconds(8) == pytest.approx(
+        0.040
+    )  # one step slowed by something else does not move it
     for _ in range(3):
         cost.observe(8, 0.050)
     assert cost.seconds(8) == pytest.approx(0.050)  # a run of slower steps (drift) does
@@ -104,7 +138,15 @@ def test_step_cost_follows_the_measured_steps_of_each_row_count():
 def test_draft_budget_takes_the_best_count_where_the_curve_dips():
     """One request on a 2-core Zen 1: 6 rows fill one GEMM tile and cost less than 4 or 5."""
     cost = StepCost()
-    for rows, seconds in [(1, 0.022), (2, 0.025), (3, 0.027), (4, 0.032), (5, 0.036), (6, 0.031), (9, 0.047)]:
+    for rows, seconds in [
+        (1, 0.022),
+        (2, 0.025),
+        (3, 0.027),
+        (4, 0.032),
+        (5, 0.036),
+        (6, 0.031),
+        (9, 0.047),
+    ]:
         cost.observe(rows, seconds)
     state = SpecState(accepted_ema=0.9, tried_ema=1.0)
     budget_drafts([(state, list(range(5)))], 1, cost)
@@ -139,8 +181,15 @@ def test_no_draft_pays_where_a_row_costs_a_decode_rows_share():
     curve says a verify row costs as much as a token of the plain step, so even drafts accepted
     95% of the time lose at batch 8, and at batch 1 they still pay."""
     cost = StepCost()
-    for rows, seconds in [(1, 0.024), (2, 0.027), (4, 0.031), (8, 0.040), (9, 0.045), (12, 0.060),
-                          (16, 0.080)]:
+    for rows, seconds in [
+        (1, 0.024),
+        (2, 0.027),
+        (4, 0.031),
+        (8, 0.040),
+        (9, 0.045),
+        (12, 0.060),
+        (16, 0.080),
+    ]:
         cost.observe(rows, seconds)
     at_eight = [SpecState(accepted_ema=0.95, tried_ema=1.0) for _ in range(8)]
     budget_drafts([(s, list(range(4))) for s in at_eight], 8, cost)
@@ -164,12 +213,15 @@ def test_draft_budget_counts_a_draft_models_steps():
 
     assert kept(0.9, 1, 0.0) == [6]
     assert kept(0.9, 1, 0.026) == [0]  # each draft costs a whole step of the model
-    assert 1 <= kept(0.9, 1, 0.01)[0] < 6  # cheaper: the first drafts pay, the unlikely last ones not
+    assert (
+        1 <= kept(0.9, 1, 0.01)[0] < 6
+    )  # cheaper: the first drafts pay, the unlikely last ones not
     deep = kept(0.9, 8, 0.004)  # one draft step serves the whole batch: all draft to one depth
     assert len(set(deep)) == 1 and deep[0] >= 1, deep
 
 
 # ---- verification ---------------------------------------------------------------
+
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement():
     vocab = 10
@@ -187,7 +239,9 @@ def test_rejection_sampling_keeps_the_output_distribution():
     draft: chi-square over 40k draws, for a likely and an unlikely draft."""
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     n = 40_000
-    logits = probs.log().repeat(2 * n, 1)  # each request: a row for the draft, one for the bonus token
+    logits = probs.log().repeat(
+        2 * n, 1
+    )  # each request: a row for the draft, one for the bonus token
     for draft in (0, 3):
         torch.manual_seed(draft)
         next_ids, accepted, _ = verify(logits, greedy_batch(*[1.0] * n), [[draft]] * n)
@@ -200,6 +254,7 @@ def test_rejection_sampling_keeps_the_output_distribution():
 
 
 # ---- the real model -------------------------------------------------------------
+
 
 class FlatStepCost(StepCost):
     """A step costs the same at any row count, as when memory-bound: drafts are then always worth
@@ -219,19 +274,33 @@ def outputs_both_ways(draft_model_dir):
 
     prompts = copy_prompts()
     greedy = {"temperature": 0, "max_new_tokens": 24}
-    seeded = [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_new_tokens": 24} for i in range(8)]
+    seeded = [
+        {"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_new_tokens": 24} for i in range(8)
+    ]
     results = {}
-    settings = {None: {}, "ngram": {"speculative_algorithm": "ngram"},
-                "draft": {"speculative_algorithm": "draft", "speculative_draft_model": str(draft_model_dir),
-                          "speculative_num_draft_tokens": 4}}
+    settings = {
+        None: {},
+        "ngram": {"speculative_algorithm": "ngram"},
+        "draft": {
+            "speculative_algorithm": "draft",
+            "speculative_draft_model": str(draft_model_dir),
+            "speculative_num_draft_tokens": 4,
+        },
+    }
     for algorithm, kw in settings.items():
         with Engine(max_total_tokens=16384, max_running_requests=16, dtype="float32", **kw) as eng:
             eng.scheduler.step_cost = FlatStepCost()
-            if algorithm == "draft":  # this draft costs nearly what the model does, so the draft budget
-                eng.scheduler._draft_step_seconds = lambda: 0.0  # would stop drafting: count it free
+            if (
+                algorithm == "draft"
+            ):  # this draft costs nearly what the model does, so the draft budget
+                eng.scheduler._draft_step_seconds = lambda: (
+                    0.0
+                )  # would stop drafting: count it free
             out = eng.generate(prompts, greedy)
             sampled = [eng.generate(prompts[i], seeded[i]) for i in range(8)]
-            constrained = [eng.generate(prompts[0], **request) for request in constrained_requests()]
+            constrained = [
+                eng.generate(prompts[0], **request) for request in constrained_requests()
+            ]
             eng.check_memory()
             results[algorithm] = (out, sampled, eng.get_stats(), constrained)
     return results
@@ -244,10 +313,14 @@ def test_greedy_output_is_unchanged_by_speculation_on_64_prompts(outputs_both_wa
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     stats = outputs_both_ways[algorithm][2]
     assert stats.spec_accepted_tokens_total > 40, stats  # speculated on, and drafts were kept
-    assert stats.spec_draft_tokens_total > stats.spec_accepted_tokens_total, stats  # and some rejected
+    assert stats.spec_draft_tokens_total > stats.spec_accepted_tokens_total, (
+        stats
+    )  # and some rejected
     if algorithm == "ngram":
         quoted = [o["meta_info"] for o in spec[:4]]
-        assert all(m["spec_verify_ct"] >= 1 and m["spec_accept_length"] > 1.5 for m in quoted), quoted
+        assert all(m["spec_verify_ct"] >= 1 and m["spec_accept_length"] > 1.5 for m in quoted), (
+            quoted
+        )
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])
@@ -260,22 +333,38 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(outputs_both_way
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])
-def test_speculation_survives_retraction_chunked_prefill_and_pages(algorithm, draft_model_dir, tokenizer, hf_greedy):
+def test_speculation_survives_retraction_chunked_prefill_and_pages(
+    algorithm, draft_model_dir, tokenizer, hf_greedy
+):
     """A pool too small for the batch: requests are retracted mid-output and re-prefilled in
     16-token chunks over 4-token pages, while drafts are proposed and verified; the output
     still equals HF's, and no slot leaks."""
     from radixserve import Engine
 
-    kw = ({"speculative_algorithm": "ngram"} if algorithm == "ngram" else
-          {"speculative_algorithm": "draft", "speculative_draft_model": str(draft_model_dir),
-           "speculative_num_draft_tokens": 3})
+    kw = (
+        {"speculative_algorithm": "ngram"}
+        if algorithm == "ngram"
+        else {
+            "speculative_algorithm": "draft",
+            "speculative_draft_model": str(draft_model_dir),
+            "speculative_num_draft_tokens": 3,
+        }
+    )
     prompts = [p for p in PROMPTS if len(tokenizer.encode(p)) < 40] * 2
-    with Engine(max_total_tokens=192, max_running_requests=8, chunked_prefill_size=16, page_size=4,
-                dtype="float32", **kw) as eng:
+    with Engine(
+        max_total_tokens=192,
+        max_running_requests=8,
+        chunked_prefill_size=16,
+        page_size=4,
+        dtype="float32",
+        **kw,
+    ) as eng:
         eng.scheduler.step_cost = FlatStepCost()
         if algorithm == "draft":
             eng.scheduler._draft_step_seconds = lambda: 0.0  # see outputs_both_ways
-        results = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        results = eng.generate(
+            prompts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+        )
         for prompt, result in zip(prompts, results):
             assert result["output_ids"] == hf_greedy(tokenizer.encode(prompt), 40), prompt
         stats = eng.get_stats()
@@ -290,24 +379,37 @@ def test_logprob_penalty_and_grammar_requests_speculate_exactly(outputs_both_way
     for algorithm in ("ngram", "draft"):
         spec = outputs_both_ways[algorithm][3]
         assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain], algorithm
-        assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in spec), [o["meta_info"] for o in spec]
+        assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in spec), [
+            o["meta_info"] for o in spec
+        ]
         want, got = plain[0]["meta_info"], spec[0]["meta_info"]
         assert [t for _, t, _ in got["output_token_logprobs"]] == spec[0]["output_ids"]
         for a, b in zip(want["output_token_logprobs"], got["output_token_logprobs"]):
             assert b[0] == pytest.approx(a[0], abs=1e-4)
-        assert [[t for _, t, _ in top] for top in got["output_top_logprobs"]] == \
-            [[t for _, t, _ in top] for top in want["output_top_logprobs"]]
+        assert [[t for _, t, _ in top] for top in got["output_top_logprobs"]] == [
+            [t for _, t, _ in top] for top in want["output_top_logprobs"]
+        ]
     ngram = outputs_both_ways["ngram"][3]
-    assert all(o["meta_info"]["spec_accept_length"] > 2 for o in ngram[:2] + ngram[3:]), [o["meta_info"] for o in ngram]
+    assert all(o["meta_info"]["spec_accept_length"] > 2 for o in ngram[:2] + ngram[3:]), [
+        o["meta_info"] for o in ngram
+    ]
     assert ngram[4]["text"].startswith('{"text": "')  # 30 tokens cut the JSON short
 
 
 # ---- the server -----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("spec"), "--max-total-tokens", "2048",
-                       "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "6")
+    srv = start_server(
+        tmp_path_factory.mktemp("spec"),
+        "--max-total-tokens",
+        "2048",
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-num-draft-tokens",
+        "6",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -315,46 +417,93 @@ def server(tmp_path_factory):
 def test_server_speculates_with_stops_streams_logprobs_and_n(server, tokenizer, hf_greedy):
     prompt = TEMPLATES[0].format(p=PASSAGES[0])
     with server.client() as c:
-        full = c.post("/generate", json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 40}}).json()
+        full = c.post(
+            "/generate",
+            json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 40}},
+        ).json()
         assert full["output_ids"] == hf_greedy(tokenizer.encode(prompt), 40)
         assert full["meta_info"]["spec_accept_length"] > 2, full["meta_info"]
         stop = full["text"].split()[5]
-        stopped = c.post("/generate", json={"text": prompt, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 40, "stop": [stop]}}).json()
+        stopped = c.post(
+            "/generate",
+            json={
+                "text": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 40, "stop": [stop]},
+            },
+        ).json()
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert full["text"].startswith(stopped["text"]) and stop not in stopped["text"]
-        short = c.post("/generate", json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 7}}).json()
+        short = c.post(
+            "/generate",
+            json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 7}},
+        ).json()
         assert short["output_ids"] == full["output_ids"][:7]
         chunks = []
-        with c.stream("POST", "/generate", json={"text": prompt, "stream": True,
-                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 40}}) as r:
+        with c.stream(
+            "POST",
+            "/generate",
+            json={
+                "text": prompt,
+                "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 40},
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
                     chunks.append(json.loads(line[5:]))
         assert chunks[-1]["text"] == full["text"]
-        with_lp = c.post("/generate", json={"text": prompt, "return_logprob": True,
-                                            "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
+        with_lp = c.post(
+            "/generate",
+            json={
+                "text": prompt,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+            },
+        ).json()
         assert with_lp["output_ids"] == full["output_ids"][:12]
         assert len(with_lp["meta_info"]["output_token_logprobs"]) == 12
-        several = c.post("/generate", json={"text": prompt, "sampling_params": {
-            "temperature": 0.7, "n": 3, "max_new_tokens": 16}}).json()
+        several = c.post(
+            "/generate",
+            json={
+                "text": prompt,
+                "sampling_params": {"temperature": 0.7, "n": 3, "max_new_tokens": 16},
+            },
+        ).json()
         assert len(several) == 3 and all(len(s["output_ids"]) <= 16 for s in several)
         wait_idle(c)
         metrics = c.get("/metrics").text
-        accepted = [line for line in metrics.splitlines() if line.startswith("radixserve:spec_accepted_tokens_total")]
+        accepted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("radixserve:spec_accepted_tokens_total")
+        ]
         assert accepted and float(accepted[0].split()[-1]) > 0, accepted
 
 
 def test_server_speculates_with_a_draft_model(draft_model_dir, tmp_path, tokenizer, hf_greedy):
-    srv = start_server(tmp_path, "--max-total-tokens", "2048", "--speculative-algorithm", "draft",
-                       "--speculative-draft-model", str(draft_model_dir))
+    srv = start_server(
+        tmp_path,
+        "--max-total-tokens",
+        "2048",
+        "--speculative-algorithm",
+        "draft",
+        "--speculative-draft-model",
+        str(draft_model_dir),
+    )
     try:
         prompt = TEMPLATES[2].format(p=PASSAGES[1])
         with srv.client() as c:
-            out = c.post("/generate", json={"text": prompt, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}).json()
+            out = c.post(
+                "/generate",
+                json={
+                    "text": prompt,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                },
+            ).json()
             assert out["output_ids"] == hf_greedy(tokenizer.encode(prompt), 24)
-            assert out["meta_info"]["spec_verify_ct"] >= 1, out["meta_info"]  # the first round drafts
+            assert out["meta_info"]["spec_verify_ct"] >= 1, out[
+                "meta_info"
+            ]  # the first round drafts
             wait_idle(c)  # checks that no slot leaked
     finally:
         assert srv.stop() == 0, srv.log()
@@ -374,5 +523,7 @@ def test_unknown_speculative_algorithm_or_a_missing_draft_model_is_refused():
 def test_a_draft_model_with_another_vocabulary_is_refused():
     from radixserve import Engine
 
-    with pytest.raises(ValueError, match="--speculative-draft-model dummy:qwen2-0.5b: its vocabulary has 151936"):
+    with pytest.raises(
+        ValueError, match="--speculative-draft-model dummy:qwen2-0.5b: its vocabulary has 151936"
+    ):
         Engine(speculative_algorithm="draft", speculative_draft_model="dummy:qwen2-0.5b")

@@ -1,30 +1,68 @@
 """Tool-call parsers on model-shaped output, whole and streamed in every possible split."""
+
 import json
 
 import pytest
 
-from radixserve.tool_calls import (Parsed, StreamingToolParser, ToolCall, calls_structural_tag, detect_parser,
-                                   make_parser)
+from radixserve.tool_calls import (
+    Parsed,
+    StreamingToolParser,
+    ToolCall,
+    calls_structural_tag,
+    detect_parser,
+    make_parser,
+)
 
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "C"}))
 TIME = ToolCall("get_time", json.dumps({"zone": "CET"}))
 
 CASES = [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
-               '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>',
-     Parsed("Let me check.", [WEATHER, TIME])),
-    ("hermes", "No tools needed: 2 < 3 and <b>bold</b>.", Parsed("No tools needed: 2 < 3 and <b>bold</b>.")),
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}',  # cut at EOS
-     Parsed("", [WEATHER])),
-    ("hermes", "<tool_call>not json</tool_call> done", Parsed("<tool_call>not json</tool_call> done")),
-    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>',
-     Parsed("", [TIME])),  # arguments sent as a JSON string
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}, '
-                '{"name": "get_time", "arguments": {"zone": "CET"}}]', Parsed("Sure.", [WEATHER, TIME])),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "C"}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>',
+        Parsed("Let me check.", [WEATHER, TIME]),
+    ),
+    (
+        "hermes",
+        "No tools needed: 2 < 3 and <b>bold</b>.",
+        Parsed("No tools needed: 2 < 3 and <b>bold</b>."),
+    ),
+    (
+        "hermes",
+        # cut at EOS
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}',
+        Parsed("", [WEATHER]),
+    ),
+    (
+        "hermes",
+        "<tool_call>not json</tool_call> done",
+        Parsed("<tool_call>not json</tool_call> done"),
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>',
+        Parsed("", [TIME]),
+    ),  # arguments sent as a JSON string
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        Parsed("Sure.", [WEATHER, TIME]),
+    ),
     ("mistral", "[TOOL_CALLS] oops", Parsed("[TOOL_CALLS] oops")),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', Parsed("", [WEATHER])),
-    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
-               '{"name": "get_time", "parameters": {"zone": "CET"}}', Parsed("", [WEATHER, TIME])),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}',
+        Parsed("", [WEATHER]),
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
+        '{"name": "get_time", "parameters": {"zone": "CET"}}',
+        Parsed("", [WEATHER, TIME]),
+    ),
     ("llama3", "The answer is {not a call}.", Parsed("The answer is {not a call}.")),
 ]
 
@@ -35,10 +73,12 @@ def test_whole_output(name, text, expected):
 
 
 @pytest.mark.parametrize("name,text,expected", CASES)
-def test_streamed_in_every_split_gives_the_same_and_never_leaks_a_partial_marker(name, text, expected):
+def test_streamed_in_every_split_gives_the_same_and_never_leaks_a_partial_marker(
+    name, text, expected
+):
     marker = make_parser(name).start
     for cut in range(1, len(text)):
-        for pieces in ([text[:cut], text], [text[:cut], text[:cut + 1], text]):
+        for pieces in ([text[:cut], text], [text[:cut], text[: cut + 1], text]):
             stream = StreamingToolParser(make_parser(name))
             events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
             content = "".join(e.content for e in events)
@@ -48,7 +88,11 @@ def test_streamed_in_every_split_gives_the_same_and_never_leaks_a_partial_marker
             if expected.calls:
                 assert content.strip() == expected.content
                 assert marker not in content and not any(
-                    e.content.endswith(marker[:k]) for e in events for k in range(2, len(marker)) if e.content)
+                    e.content.endswith(marker[:k])
+                    for e in events
+                    for k in range(2, len(marker))
+                    if e.content
+                )
             else:
                 assert content == text
 
@@ -61,11 +105,26 @@ def test_parser_names_and_detection():
     assert detect_parser(None) == "hermes"
 
 
-FUNCTIONS = [{"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-    "required": ["city", "unit"], "additionalProperties": False}},
-    {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
-                                        "required": ["zone"], "additionalProperties": False}}]
+FUNCTIONS = [
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["CET", "UTC"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +143,27 @@ def accepts(grammars, tag: dict, text: str) -> bool:
     return grammars.matcher(GrammarSpec("structural_tag", json.dumps(tag))).accept_string(text)
 
 
-@pytest.mark.parametrize("name,valid,invalid", [
-    ("hermes", 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": {"zone": "EST"}}</tool_call>'),
-    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]',
-     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}',
-     '{"name": "get_weather", "parameters": {"town": "Oslo"}}'),
-])
+@pytest.mark.parametrize(
+    "name,valid,invalid",
+    [
+        (
+            "hermes",
+            'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "EST"}}</tool_call>',
+        ),
+        (
+            "mistral",
+            'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": '
+            '"C"}}]',
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+        ),
+        (
+            "llama3",
+            '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}',
+            '{"name": "get_weather", "parameters": {"town": "Oslo"}}',
+        ),
+    ],
+)
 def test_auto_grammar_leaves_text_free_and_makes_every_call_valid(grammars, name, valid, invalid):
     """`tool_choice: auto` in every format: free text until the format's trigger, then only a
     call that validates against its function's schema."""
@@ -104,8 +176,10 @@ def test_auto_grammar_leaves_text_free_and_makes_every_call_valid(grammars, name
 
 
 def test_mistral_auto_grammar_takes_one_call_unless_parallel(grammars):
-    two = ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
-           '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+    two = (
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]'
+    )
     parser = make_parser("mistral")
     assert not accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=False), two)
     assert accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=True), two)

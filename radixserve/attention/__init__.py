@@ -1,4 +1,5 @@
 """Attention backends behind one interface; imported lazily by name."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """The attention backend interface."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ class AttentionBackend(Protocol):
     def plan(self, inputs: AttentionInputs) -> None:
         """Prepare per-step metadata once; every layer's `forward` reuses it."""
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Store this step's k/v into the pool, attend; q `[T, H, D]` -> `[T, H*D]`."""
 
 

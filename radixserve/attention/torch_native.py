@@ -10,6 +10,7 @@ on a 2-core Zen 1 a verify step then took 0.91-0.94x the time of running them th
 extend kernel as a second group. Without a compiler, a group gathers its K/V and runs one
 padded, masked SDPA.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,11 +36,15 @@ class _Group:
     causal: bool = False  # no cached prefix: plain causal attention, no mask (the fast kernel path)
     rows: torch.Tensor | None = None  # a group through a paged kernel: its requests' table rows
     seq_lens: torch.Tensor | None = None  # decode kernel: keys each query attends over
-    prefix_lens: torch.Tensor | None = None  # extend kernel: cached tokens before each request's new ones
+    prefix_lens: torch.Tensor | None = (
+        None  # extend kernel: cached tokens before each request's new ones
+    )
     extend_lens: torch.Tensor | None = None
 
 
-def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+def _plan_group(
+    inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor
+) -> _Group:
     seq_lens, ext = inputs.seq_lens[members], inputs.extend_lens[members]
     max_len, max_q = int(seq_lens.max()), int(ext.max())
     kv_indices = inputs.req_to_token[inputs.rows[members], :max_len].flatten()
@@ -55,7 +60,9 @@ def _plan_group(inputs: AttentionInputs, members: torch.Tensor, token_starts: to
     if max_q == 1:
         return _Group(tokens, kv_indices, (len(members), max_len), mask)
     causal = bool((seq_lens == ext).all())  # right padding is harmless: padded rows are dropped
-    return _Group(tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal)
+    return _Group(
+        tokens, kv_indices, (len(members), max_len), mask, pad_req, pad_pos, max_q, causal
+    )
 
 
 SHORT_EXTEND = 16  # new tokens up to which a request's queries run through the paged decode kernel
@@ -64,49 +71,81 @@ SHORT_EXTEND = 16  # new tokens up to which a request's queries run through the 
 def _new_tokens(ext: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For requests with `ext` new tokens whose first is at step token `starts`: each new
     token's index in the step, and its offset among its request's new tokens."""
-    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+    offset = torch.arange(int(ext.sum()), device=ext.device) - torch.repeat_interleave(
+        torch.cumsum(ext, 0) - ext, ext
+    )
     return torch.repeat_interleave(starts, ext) + offset, offset
 
 
-def _plan_paged_decode(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+def _plan_paged_decode(
+    inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor
+) -> _Group:
     """One paged-decode query per new token of `members`: token i of a request with prefix p
     attends over the first p + i + 1 slots of its row (its K/V is stored before attention)."""
     ext = inputs.extend_lens[members]
     tokens, offset = _new_tokens(ext, token_starts[members])
     prefix = torch.repeat_interleave(inputs.seq_lens[members] - ext, ext)
-    return _Group(tokens, None, (len(members), 0), None,
-                  rows=torch.repeat_interleave(inputs.rows[members], ext), seq_lens=prefix + offset + 1)
+    return _Group(
+        tokens,
+        None,
+        (len(members), 0),
+        None,
+        rows=torch.repeat_interleave(inputs.rows[members], ext),
+        seq_lens=prefix + offset + 1,
+    )
 
 
-def _plan_paged_extend(inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor) -> _Group:
+def _plan_paged_extend(
+    inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor
+) -> _Group:
     ext = inputs.extend_lens[members]
     tokens, _ = _new_tokens(ext, token_starts[members])
-    return _Group(tokens, None, (len(members), 0), None,
-                  rows=inputs.rows[members], prefix_lens=inputs.prefix_lens[members], extend_lens=ext)
+    return _Group(
+        tokens,
+        None,
+        (len(members), 0),
+        None,
+        rows=inputs.rows[members],
+        prefix_lens=inputs.prefix_lens[members],
+        extend_lens=ext,
+    )
 
 
 class TorchNativeBackend:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.kernels = _cpu_kernels() if pool.k[0].device.type == "cpu" else None
-        self.paged_extend = (self.kernels is not None and pool.k[0].dtype == torch.float32
-                             and self.kernels.extend_supported(head_dim))
+        self.paged_extend = (
+            self.kernels is not None
+            and pool.k[0].dtype == torch.float32
+            and self.kernels.extend_supported(head_dim)
+        )
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         if self.kernels is not None and inputs.is_decode and inputs.max_extend_len == 1:
             # one new token per request: the step is the decode kernel's group as it stands
             tokens = torch.arange(len(inputs.rows), device=inputs.rows.device)
-            self.groups = [_Group(tokens, None, (len(inputs.rows), 0), None, rows=inputs.rows, seq_lens=inputs.seq_lens)]
+            self.groups = [
+                _Group(
+                    tokens,
+                    None,
+                    (len(inputs.rows), 0),
+                    None,
+                    rows=inputs.rows,
+                    seq_lens=inputs.seq_lens,
+                )
+            ]
             return
         token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
         short = inputs.extend_lens <= (1 if self.kernels is None else SHORT_EXTEND)
         decode, extend = short.nonzero().flatten(), (~short).nonzero().flatten()
         plan_decode = _plan_paged_decode if self.kernels is not None else _plan_group
         plan_extend = _plan_paged_extend if self.paged_extend else _plan_group
-        self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + \
-                      ([plan_extend(inputs, extend, token_starts)] if len(extend) else [])
+        self.groups = ([plan_decode(inputs, decode, token_starts)] if len(decode) else []) + (
+            [plan_extend(inputs, extend, token_starts)] if len(extend) else []
+        )
 
     def kernel_groups(self) -> list[list[torch.Tensor]] | None:
         """This step's groups as the C++ decoder (kernels/cpu_decoder.cpp) takes them, when every
@@ -114,12 +153,20 @@ class TorchNativeBackend:
         prefix_lens, extend_lens) to extend; None when one gathers K/V for SDPA."""
         if not all(g.rows is not None for g in self.groups):
             return None
-        return [[g.tokens, g.rows, g.seq_lens] if g.extend_lens is None else
-                [g.tokens, g.rows, g.prefix_lens, g.extend_lens] for g in self.groups]
+        return [
+            [g.tokens, g.rows, g.seq_lens]
+            if g.extend_lens is None
+            else [g.tokens, g.rows, g.prefix_lens, g.extend_lens]
+            for g in self.groups
+        ]
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self.kernels is not None:
-            self.kernels.store_kv_(self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v)
+            self.kernels.store_kv_(
+                self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v
+            )
         else:
             self.pool.store(layer, self.inputs.out_cache_loc, k, v)
         if len(self.groups) == 1:
@@ -131,25 +178,49 @@ class TorchNativeBackend:
 
     def _attend(self, group: _Group, layer: int, q: torch.Tensor) -> torch.Tensor:
         if group.extend_lens is not None:
-            return self.kernels.paged_extend_attention(q, self.pool.k[layer], self.pool.v[layer],
-                                                       self.inputs.req_to_token, group.rows, group.prefix_lens,
-                                                       group.extend_lens, self.scale)
+            return self.kernels.paged_extend_attention(
+                q,
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self.inputs.req_to_token,
+                group.rows,
+                group.prefix_lens,
+                group.extend_lens,
+                self.scale,
+            )
         if group.rows is not None:
-            return self.kernels.paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer],
-                                                       self.inputs.req_to_token, group.rows, group.seq_lens,
-                                                       self.scale)
+            return self.kernels.paged_decode_attention(
+                q,
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self.inputs.req_to_token,
+                group.rows,
+                group.seq_lens,
+                self.scale,
+            )
         keys = self._gather(group, self.pool.k[layer])
         values = self._gather(group, self.pool.v[layer])
         queries = self._pad(group, q).transpose(1, 2)
         mask = None if group.causal else group.mask
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=group.causal,
-                                             scale=self.scale, enable_gqa=True).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=group.causal,
+            scale=self.scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
         return out.squeeze(1) if group.pad_req is None else out[group.pad_req, group.pad_pos]
 
     @staticmethod
     def _gather(group: _Group, cache: torch.Tensor) -> torch.Tensor:
         """`[B, kv_heads, L, D]` keys of a group (index_select beats fancy indexing on CPU)."""
-        return cache.index_select(0, group.kv_indices).view(*group.kv_shape, *cache.shape[1:]).transpose(1, 2)
+        return (
+            cache.index_select(0, group.kv_indices)
+            .view(*group.kv_shape, *cache.shape[1:])
+            .transpose(1, 2)
+        )
 
     @staticmethod
     def _pad(group: _Group, q: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""Attention through our Triton kernels (`kernels/`): paged decode with split-KV, extend with prefixes.
+"""Attention through our Triton kernels (`kernels/`): paged decode with split-KV, extend with
+prefixes.
 
 Decode reads slots straight from the request-to-token table: the flat table is the
 `kv_indices` array and request b starts at `rows[b] * row_stride`, so a decode step
 gathers nothing. That also makes it graph-safe: only the start offsets change per step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +23,7 @@ class TritonBackend:
         self.kernels = kernels
         self.pool = pool
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
@@ -31,8 +33,11 @@ class TritonBackend:
             self.num_splits = self.kernels.choose_splits(inputs.max_seq_len)
             return
         self.kv_indptr, self.kv_indices = self.kernels.build_kv_indices(
-            inputs.req_to_token, inputs.rows, inputs.seq_lens)
-        self.qo_indptr = torch.zeros(len(inputs.rows) + 1, dtype=torch.long, device=inputs.rows.device)
+            inputs.req_to_token, inputs.rows, inputs.seq_lens
+        )
+        self.qo_indptr = torch.zeros(
+            len(inputs.rows) + 1, dtype=torch.long, device=inputs.rows.device
+        )
         self.qo_indptr[1:] = torch.cumsum(inputs.extend_lens, 0)
         self.prefix_lens = inputs.prefix_lens
 
@@ -47,14 +52,33 @@ class TritonBackend:
         self.kv_starts, self.kv_indices = self.graph_kv_starts[:bs], table.view(-1)
         self.num_splits = self.graph_splits
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         self.kernels.store_kv(k, v, k_cache, v_cache, self.inputs.out_cache_loc)
         if self.inputs.is_decode:
-            out = self.kernels.decode_attention(q, k_cache, v_cache, self.kv_starts, self.kv_indices,
-                                                self.inputs.seq_lens, self.scale, num_splits=self.num_splits)
+            out = self.kernels.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.kv_starts,
+                self.kv_indices,
+                self.inputs.seq_lens,
+                self.scale,
+                num_splits=self.num_splits,
+            )
         else:
-            out = self.kernels.extend_attention(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr,
-                                                self.kv_indices, self.prefix_lens, self.inputs.extend_lens,
-                                                self.inputs.max_extend_len, self.scale)
+            out = self.kernels.extend_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.qo_indptr,
+                self.kv_indptr,
+                self.kv_indices,
+                self.prefix_lens,
+                self.inputs.extend_lens,
+                self.inputs.max_extend_len,
+                self.scale,
+            )
         return out.flatten(1)

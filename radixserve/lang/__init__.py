@@ -14,12 +14,44 @@
 Tool calls: `system(..., tools=[...])` lists the functions; `tool_call("calls")` decodes a call
 constrained to their schemas and stores `[{"name": ..., "arguments": {...}}]` in `s["calls"]`.
 """
+
 from .api import SglFunction, function, set_default_backend
 from .backend import EngineBackend, RuntimeEndpoint
 from .interpreter import CacheReport, ForkGroup, ProgramState
-from .ir import (assistant, assistant_begin, assistant_end, gen, select, system, system_begin, system_end,
-                 tool_call, user, user_begin, user_end)
+from .ir import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    select,
+    system,
+    system_begin,
+    system_end,
+    tool_call,
+    user,
+    user_begin,
+    user_end,
+)
 
-__all__ = ["function", "gen", "select", "tool_call", "system", "user", "assistant", "system_begin", "system_end",
-           "user_begin", "user_end", "assistant_begin", "assistant_end", "RuntimeEndpoint", "EngineBackend",
-           "set_default_backend", "ProgramState", "ForkGroup", "CacheReport", "SglFunction"]
+__all__ = [
+    "function",
+    "gen",
+    "select",
+    "tool_call",
+    "system",
+    "user",
+    "assistant",
+    "system_begin",
+    "system_end",
+    "user_begin",
+    "user_end",
+    "assistant_begin",
+    "assistant_end",
+    "RuntimeEndpoint",
+    "EngineBackend",
+    "set_default_backend",
+    "ProgramState",
+    "ForkGroup",
+    "CacheReport",
+    "SglFunction",
+]

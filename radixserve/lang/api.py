@@ -1,4 +1,5 @@
 """`@function` programs, `run` and `run_batch`."""
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,10 @@ def set_default_backend(backend: Backend | None) -> None:
 def _resolve(backend: Backend | None) -> Backend:
     backend = backend or _DefaultBackend.backend
     if backend is None:
-        raise ValueError("no backend: pass backend=RuntimeEndpoint(url) / EngineBackend(engine), "
-                         "or call set_default_backend")
+        raise ValueError(
+            "no backend: pass backend=RuntimeEndpoint(url) / EngineBackend(engine), "
+            "or call set_default_backend"
+        )
     return backend
 
 
@@ -32,14 +35,21 @@ class SglFunction:
         self.fn = fn
         functools.update_wrapper(self, fn)
 
-    def run(self, *args: Any, backend: Backend | None = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    def run(
+        self, *args: Any, backend: Backend | None = None, stream: bool = False, **kwargs: Any
+    ) -> ProgramState:
         """Run the program; with stream=True return at once and read `state.text_iter()`."""
         state = ProgramState(_resolve(backend), stream=stream)
         self.fn(state, *args, **kwargs)
         return state if stream else state.sync()
 
-    def run_batch(self, batch_kwargs: list[dict], backend: Backend | None = None, num_threads: int = 8,
-                  progress_bar: bool = False) -> list[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs: list[dict],
+        backend: Backend | None = None,
+        num_threads: int = 8,
+        progress_bar: bool = False,
+    ) -> list[ProgramState]:
         """Run many programs concurrently; results keep input order. A program that fails
         gets its exception in `state.error` instead of sinking the batch."""
         backend = _resolve(backend)
@@ -75,4 +85,5 @@ def _progress(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, desc="programs")

@@ -1,4 +1,5 @@
 """Where programs run: a radixserve server over HTTP, or an in-process Engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,16 +46,25 @@ def select_by_logprob(backend: Backend, text: str, choices: tuple[str, ...]) -> 
     first = backend.batch({"text": [text], "sampling_params": {"max_new_tokens": 0}})[0]
     prompt_len = first["meta_info"]["prompt_tokens"]
     start = max(prompt_len - 1, 0)
-    results = backend.batch({"text": [text + c for c in choices], "return_logprob": True,
-                             "logprob_start_len": start,
-                             "sampling_params": {"max_new_tokens": 0, "temperature": 0}})
+    results = backend.batch(
+        {
+            "text": [text + c for c in choices],
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        }
+    )
     entries = [r["meta_info"]["input_token_logprobs"] for r in results]
     boundary = {e[0][1] for e in entries if e}
     skip = 1 if len(boundary) == 1 and start > 0 else 0
     scores = [_mean([lp for lp, *_ in e[skip:] if lp is not None]) for e in entries]
     best = max(range(len(choices)), key=lambda i: scores[i])
-    prompt = first["meta_info"]["prompt_tokens"] + sum(r["meta_info"]["prompt_tokens"] for r in results)
-    cached = first["meta_info"]["cached_tokens"] + sum(r["meta_info"]["cached_tokens"] for r in results)
+    prompt = first["meta_info"]["prompt_tokens"] + sum(
+        r["meta_info"]["prompt_tokens"] for r in results
+    )
+    cached = first["meta_info"]["cached_tokens"] + sum(
+        r["meta_info"]["cached_tokens"] for r in results
+    )
     return SelectResult(best, scores, prompt, cached)
 
 
@@ -120,6 +130,7 @@ class EngineBackend:
 
     def chat_roles(self) -> dict:
         from ..tokenizer import chat_roles
+
         return chat_roles(self.engine.tokenizer)
 
     def generate(self, text: str, params: dict) -> CallResult:
@@ -134,6 +145,9 @@ class EngineBackend:
 
     def batch(self, body: dict) -> list[dict]:
         texts = body["text"]
-        return self.engine.generate(list(texts), body.get("sampling_params"),
-                                    return_logprob=body.get("return_logprob", False),
-                                    logprob_start_len=body.get("logprob_start_len", -1))
+        return self.engine.generate(
+            list(texts),
+            body.get("sampling_params"),
+            return_logprob=body.get("return_logprob", False),
+            logprob_start_len=body.get("logprob_start_len", -1),
+        )

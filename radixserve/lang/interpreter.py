@@ -4,6 +4,7 @@
 queue to drain. Forked branches have their own threads, so they run concurrently and
 share the prefix that `fork` cached on the server first.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,10 @@ from ..tool_calls import JsonCallsParser, calls_schema, default_tool_prompt
 from .backend import Backend, CallResult, select_by_logprob
 from .ir import CallTool, Expr, Gen, OfferTools, RoleBegin, RoleEnd, Select, Seq
 
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # the hermes block the default tool prompt asks for
+CALL_START, CALL_END = (
+    "<tool_call>",
+    "</tool_call>",
+)  # the hermes block the default tool prompt asks for
 
 _END = object()
 
@@ -50,8 +54,13 @@ class _Snapshot:
 
 
 class ProgramState:
-    def __init__(self, backend: Backend, stream: bool = False, snapshot: _Snapshot | None = None,
-                 report: CacheReport | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        stream: bool = False,
+        snapshot: _Snapshot | None = None,
+        report: CacheReport | None = None,
+    ):
         self.backend = backend
         self.stream = stream
         self._s = snapshot or _Snapshot()
@@ -74,7 +83,9 @@ class ProgramState:
         if self._s.text:
             result = self.backend.generate(self._s.text, {"max_new_tokens": 0})
             self.report.add(result.prompt_tokens, result.cached_tokens)
-        return ForkGroup([ProgramState(self.backend, self.stream, self._copy(), self.report) for _ in range(n)])
+        return ForkGroup(
+            [ProgramState(self.backend, self.stream, self._copy(), self.report) for _ in range(n)]
+        )
 
     # ---- reading ----------------------------------------------------------
     def sync(self) -> "ProgramState":
@@ -192,7 +203,9 @@ class ProgramState:
         if not calls:
             raise ValueError(f"the tool call did not finish within max_tokens: {result.text!r}")
         if expr.name:
-            self._s.variables[expr.name] = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in calls]
+            self._s.variables[expr.name] = [
+                {"name": c.name, "arguments": json.loads(c.arguments)} for c in calls
+            ]
 
     def _role_begin(self, role: str) -> None:
         if self._s.role is not None:
@@ -206,7 +219,7 @@ class ProgramState:
     def _role_end(self, role: str) -> None:
         if self._s.role is None or self._s.role[0] != role:
             raise ValueError(f"{role}_end without a matching {role}_begin")
-        content = self._s.text[self._s.role[1]:]
+        content = self._s.text[self._s.role[1] :]
         self._s.messages.append({"role": role, "content": content})
         self._s.role = None
         self._append(self._roles["roles"][role][1])

@@ -1,1 +1,2 @@
-"""Memory: slot allocator, request rows, radix prefix cache (scheduler side) and KV pool (worker side)."""
+"""Memory: slot allocator, request rows, radix prefix cache (scheduler side) and KV pool (worker
+side)."""

@@ -4,6 +4,7 @@ Page 0 is never handed out: its slots are the padding target of batched gathers.
 A sequence owns whole pages; `alloc_extend` first fills the unused tail of the
 sequence's last page, then takes new pages.
 """
+
 from __future__ import annotations
 
 
@@ -29,8 +30,8 @@ class SlotAllocator:
     def alloc_pages(self, n: int) -> list[int] | None:
         if n > len(self._free_pages):
             return None
-        taken = self._free_pages[len(self._free_pages) - n:]
-        del self._free_pages[len(self._free_pages) - n:]
+        taken = self._free_pages[len(self._free_pages) - n :]
+        del self._free_pages[len(self._free_pages) - n :]
         return taken
 
     def pages_needed(self, seq_len: int, n: int) -> int:

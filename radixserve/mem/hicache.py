@@ -14,6 +14,7 @@ block is missing or the load has taken `load_timeout_s`; the rest is recomputed.
 block carries its token ids and a checksum: a corrupt, truncated or foreign file is a miss
 (logged and deleted), never served.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,11 @@ class HostStore:
         self.block, self.capacity = block, capacity
         shape = (capacity * block, *pool.k[0].shape[1:])
         pin = pool.k[0].device.type == "cuda"
-        make = (lambda: torch.zeros(shape, dtype=pool.k[0].dtype, pin_memory=True)) if pin else \
-            (lambda: _zeros(shape, pool.k[0].dtype, torch.device("cpu")))
+        make = (
+            (lambda: torch.zeros(shape, dtype=pool.k[0].dtype, pin_memory=True))
+            if pin
+            else (lambda: _zeros(shape, pool.k[0].dtype, torch.device("cpu")))
+        )
         self.k = [make() for _ in pool.k]
         self.v = [make() for _ in pool.v]
         self.index: OrderedDict[int, int] = OrderedDict()  # hash -> block number
@@ -114,19 +118,22 @@ class HostStore:
         self.index.clear()
 
 
-
 class FileStore:
     """L3: one file per block under `folder/<fingerprint>/`, written atomically (a temporary
     file renamed into place), so servers sharing the folder never read half a block."""
 
-    def __init__(self, folder: str, fingerprint_hex: str, stats: TierStats, min_free_bytes: int = 1 << 30):
+    def __init__(
+        self, folder: str, fingerprint_hex: str, stats: TierStats, min_free_bytes: int = 1 << 30
+    ):
         self.folder = Path(folder) / fingerprint_hex
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fingerprint = bytes.fromhex(fingerprint_hex)
         self.stats = stats
         self.min_free_bytes = min_free_bytes
         self.pending: queue.Queue = queue.Queue(WRITE_QUEUE_BLOCKS)
-        self.writer = threading.Thread(target=self._write_forever, daemon=True, name="hicache-writer")
+        self.writer = threading.Thread(
+            target=self._write_forever, daemon=True, name="hicache-writer"
+        )
         self.writer.start()
 
     def path(self, h: int) -> Path:
@@ -162,7 +169,9 @@ class FileStore:
         if path.exists():
             return True
         ids = struct.pack(f"<{len(tokens)}I", *tokens)
-        header = HEADER.pack(MAGIC, self.fingerprint, h, len(tokens), len(payload), _checksum(ids, payload))
+        header = HEADER.pack(
+            MAGIC, self.fingerprint, h, len(tokens), len(payload), _checksum(ids, payload)
+        )
         try:
             path.parent.mkdir(exist_ok=True)
             if shutil.disk_usage(path.parent).free < self.min_free_bytes + len(payload):
@@ -187,7 +196,7 @@ class FileStore:
             return None
         problem = self._problem(data, h, tokens, payload_bytes)
         if problem is None:
-            return data[HEADER.size + 4 * len(tokens):]
+            return data[HEADER.size + 4 * len(tokens) :]
         self.stats.storage_bad_blocks += 1
         log.warning("hicache: block file %s is unusable (%s); recomputing it", path, problem)
         path.unlink(missing_ok=True)
@@ -201,10 +210,10 @@ class FileStore:
             return "not this model's block"
         if n != len(tokens) or size != payload_bytes or len(data) != HEADER.size + 4 * n + size:
             return "truncated or wrong size"
-        ids = data[HEADER.size:HEADER.size + 4 * n]
+        ids = data[HEADER.size : HEADER.size + 4 * n]
         if ids != struct.pack(f"<{n}I", *tokens):
             return "other tokens (hash collision)"
-        if _checksum(ids, data[HEADER.size + 4 * n:]) != checksum:
+        if _checksum(ids, data[HEADER.size + 4 * n :]) != checksum:
             return "checksum mismatch"
         return None
 
@@ -228,13 +237,27 @@ class HiCache:
     stats: TierStats = field(default_factory=TierStats)
 
     @classmethod
-    def create(cls, pool: KVPool, page_size: int, host_tokens: int, fingerprint_hex: str,
-               storage_dir: str | None, load_timeout_s: float = 5.0) -> "HiCache":
+    def create(
+        cls,
+        pool: KVPool,
+        page_size: int,
+        host_tokens: int,
+        fingerprint_hex: str,
+        storage_dir: str | None,
+        load_timeout_s: float = 5.0,
+    ) -> "HiCache":
         block = block_size(page_size)
         stats = TierStats()
         storage = FileStore(storage_dir, fingerprint_hex, stats) if storage_dir else None
-        return cls(pool, block, int(fingerprint_hex, 16) >> 1, HostStore(max(host_tokens // block, 1), block, pool),
-                   storage, load_timeout_s, stats)
+        return cls(
+            pool,
+            block,
+            int(fingerprint_hex, 16) >> 1,
+            HostStore(max(host_tokens // block, 1), block, pool),
+            storage,
+            load_timeout_s,
+            stats,
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -249,26 +272,38 @@ class HiCache:
             if h in self.host.index:
                 self.host.index.move_to_end(h)
                 continue
-            number = self.host.claim(h) if len(new) < self.host.capacity else None  # never reclaim a block of `new`
+            number = (
+                self.host.claim(h) if len(new) < self.host.capacity else None
+            )  # never reclaim a block of `new`
             if number is None:
                 break
             new.append((i, h, number))
         if not new:
             return
-        device = torch.tensor([s for i, _, _ in new for s in slots[i * self.block:(i + 1) * self.block]],
-                              device=self.pool.k[0].device)
+        device = torch.tensor(
+            [s for i, _, _ in new for s in slots[i * self.block : (i + 1) * self.block]],
+            device=self.pool.k[0].device,
+        )
         rows = torch.cat([self.host.rows(number) for _, _, number in new])
         for layer in range(len(self.pool.k)):
-            self.host.k[layer].index_copy_(0, rows, self.pool.k[layer].index_select(0, device).to("cpu"))
-            self.host.v[layer].index_copy_(0, rows, self.pool.v[layer].index_select(0, device).to("cpu"))
+            self.host.k[layer].index_copy_(
+                0, rows, self.pool.k[layer].index_select(0, device).to("cpu")
+            )
+            self.host.v[layer].index_copy_(
+                0, rows, self.pool.v[layer].index_select(0, device).to("cpu")
+            )
         self.stats.backed_up_tokens += len(new) * self.block
         self.stats.backed_up_bytes += len(new) * self.block_bytes
         if self.storage is not None:
             for i, h, number in new:
                 if not self.storage.contains(h):
-                    self.storage.put(h, tokens[i * self.block:(i + 1) * self.block], self._payload(number))
+                    self.storage.put(
+                        h, tokens[i * self.block : (i + 1) * self.block], self._payload(number)
+                    )
 
-    def load(self, tokens: list[int], cached: int, alloc: Callable[[int], list[int] | None]) -> list[int]:
+    def load(
+        self, tokens: list[int], cached: int, alloc: Callable[[int], list[int] | None]
+    ) -> list[int]:
         """Device slots holding `tokens[cached:cached + n]`, loaded from L2/L3 for the longest
         run of consecutive blocks found there (n = 0 when none is)."""
         started = time.monotonic()
@@ -280,7 +315,7 @@ class HiCache:
             if time.monotonic() - started > self.load_timeout_s:
                 self.stats.load_timeouts += 1
                 break
-            number = self._find(hashes[i], tokens[i * self.block:(i + 1) * self.block])
+            number = self._find(hashes[i], tokens[i * self.block : (i + 1) * self.block])
             if number is None:
                 break
             found.append((i, number))
@@ -303,11 +338,17 @@ class HiCache:
         return slots
 
     def _copy_in(self, found: list[tuple[int, int]], cached: int, slots: list[int]) -> None:
-        rows = torch.cat([self.host.rows(number, max(cached - i * self.block, 0)) for i, number in found])
+        rows = torch.cat(
+            [self.host.rows(number, max(cached - i * self.block, 0)) for i, number in found]
+        )
         device = torch.tensor(slots, device=self.pool.k[0].device)
         for layer in range(len(self.pool.k)):
-            self.pool.k[layer].index_copy_(0, device, self.host.k[layer].index_select(0, rows).to(device.device))
-            self.pool.v[layer].index_copy_(0, device, self.host.v[layer].index_select(0, rows).to(device.device))
+            self.pool.k[layer].index_copy_(
+                0, device, self.host.k[layer].index_select(0, rows).to(device.device)
+            )
+            self.pool.v[layer].index_copy_(
+                0, device, self.host.v[layer].index_select(0, rows).to(device.device)
+            )
 
     def _find(self, h: int, tokens: list[int]) -> int | None:
         """The host block holding `h`, read from storage into L2 when only storage has it."""
@@ -359,5 +400,9 @@ class HiCache:
         return self.host.capacity * self.block
 
     def snapshot(self) -> dict:
-        return {**vars(self.stats), "host_used_tokens": self.used_tokens(),
-                "host_capacity_tokens": self.capacity_tokens(), "storage": self.storage is not None}
+        return {
+            **vars(self.stats),
+            "host_used_tokens": self.used_tokens(),
+            "host_capacity_tokens": self.capacity_tokens(),
+            "storage": self.storage is not None,
+        }

@@ -1,4 +1,5 @@
 """Per-layer K and V storage, indexed by slot. Owned by the model worker."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,15 @@ class KVPool:
     only ever read finite values, which masking then removes exactly.
     """
 
-    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (num_slots, kv_heads, head_dim)
         self.k = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]

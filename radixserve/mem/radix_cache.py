@@ -13,6 +13,7 @@ Eviction policies (names as in SGLang) order the unlocked leaves to evict first:
 LRU) the leaves never hit since they were inserted, least recent first, before any leaf hit
 at least once.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -55,10 +56,16 @@ class CachedPrefix:
 
 
 class RadixCache:
-    def __init__(self, page_size: int = 1, free_slots: Callable[[list[int]], None] | None = None,
-                 disable: bool = False, record_events: bool = False,
-                 on_evict: Callable[["TreeNode"], None] | None = None, eviction_policy: str = "lru",
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        page_size: int = 1,
+        free_slots: Callable[[list[int]], None] | None = None,
+        disable: bool = False,
+        record_events: bool = False,
+        on_evict: Callable[["TreeNode"], None] | None = None,
+        eviction_policy: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """`clock` stamps each access (the replayer passes a logical clock)."""
         self.page_size = page_size
         self.priority = EVICTION_PRIORITY[eviction_policy]
@@ -183,10 +190,14 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves, first in the eviction policy's order, until `num_tokens` are freed."""
+        """Evict unlocked leaves, first in the eviction policy's order, until `num_tokens` are
+        freed."""
         order = itertools.count()  # ties keep insertion order; nodes themselves are not compared
-        leaves = [(self.priority(n), next(order), n) for n in self._nodes()
-                  if not n.children and n.lock_ref == 0 and n is not self.root]
+        leaves = [
+            (self.priority(n), next(order), n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root
+        ]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_tokens and leaves:
@@ -219,8 +230,11 @@ class RadixCache:
             while up is not self.root:
                 tokens[:0] = up.key
                 up = up.parent
-            paths.append(CachedPrefix(tokens, len(tokens), node.hit_count, now - node.last_access,
-                                      node.lock_ref > 0))
+            paths.append(
+                CachedPrefix(
+                    tokens, len(tokens), node.hit_count, now - node.last_access, node.lock_ref > 0
+                )
+            )
         paths.sort(key=lambda p: (p.hit_count * p.num_tokens, p.num_tokens), reverse=True)
         return paths[:limit]
 
@@ -243,9 +257,15 @@ class RadixCache:
         """Cut `child` after `n` tokens; returns the new upper node."""
         parent = child.parent
         pages = n // self.page_size
-        upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
-                         lock_ref=child.lock_ref, last_access=child.last_access,
-                         hit_count=child.hit_count, block_hashes=child.block_hashes[:pages])
+        upper = TreeNode(
+            key=child.key[:n],
+            value=child.value[:n],
+            parent=parent,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+            hit_count=child.hit_count,
+            block_hashes=child.block_hashes[:pages],
+        )
         child.block_hashes = child.block_hashes[pages:]
         parent.children[self._edge(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
@@ -264,8 +284,12 @@ class RadixCache:
 
     def _record_stored(self, leaf: TreeNode) -> None:
         parent_hash = leaf.parent.block_hashes[-1] if leaf.parent.block_hashes else None
-        leaf.block_hashes.extend(chain_hashes(leaf.key, self.page_size, parent_hash))  # keys are whole pages
-        self.events.append(BlockStored(list(leaf.block_hashes), parent_hash, list(leaf.key), self.page_size))
+        leaf.block_hashes.extend(
+            chain_hashes(leaf.key, self.page_size, parent_hash)
+        )  # keys are whole pages
+        self.events.append(
+            BlockStored(list(leaf.block_hashes), parent_hash, list(leaf.key), self.page_size)
+        )
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
         if self.events is not None:

@@ -3,6 +3,7 @@
 A `ReplicaCache` is the real `RadixCache` over a free list of slot numbers and no KV: it
 answers which prompts would have hit with a pool of another size or policy.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,7 +46,7 @@ class ReplicaCache:
         if missing > self.allocator.available():
             self.cache.evict(missing - self.allocator.available())
         fresh = self.allocator.alloc_pages(min(missing, self.allocator.available())) or []
-        stored = list(units[:len(slots) + len(fresh)])
+        stored = list(units[: len(slots) + len(fresh)])
         self.cache.insert(stored, slots + fresh)
         node = self.cache.match_prefix(stored)[1]
         self.cache.inc_lock_ref(node)
@@ -53,7 +54,12 @@ class ReplicaCache:
         self.locked[key] = node
 
 
-MEMORY_FACTORS = (0.5, 1.0, 2.0, 4.0)  # the live estimates' KV pool sizes, as multiples of the real one
+MEMORY_FACTORS = (
+    0.5,
+    1.0,
+    2.0,
+    4.0,
+)  # the live estimates' KV pool sizes, as multiples of the real one
 
 
 class LiveEstimates:
@@ -67,7 +73,9 @@ class LiveEstimates:
 
     def __init__(self, pool_tokens: int, eviction: str, window: int = 200):
         clock = itertools.count().__next__
-        self.shadows = {f: ReplicaCache(max(int(pool_tokens * f), 1), eviction, clock) for f in MEMORY_FACTORS}
+        self.shadows = {
+            f: ReplicaCache(max(int(pool_tokens * f), 1), eviction, clock) for f in MEMORY_FACTORS
+        }
         self.hits: dict[float, deque[int]] = {f: deque(maxlen=window) for f in MEMORY_FACTORS}
         self.seconds = 0.0  # time spent here, to show what the estimates cost
 
@@ -91,5 +99,10 @@ class LiveEstimates:
         if not recent_prompt_tokens:
             return {}
         base = sum(self.hits[1.0])
-        return {f"{f:g}x": min(max(recent_hit_rate + (sum(self.hits[f]) - base) / recent_prompt_tokens, 0.0), 1.0)
-                for f in MEMORY_FACTORS if f != 1.0}
+        return {
+            f"{f:g}x": min(
+                max(recent_hit_rate + (sum(self.hits[f]) - base) / recent_prompt_tokens, 0.0), 1.0
+            )
+            for f in MEMORY_FACTORS
+            if f != 1.0
+        }

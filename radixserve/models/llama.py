@@ -1,4 +1,5 @@
 """One Llama-family decoder for Llama, Qwen2 (qkv bias) and Mistral, built from shared layers."""
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,8 +14,11 @@ from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fus
 
 # checkpoint name fragment -> (our fused parameter, shard index)
 _FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 # tensor parallelism: checkpoint weights split by output rows or by input columns
 _SPLIT_BY_OUTPUT = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
@@ -22,7 +26,8 @@ _SPLIT_BY_INPUT = {"o_proj", "down_proj"}
 
 
 class Attention(nn.Module):
-    """`cfg` is this rank's shard of the model (its heads); o_proj's partial sums are all-reduced."""
+    """`cfg` is this rank's shard of the model (its heads); o_proj's partial sums are
+    all-reduced."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
         super().__init__()
@@ -33,8 +38,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
         self.cpu_ops = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin, self.cpu_ops)
@@ -55,7 +61,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, normed, cos, sin, backend, next_norm: RMSNorm):
         """`normed` is `input_layernorm(x)`; returns the residual stream after this layer and
         `next_norm` of it (each residual add is fused with the norm that follows it)."""
-        x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, cos, sin, backend))
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(normed, cos, sin, backend)
+        )
         return next_norm.add_and_norm(x, self.tp.all_reduce(self.mlp(normed)))
 
 
@@ -74,12 +82,15 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = tp.shard_config(cfg)
         cfg = self.cfg
         self.model = LlamaModel(cfg, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict
+        )
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.cpu_decoder = None  # see fuse_cpu_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         """Final-normed hidden states `[T, hidden]` of this step's tokens."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -87,8 +98,15 @@ class LlamaForCausalLM(nn.Module):
         normed = layers[0].input_layernorm(x)
         groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
         if groups:
-            return self.cpu_decoder.forward(x, normed, cos, sin, backend.inputs.out_cache_loc,
-                                            backend.inputs.req_to_token, groups)
+            return self.cpu_decoder.forward(
+                x,
+                normed,
+                cos,
+                sin,
+                backend.inputs.out_cache_loc,
+                backend.inputs.req_to_token,
+                groups,
+            )
         for i, layer in enumerate(layers):
             x, normed = layer(x, normed, cos, sin, backend, self._norm_after(i))
         return normed
@@ -105,22 +123,43 @@ class LlamaForCausalLM(nn.Module):
         CPU GEMM (float32), one rank and a backend that offers `kernel_groups`."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         cpu_ops = self.lm_head.cpu_ops
-        if (cpu_ops is None or self.tp.size > 1 or not hasattr(backend, "kernel_groups")
-                or any(m.weight_packed is None for m in linears)):
+        if (
+            cpu_ops is None
+            or self.tp.size > 1
+            or not hasattr(backend, "kernel_groups")
+            or any(m.weight_packed is None for m in linears)
+        ):
             return False
         layers = self.model.layers
         weights, out_features = [], []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
-            weights += [attn.qkv_proj.weight_packed, bias, attn.o_proj.weight_packed,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight_packed,
-                        mlp.down_proj.weight_packed, self._norm_after(i).weight]
-            out_features += [m.out_features for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            weights += [
+                attn.qkv_proj.weight_packed,
+                bias,
+                attn.o_proj.weight_packed,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight_packed,
+                mlp.down_proj.weight_packed,
+                self._norm_after(i).weight,
+            ]
+            out_features += [
+                m.out_features
+                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
         cfg = self.cfg
-        self.cpu_decoder = cpu_ops.CpuDecoder([w.detach() for w in weights], out_features, backend.pool.k,
-                                              backend.pool.v, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                              cfg.rms_norm_eps, backend.scale)
+        self.cpu_decoder = cpu_ops.CpuDecoder(
+            [w.detach() for w in weights],
+            out_features,
+            backend.pool.k,
+            backend.pool.v,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            backend.scale,
+        )
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,6 +213,9 @@ class LlamaForCausalLM(nn.Module):
         if not shard:
             return 0
         cfg = self.cfg
-        sizes = ([cfg.q_size, cfg.kv_size] if module.weight_t.shape[1] == cfg.q_size + 2 * cfg.kv_size
-                 else [cfg.intermediate_size])
+        sizes = (
+            [cfg.q_size, cfg.kv_size]
+            if module.weight_t.shape[1] == cfg.q_size + 2 * cfg.kv_size
+            else [cfg.intermediate_size]
+        )
         return sum(sizes[:shard])

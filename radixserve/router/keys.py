@@ -1,4 +1,5 @@
 """Routing keys: the part of a request body that predicts which cached prefix it will hit."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,7 +38,11 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     return ""
 
 
@@ -61,7 +66,11 @@ def routing_key(path: str, body: bytes) -> str:
     if not isinstance(data, dict):
         return ""
     if path == "/generate":
-        return _prompt_key(data["text"]) if data.get("text") is not None else _prompt_key(data.get("input_ids"))
+        return (
+            _prompt_key(data["text"])
+            if data.get("text") is not None
+            else _prompt_key(data.get("input_ids"))
+        )
     if path == "/v1/completions":
         return _prompt_key(data.get("prompt"))
     if path == "/v1/chat/completions":
@@ -79,12 +88,21 @@ def token_key(path: str, body: bytes, tokenizer: Any) -> str:
             return ""
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(data)
-            text = apply_chat_template(tokenizer, [m.template_dict() for m in chat.messages],
-                                       tools=chat.template_functions() or None, **chat.template_options())
+            text = apply_chat_template(
+                tokenizer,
+                [m.template_dict() for m in chat.messages],
+                tools=chat.template_functions() or None,
+                **chat.template_options(),
+            )
             return ids_key(encode_prompt(tokenizer, text))
-        prompt = _first(data.get("prompt") if path == "/v1/completions" else
-                        (data["text"] if data.get("text") is not None else data.get("input_ids")))
-        return ids_key(encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt or [])
+        prompt = _first(
+            data.get("prompt")
+            if path == "/v1/completions"
+            else (data["text"] if data.get("text") is not None else data.get("input_ids"))
+        )
+        return ids_key(
+            encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt or []
+        )
     except (orjson.JSONDecodeError, ValidationError, ValueError, TypeError):
         return ""
     except Exception:  # noqa: BLE001 - a template that fails on this input: the worker names the error

@@ -7,6 +7,7 @@ its match on a worker is the run of leading blocks the worker holds. Events arri
 after a prefill, so the blocks of a request just routed are held as pending for a while:
 the requests of a prefix group that arrive together still land on one worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventsConfig, chain_hashes
+from ..kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KVEventsConfig,
+    chain_hashes,
+)
 
 log = logging.getLogger("radixserve.router")
 
@@ -28,7 +37,9 @@ class KVEventIndex:
     keys are token ids written one character per token (`keys.ids_key`)."""
 
     def __init__(self, page_size: int | None = None, clock=time.monotonic):
-        self.page_size = page_size  # the workers' --page-size, learnt when the first one is followed
+        self.page_size = (
+            page_size  # the workers' --page-size, learnt when the first one is followed
+        )
         self.blocks: dict[str, set[int]] = {}
         self.pending: dict[str, dict[int, float]] = {}  # tenant -> block -> when routed
         self.clock = clock
@@ -63,7 +74,9 @@ class KVEventIndex:
         for tenant, held in self.blocks.items():
             pending = self.pending.get(tenant, {})
             n = 0
-            while n < len(hashes) and (hashes[n] in held or now - pending.get(hashes[n], -PENDING_TTL_S) < PENDING_TTL_S):
+            while n < len(hashes) and (
+                hashes[n] in held or now - pending.get(hashes[n], -PENDING_TTL_S) < PENDING_TTL_S
+            ):
                 n += 1
             if n:
                 matched[tenant] = n * self.page_size
@@ -79,7 +92,9 @@ class KVEventIndex:
     @property
     def sizes(self) -> dict[str, int]:
         page = self.page_size or 1
-        return {t: (len(held) + len(self.pending.get(t, {}))) * page for t, held in self.blocks.items()}
+        return {
+            t: (len(held) + len(self.pending.get(t, {}))) * page for t, held in self.blocks.items()
+        }
 
     def evict(self, max_size: int) -> None:
         """Pending blocks expire; the cached ones are the workers' to evict."""

@@ -1,4 +1,6 @@
-"""Runs the router (`radixserve router`), and N replicas behind it (`radixserve serve --dp-size N`)."""
+"""Runs the router (`radixserve router`), and N replicas behind it (`radixserve serve --dp-size
+N`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +26,9 @@ from .proxy import Router
 
 log = logging.getLogger("radixserve.router")
 REPLICA_READY_TIMEOUT_S = 900.0
-MAX_REPLICA_RESTARTS = 3  # per replica; a replica that keeps dying stays down (the router routes around it)
+MAX_REPLICA_RESTARTS = (
+    3  # per replica; a replica that keeps dying stays down (the router routes around it)
+)
 
 
 def run_router(args: RouterArgs) -> int:
@@ -35,14 +39,22 @@ def run_router(args: RouterArgs) -> int:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await router.start()
-        log.info("routing to %d worker(s) with %s on http://%s:%d", len(router.workers), args.policy,
-                 args.host, args.port)
+        log.info(
+            "routing to %d worker(s) with %s on http://%s:%d",
+            len(router.workers),
+            args.policy,
+            args.host,
+            args.port,
+        )
         yield
         await router.stop()
 
     app.router.lifespan_context = lifespan
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = GracefulServer(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2
+        )
+    )
     server.run()
     return 0 if server.started else 1
 
@@ -61,7 +73,11 @@ def replica_args(server: ServerArgs, index: int, dp_size: int, kv_events: bool) 
     if engine.log_requests is not None:
         engine = engine.with_(log_requests=str(Path(engine.log_requests) / f"replica-{index}"))
     if kv_events:
-        engine = engine.with_(kv_events_config=json.dumps({"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}))
+        engine = engine.with_(
+            kv_events_config=json.dumps(
+                {"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}
+            )
+        )
     return replace(server, host="127.0.0.1", port=free_port(), engine=engine)
 
 
@@ -72,12 +88,14 @@ def place_replica(rank: int, dp_size: int, tp_size: int) -> None:
 
     if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
         if torch.cuda.device_count() >= dp_size * tp_size:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * tp_size + i) for i in range(tp_size))
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(rank * tp_size + i) for i in range(tp_size)
+            )
         return
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // dp_size
     if share:
-        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+        os.sched_setaffinity(0, cores[rank * share : (rank + 1) * share])
 
 
 def _run_replica(args: ServerArgs, rank: int, dp_size: int) -> None:
@@ -95,7 +113,9 @@ def wait_replicas(urls: list[str], procs: list[mp.Process]) -> None:
     while pending:
         for url, proc in zip(urls, procs):
             if not proc.is_alive():
-                raise RuntimeError(f"replica {url} exited during start-up (exit code {proc.exitcode})")
+                raise RuntimeError(
+                    f"replica {url} exited during start-up (exit code {proc.exitcode})"
+                )
         for url in list(pending):
             with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=1):
                 pending.discard(url)  # urlopen raises on anything but a 2xx
@@ -118,24 +138,36 @@ class ReplicaSupervisor(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(1.0):
             for i, proc in enumerate(self.procs):
-                if (proc.is_alive() or proc.exitcode in (0, -signal.SIGTERM)
-                        or self.restarts[i] >= MAX_REPLICA_RESTARTS):
+                if (
+                    proc.is_alive()
+                    or proc.exitcode in (0, -signal.SIGTERM)
+                    or self.restarts[i] >= MAX_REPLICA_RESTARTS
+                ):
                     continue
                 self.restarts[i] += 1
-                log.warning("replica %d exited with code %s; starting it again (restart %d of %d)", i,
-                            proc.exitcode, self.restarts[i], MAX_REPLICA_RESTARTS)
+                log.warning(
+                    "replica %d exited with code %s; starting it again (restart %d of %d)",
+                    i,
+                    proc.exitcode,
+                    self.restarts[i],
+                    MAX_REPLICA_RESTARTS,
+                )
                 self.procs[i] = self.start_replica(i)
 
 
 def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -> int:
     """`dp_size` replicas of `server`, each a whole radixserve server, behind a router on
     `server`'s address; the replicas stop with the router."""
-    logging.basicConfig(level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s"
+    )
     replicas = [replica_args(server, i, dp_size, router.kv_events) for i in range(dp_size)]
     ctx = mp.get_context("spawn")
 
     def start_replica(i: int) -> mp.Process:
-        proc = ctx.Process(target=_run_replica, args=(replicas[i], i, dp_size), name=f"radixserve-replica-{i}")
+        proc = ctx.Process(
+            target=_run_replica, args=(replicas[i], i, dp_size), name=f"radixserve-replica-{i}"
+        )
         proc.start()
         return proc
 
@@ -149,9 +181,18 @@ def launch_data_parallel(server: ServerArgs, dp_size: int, router: RouterArgs) -
         tokenizer = router.tokenizer_path
         if router.kv_events and tokenizer is None:
             from ..models.source import resolve_model
+
             tokenizer = str(resolve_model(server.engine.model).tokenizer_dir)
-        return run_router(replace(router, host=server.host, port=server.port, api_key=server.api_key,
-                                  worker_urls=tuple(urls), tokenizer_path=tokenizer))
+        return run_router(
+            replace(
+                router,
+                host=server.host,
+                port=server.port,
+                api_key=server.api_key,
+                worker_urls=tuple(urls),
+                tokenizer_path=tokenizer,
+            )
+        )
     except (RuntimeError, TimeoutError) as exc:
         log.error("start-up failed: %s", exc)
         return 1

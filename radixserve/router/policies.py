@@ -1,4 +1,5 @@
 """Routing policies, named as in SGLang's router: round_robin, random, power_of_two, cache_aware."""
+
 from __future__ import annotations
 
 import random
@@ -7,6 +8,7 @@ from typing import Protocol
 from ..config import ROUTER_POLICIES, RouterArgs
 from .tree import PrefixTree
 from .workers import Worker
+
 
 class Policy(Protocol):
     def pick(self, candidates: list[Worker], key: str) -> Worker:
@@ -85,8 +87,10 @@ class CacheAware:
     def _imbalanced(self, candidates: list[Worker]) -> bool:
         loads = [w.in_flight for w in candidates]
         busiest, idlest = max(loads), min(loads)
-        return (busiest - idlest > self.config.balance_abs_threshold
-                and busiest > self.config.balance_rel_threshold * idlest)
+        return (
+            busiest - idlest > self.config.balance_abs_threshold
+            and busiest > self.config.balance_rel_threshold * idlest
+        )
 
     def evict(self) -> None:
         self.tree.evict(self.config.max_tree_size)

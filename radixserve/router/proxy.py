@@ -7,6 +7,7 @@ full, or shutting down). Other answers, 4xx included, pass through as they are. 
 are read, then sent on; server-sent events are relayed as they come, and a failure once they
 have begun ends the stream with an error event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,7 +61,9 @@ class Router:
         self.session: aiohttp.ClientSession | None = None  # made by start(), inside the event loop
         self.tasks: list[asyncio.Task] = []
         self.index = KVEventIndex() if args.kv_events else None
-        self.policy: Policy = CacheAware(args, self.index) if self.index is not None else make_policy(args)
+        self.policy: Policy = (
+            CacheAware(args, self.index) if self.index is not None else make_policy(args)
+        )
         self.tokenizer = None  # with kv_events, to compute the token ids the index is keyed by
         self.followers: dict[str, asyncio.Task] = {}
         self.following: set[str] = set()  # workers whose events are being applied
@@ -72,11 +75,20 @@ class Router:
             self._add(url)
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.args.request_timeout_secs)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
-        self.tasks = [asyncio.create_task(self.check_forever()), asyncio.create_task(self.evict_forever())]
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.args.request_timeout_secs
+        )
+        self.session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        )
+        self.tasks = [
+            asyncio.create_task(self.check_forever()),
+            asyncio.create_task(self.evict_forever()),
+        ]
         if self.index is not None:
-            self.tokenizer = await asyncio.to_thread(load_router_tokenizer, self.args.tokenizer_path)
+            self.tokenizer = await asyncio.to_thread(
+                load_router_tokenizer, self.args.tokenizer_path
+            )
             for worker in self.workers.values():
                 self._follow(worker)
 
@@ -88,7 +100,11 @@ class Router:
     def key_of(self, method: str, path: str, body: bytes) -> str:
         if method != "POST":
             return ""
-        return token_key(path, body, self.tokenizer) if self.tokenizer is not None else routing_key(path, body)
+        return (
+            token_key(path, body, self.tokenizer)
+            if self.tokenizer is not None
+            else routing_key(path, body)
+        )
 
     # -- KV events -------------------------------------------------------------------------
 
@@ -99,7 +115,9 @@ class Router:
         """Find where the worker publishes (its /get_server_info, asked until it answers) and
         apply its events to the index until the worker is removed."""
         while True:
-            answer = (await self.broadcast("GET", "/get_server_info", self.auth_headers(), [worker])).get(worker.url)
+            answer = (
+                await self.broadcast("GET", "/get_server_info", self.auth_headers(), [worker])
+            ).get(worker.url)
             if isinstance(answer, Answer) and answer.status == 200:
                 break
             await asyncio.sleep(self.args.health_check_interval_secs)
@@ -109,7 +127,9 @@ class Router:
             log.error("worker %s %s", worker.url, worker.last_problem)
             return
         if self.index.page_size not in (None, info["page_size"]):
-            worker.last_problem = f"page size {info['page_size']} differs from the others' {self.index.page_size}"
+            worker.last_problem = (
+                f"page size {info['page_size']} differs from the others' {self.index.page_size}"
+            )
             log.error("worker %s: %s; its events are ignored", worker.url, worker.last_problem)
             return
         self.index.page_size = info["page_size"]
@@ -128,7 +148,9 @@ class Router:
             summary = worker.summary()
             if self.index is not None:
                 following = worker.url in self.following
-                summary["kv_blocks"] = len(self.index.blocks.get(worker.url, ())) if following else None
+                summary["kv_blocks"] = (
+                    len(self.index.blocks.get(worker.url, ())) if following else None
+                )
             out.append(summary)
         return out
 
@@ -138,8 +160,11 @@ class Router:
     # -- workers ---------------------------------------------------------------------------
 
     def _add(self, url: str) -> Worker:
-        breaker = CircuitBreaker(self.args.cb_failure_threshold, self.args.cb_success_threshold,
-                                 self.args.cb_timeout_duration_secs)
+        breaker = CircuitBreaker(
+            self.args.cb_failure_threshold,
+            self.args.cb_success_threshold,
+            self.args.cb_timeout_duration_secs,
+        )
         url = url.rstrip("/")
         worker = self.workers[url] = Worker(url, breaker)
         return worker
@@ -181,7 +206,10 @@ class Router:
             async with self.session.get(worker.url + "/health", timeout=timeout) as reply:
                 problem = None if reply.status == 200 else f"/health answered {reply.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            problem, fatal = f"/health failed: {type(exc).__name__}", isinstance(exc, aiohttp.ClientConnectorError)
+            problem, fatal = (
+                f"/health failed: {type(exc).__name__}",
+                isinstance(exc, aiohttp.ClientConnectorError),
+            )
         if problem is None:
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
@@ -216,7 +244,9 @@ class Router:
 
     # -- forwarding ------------------------------------------------------------------------
 
-    async def open(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Answer | Stream:
+    async def open(
+        self, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> Answer | Stream:
         """Send the request to a worker the policy picks, retrying elsewhere on failures before
         the first byte; the last failure when every try failed."""
         key = self.key_of(method, path, body)
@@ -231,28 +261,40 @@ class Router:
             worker = self.policy.pick(candidates, key)
             tried.add(worker.url)
             outcome = await self._try(worker, method, path, body, headers)
-            if isinstance(outcome, Stream) or (outcome is not None and outcome.status not in RETRYABLE_STATUS):
+            if isinstance(outcome, Stream) or (
+                outcome is not None and outcome.status not in RETRYABLE_STATUS
+            ):
                 return outcome
             failure = outcome or failure
         if failure is not None:
             return failure
         self.unroutable += 1
-        message = "no healthy worker could take the request" + (f" (tried {sorted(tried)})" if tried else "")
-        return Answer(503, {"content-type": "application/json"}, orjson.dumps(error_body(message, 503)))
+        message = "no healthy worker could take the request" + (
+            f" (tried {sorted(tried)})" if tried else ""
+        )
+        return Answer(
+            503, {"content-type": "application/json"}, orjson.dumps(error_body(message, 503))
+        )
 
-    async def _try(self, worker: Worker, method: str, path: str, body: bytes,
-                   headers: dict[str, str]) -> Answer | Stream | None:
+    async def _try(
+        self, worker: Worker, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> Answer | Stream | None:
         """One try: a stream to relay, a whole answer, or None when no answer came."""
         worker.in_flight += 1
         worker.routed += 1
         try:
-            response = await self.session.request(method, worker.url + path, data=body, headers=headers)
+            response = await self.session.request(
+                method, worker.url + path, data=body, headers=headers
+            )
             streamed = is_event_stream(response) and response.status not in RETRYABLE_STATUS
             content = b"" if streamed else await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             worker.in_flight -= 1
-            self._failed(worker, f"{type(exc).__name__} before the response began",
-                         dead=isinstance(exc, aiohttp.ClientConnectorError))
+            self._failed(
+                worker,
+                f"{type(exc).__name__} before the response began",
+                dead=isinstance(exc, aiohttp.ClientConnectorError),
+            )
             self._spawn_check(worker)  # a broken connection: is the worker still there?
             return None
         if streamed:
@@ -294,18 +336,22 @@ class Router:
             else:
                 response.close()
 
-    async def broadcast(self, method: str, path: str, headers: dict[str, str],
-                        workers: list[Worker] | None = None) -> dict[str, Answer | str]:
+    async def broadcast(
+        self, method: str, path: str, headers: dict[str, str], workers: list[Worker] | None = None
+    ) -> dict[str, Answer | str]:
         """The same call to each of `workers` (every healthy one by default): each worker's
         answer, or why it failed."""
         timeout = aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)
 
         async def call(worker: Worker) -> Answer | str:
             try:
-                async with self.session.request(method, worker.url + path, headers=headers, timeout=timeout) as r:
+                async with self.session.request(
+                    method, worker.url + path, headers=headers, timeout=timeout
+                ) as r:
                     return Answer(r.status, relayed_headers(r), await r.read(), worker)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 return f"{type(exc).__name__}: {exc}"
+
         workers = self.available() if workers is None else workers
         replies = await asyncio.gather(*(call(w) for w in workers))
         return {w.url: r for w, r in zip(workers, replies)}
@@ -316,7 +362,9 @@ def is_event_stream(response: aiohttp.ClientResponse) -> bool:
 
 
 def relayed_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k.lower(): v for k, v in response.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS}
+    return {
+        k.lower(): v for k, v in response.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS
+    }
 
 
 def forwarded_headers(headers) -> dict[str, str]:

@@ -7,6 +7,7 @@ ancestors, so the tenant's match for a key is the depth of the deepest node it h
 the key's path. Each tenant's size is the number of characters it holds; eviction drops a
 tenant from its least recently used leaves until it fits a bound.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -118,4 +119,6 @@ class PrefixTree:
 
     @staticmethod
     def _is_tenant_leaf(node: Node, tenant: str) -> bool:
-        return tenant in node.tenants and not any(tenant in c.tenants for c in node.children.values())
+        return tenant in node.tenants and not any(
+            tenant in c.tenants for c in node.children.values()
+        )

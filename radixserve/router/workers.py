@@ -1,4 +1,5 @@
 """The router's workers: health, load and a circuit breaker each."""
+
 from __future__ import annotations
 
 import time
@@ -58,6 +59,12 @@ class Worker:
         return self.healthy and self.breaker.allows(now)
 
     def summary(self) -> dict:
-        return {"url": self.url, "healthy": self.healthy, "circuit": self.breaker.state,
-                "in_flight": self.in_flight, "routed": self.routed, "errors": self.errors,
-                "last_problem": self.last_problem}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state,
+            "in_flight": self.in_flight,
+            "routed": self.routed,
+            "errors": self.errors,
+            "last_problem": self.last_problem,
+        }

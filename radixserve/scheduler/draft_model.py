@@ -1,4 +1,5 @@
-"""Draft-model speculation: a smaller model with the same tokenizer drafts each request's next tokens.
+"""Draft-model speculation: a smaller model with the same tokenizer drafts each request's next
+tokens.
 
 The draft model's K/V lives in a pool of its own at the target's slot numbers, and it reads the
 target's request-to-token table (`worker.model_runner.SlotLayout`): a slot holds both models'
@@ -22,6 +23,7 @@ are worse, the output is the same, since the target verifies every draft.
 Drafts are the draft model's greedy tokens, for every request: verification (`sampler.verify`)
 keeps the target's distribution whatever the draft proposes.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,7 +46,9 @@ class DraftExecutor(Protocol):
 class ModelDrafter:
     def __init__(self, executor: DraftExecutor):
         self.executor = executor
-        self.step_seconds = 0.0  # measured cost of one draft step (0 until measured: drafts get tried)
+        self.step_seconds = (
+            0.0  # measured cost of one draft step (0 until measured: drafts get tried)
+        )
         self.drafting = True  # whether the last draft budget kept any draft
 
     def prefill(self, reqs: list[Req], batch: ForwardBatch, num_prefill: int) -> None:
@@ -53,9 +57,20 @@ class ModelDrafter:
         if not self.drafting:
             return
         n, tokens = num_prefill, sum(batch.extend_lens[:num_prefill])
-        self.executor.forward(ForwardBatch(
-            ForwardMode.EXTEND, batch.input_ids[:tokens], batch.positions[:tokens], batch.out_cache_loc[:tokens],
-            batch.rows[:n], batch.seq_lens[:n], batch.extend_lens[:n], [], SamplingBatch.greedy(n), [None] * n))
+        self.executor.forward(
+            ForwardBatch(
+                ForwardMode.EXTEND,
+                batch.input_ids[:tokens],
+                batch.positions[:tokens],
+                batch.out_cache_loc[:tokens],
+                batch.rows[:n],
+                batch.seq_lens[:n],
+                batch.extend_lens[:n],
+                [],
+                SamplingBatch.greedy(n),
+                [None] * n,
+            )
+        )
         for req, seq_len in zip(reqs[:n], batch.seq_lens[:n]):
             req.spec.draft_len = seq_len
 
@@ -87,15 +102,28 @@ class ModelDrafter:
             positions += range(start, end)
             locs += req.kv_slots[start:end]
             if req.synced < start:  # the table is rank 0's: make sure its row's prefix is written
-                writes.append((req.row, req.synced, req.kv_slots[req.synced:start]))
+                writes.append((req.row, req.synced, req.kv_slots[req.synced : start]))
             # `req.synced` stays the target's: its step sends the same entries to the other TP ranks
             seq_lens.append(end)
         n = len(items)
-        batch = ForwardBatch(mode, ids, positions, locs, [r.row for r, _, _ in items], seq_lens,
-                             [len(t) for _, t, _ in items], writes, SamplingBatch.greedy(n), [None] * n)
+        batch = ForwardBatch(
+            mode,
+            ids,
+            positions,
+            locs,
+            [r.row for r, _, _ in items],
+            seq_lens,
+            [len(t) for _, t, _ in items],
+            writes,
+            SamplingBatch.greedy(n),
+            [None] * n,
+        )
         started = time.perf_counter()
         tokens = self.executor.forward(batch).next_token_ids
         seconds = time.perf_counter() - started
-        self.step_seconds = (STEP_DECAY * self.step_seconds + (1 - STEP_DECAY) * seconds
-                             if self.step_seconds else seconds)
+        self.step_seconds = (
+            STEP_DECAY * self.step_seconds + (1 - STEP_DECAY) * seconds
+            if self.step_seconds
+            else seconds
+        )
         return tokens

@@ -1,4 +1,5 @@
 """Orders the waiting queue: lpm (longest cached prefix first), dfs-weight, fcfs."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -11,8 +12,9 @@ from .req import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(policy: str, waiting: list[Req], cache: RadixCache,
-                  match: Callable[[Req], tuple[int, TreeNode]]) -> list[Req]:
+def order_waiting(
+    policy: str, waiting: list[Req], cache: RadixCache, match: Callable[[Req], tuple[int, TreeNode]]
+) -> list[Req]:
     """`match(req)` gives (cached prefix length, deepest node) without changing the tree."""
     if policy == "fcfs" or cache.disable or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
@@ -22,7 +24,9 @@ def order_waiting(policy: str, waiting: list[Req], cache: RadixCache,
     return _dfs_weight_order(waiting, cache, {id(r): nodes[id(r)][1] for r in waiting})
 
 
-def _dfs_weight_order(waiting: list[Req], cache: RadixCache, last_node: dict[int, TreeNode]) -> list[Req]:
+def _dfs_weight_order(
+    waiting: list[Req], cache: RadixCache, last_node: dict[int, TreeNode]
+) -> list[Req]:
     """Visit the tree heaviest subtree first, so requests under one prefix run together."""
     by_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
@@ -37,6 +41,8 @@ def _dfs_weight_order(waiting: list[Req], cache: RadixCache, last_node: dict[int
     while stack:
         node = stack.pop()
         ordered.extend(by_node.get(id(node), []))
-        children = sorted((c for c in node.children.values() if weight[id(c)]), key=lambda c: weight[id(c)])
+        children = sorted(
+            (c for c in node.children.values() if weight[id(c)]), key=lambda c: weight[id(c)]
+        )
         stack.extend(children)
     return ordered

@@ -1,7 +1,9 @@
-"""The scheduler process: requests in from the api, steps through the model, outputs to the detokenizer.
+"""The scheduler process: requests in from the api, steps through the model, outputs to the
+detokenizer.
 
 It hosts TP rank 0's model runner and calls it directly (SGLang's process model).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -16,10 +18,18 @@ import zmq
 
 from ..config import EngineArgs
 from ..constrained import grammar_backend
+from ..ipc import Endpoints, Heartbeat, encode, exit_with_parent, pull_socket, push_socket, recv_all
 from ..kv_events import KVEventPublisher, KVEventsConfig
-from ..ipc import Endpoints, Heartbeat, exit_with_parent, pull_socket, push_socket, recv_all, encode
-from ..messages import (AbortReq, BatchOut, ControlReply, ControlReq, FinishReason, GenerateReq, ReqOutput,
-                        SchedulerReady)
+from ..messages import (
+    AbortReq,
+    BatchOut,
+    ControlReply,
+    ControlReq,
+    FinishReason,
+    GenerateReq,
+    ReqOutput,
+    SchedulerReady,
+)
 from ..models.source import resolve_model
 from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
 from ..worker.process import start_rank0
@@ -44,13 +54,26 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     ctx = zmq.Context()
     inbox = pull_socket(ctx, endpoints.scheduler_in, bind=True)
     outbox = push_socket(ctx, endpoints.detokenizer_in, bind=False)
-    scheduler = Scheduler(args, runner, decode_tail, eos_ids(tokenizer), grammar_backend(tokenizer, runner.info),
-                          draft_runner)
+    scheduler = Scheduler(
+        args,
+        runner,
+        decode_tail,
+        eos_ids(tokenizer),
+        grammar_backend(tokenizer, runner.info),
+        draft_runner,
+    )
     outbox.send(encode(SchedulerReady(runner.info, source.name)))
-    threading.Thread(target=watch_loop, args=(heartbeat, args.watchdog_timeout), daemon=True,
-                     name="scheduler-watchdog").start()
-    events = (KVEventPublisher(KVEventsConfig.from_json(args.kv_events_config), ctx)
-              if args.kv_events_config is not None else None)
+    threading.Thread(
+        target=watch_loop,
+        args=(heartbeat, args.watchdog_timeout),
+        daemon=True,
+        name="scheduler-watchdog",
+    ).start()
+    events = (
+        KVEventPublisher(KVEventsConfig.from_json(args.kv_events_config), ctx)
+        if args.kv_events_config is not None
+        else None
+    )
     signal.signal(signal.SIGTERM, lambda *_: stop(scheduler))
     # What start-up loaded (torch, transformers, the model's modules) lives as long as the
     # process: out of the cyclic collector's sight, its collections walk only what the loop
@@ -60,7 +83,8 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
 
 
 def stop(scheduler: Scheduler) -> None:
-    """On SIGTERM: let the storage tier's writer finish the blocks it has queued (briefly), then exit."""
+    """On SIGTERM: let the storage tier's writer finish the blocks it has queued (briefly), then
+    exit."""
     if scheduler.hicache is not None and scheduler.hicache.storage is not None:
         scheduler.hicache.storage.flush(timeout=STORAGE_FLUSH_S)
     raise SystemExit(0)
@@ -73,15 +97,29 @@ def watch_loop(heartbeat: Heartbeat, timeout: float) -> None:
         time.sleep(min(timeout / 4, 5.0))
         stalled = heartbeat.stalled_for()
         if stalled > timeout:
-            log.error("the scheduler loop has not turned for %.1f s with work to do; exiting (watchdog)", stalled)
+            log.error(
+                "the scheduler loop has not turned for %.1f s with work to do; exiting (watchdog)",
+                stalled,
+            )
             faulthandler.dump_traceback(all_threads=True)
             os._exit(WATCHDOG_EXIT_CODE)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: Heartbeat,
-                 kv_events: KVEventPublisher | None = None):
-        self.scheduler, self.inbox, self.outbox, self.heartbeat = scheduler, inbox, outbox, heartbeat
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        heartbeat: Heartbeat,
+        kv_events: KVEventPublisher | None = None,
+    ):
+        self.scheduler, self.inbox, self.outbox, self.heartbeat = (
+            scheduler,
+            inbox,
+            outbox,
+            heartbeat,
+        )
         self.kv_events = kv_events
 
     def run(self) -> None:

@@ -1,4 +1,5 @@
 """A request as the scheduler tracks it."""
+
 from __future__ import annotations
 
 import time
@@ -65,7 +66,8 @@ class Req:
 
     @property
     def is_prefilling(self) -> bool:
-        """Admitted, with prompt (or, after retraction, prompt and output) tokens left to compute."""
+        """Admitted, with prompt (or, after retraction, prompt and output) tokens left to
+        compute."""
         return self.pending > 0 and not self.is_decoding
 
     @property
@@ -81,7 +83,8 @@ class Req:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.prompt_logprobs_done
 
     def max_prefix_len(self) -> int:
-        """Cached prefix we may reuse: leave one token to compute, and the prompt positions whose logprobs are wanted."""
+        """Cached prefix we may reuse: leave one token to compute, and the prompt positions whose
+        logprobs are wanted."""
         limit = len(self.fill_ids) - 1
         if self.wants_prompt_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))

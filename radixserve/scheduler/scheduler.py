@@ -4,6 +4,7 @@ It owns the radix tree, the slot allocator and the request rows; the worker owns
 the KV tensors and sees only slot indices. It talks to the model only through
 an `Executor`, so it runs (and is tested) without one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,19 @@ from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache
 from ..mem.shadow import LiveEstimates
-from ..messages import (FinishReason, ForwardBatch, ForwardMode, ForwardResult, GenerateReq, LogprobRequest,
-                        ReqOutput, SamplingBatch, SchedulerStats, TokenLogprobs, WorkerInfo)
+from ..messages import (
+    FinishReason,
+    ForwardBatch,
+    ForwardMode,
+    ForwardResult,
+    GenerateReq,
+    LogprobRequest,
+    ReqOutput,
+    SamplingBatch,
+    SchedulerStats,
+    TokenLogprobs,
+    WorkerInfo,
+)
 from ..request_log import RequestLog, ServerRecord
 from ..sampling_params import SamplingParams, compile_stop_regex
 from .draft_model import DraftExecutor, ModelDrafter
@@ -61,31 +73,45 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, args: EngineArgs, executor: Executor,
-                 decode_tail: Callable[[list[int]], str] | None = None,
-                 extra_eos_ids: tuple[int, ...] = (), grammars: GrammarBackend | None = None,
-                 draft_executor: DraftExecutor | None = None):
+    def __init__(
+        self,
+        args: EngineArgs,
+        executor: Executor,
+        decode_tail: Callable[[list[int]], str] | None = None,
+        extra_eos_ids: tuple[int, ...] = (),
+        grammars: GrammarBackend | None = None,
+        draft_executor: DraftExecutor | None = None,
+    ):
         info = executor.info
         self.args, self.executor, self.info = args, executor, info
         self.decode_tail = decode_tail
         self.grammars = grammars
         self.eos_ids = set(info.eos_token_ids) | set(extra_eos_ids)
-        self.fallback_id = min(info.eos_token_ids or self.eos_ids or {0})  # taken when every token is forbidden
+        self.fallback_id = min(
+            info.eos_token_ids or self.eos_ids or {0}
+        )  # taken when every token is forbidden
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
         self.hicache = make_hicache(args, executor) if args.enable_hierarchical_cache else None
         write_back = self.hicache is not None and args.hicache_write_policy == "write_back"
-        self.cache = RadixCache(info.page_size, self.allocator.free, disable=args.disable_radix_cache,
-                                record_events=args.kv_events_config is not None,
-                                on_evict=self._back_up_leaf if write_back else None,
-                                eviction_policy=args.radix_eviction_policy)
+        self.cache = RadixCache(
+            info.page_size,
+            self.allocator.free,
+            disable=args.disable_radix_cache,
+            record_events=args.kv_events_config is not None,
+            on_evict=self._back_up_leaf if write_back else None,
+            eviction_policy=args.radix_eviction_policy,
+        )
         self.request_log = self._open_request_log(args)
         self.estimates = self._live_estimates()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.outputs: list[ReqOutput] = []
-        self.drafter = (NgramDrafter(args.speculative_num_draft_tokens)
-                        if args.speculative_algorithm == "ngram" else None)
+        self.drafter = (
+            NgramDrafter(args.speculative_num_draft_tokens)
+            if args.speculative_algorithm == "ngram"
+            else None
+        )
         self.model_drafter = ModelDrafter(draft_executor) if draft_executor is not None else None
         self.step_cost = StepCost()
         self.pending_aborts: set[str] = set()
@@ -101,9 +127,17 @@ class Scheduler:
     def _open_request_log(self, args: EngineArgs) -> RequestLog | None:
         if args.log_requests is None:
             return None
-        return RequestLog(args.log_requests, args.log_requests_level,
-                          ServerRecord(self.allocator.num_slots, self.info.page_size, args.radix_eviction_policy,
-                                       args.log_requests_level, time.time()))
+        return RequestLog(
+            args.log_requests,
+            args.log_requests_level,
+            ServerRecord(
+                self.allocator.num_slots,
+                self.info.page_size,
+                args.radix_eviction_policy,
+                args.log_requests_level,
+                time.time(),
+            ),
+        )
 
     def _live_estimates(self) -> LiveEstimates | None:
         if self.args.disable_cache_estimates or self.cache.disable:
@@ -115,9 +149,18 @@ class Scheduler:
         """Queue a request already checked by `validation.check_generate`; raises ValueError
         when its grammar does not compile."""
         params = msg.sampling_params
-        params = replace(params, max_new_tokens=min(params.max_new_tokens, self._room_for_output(len(msg.input_ids))))
-        req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
-                  msg.top_logprobs_num)
+        params = replace(
+            params,
+            max_new_tokens=min(params.max_new_tokens, self._room_for_output(len(msg.input_ids))),
+        )
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            params,
+            msg.return_logprob,
+            msg.logprob_start_len,
+            msg.top_logprobs_num,
+        )
         req.grammar = self._grammar_matcher(params)
         if self.speculates:
             req.spec = SpecState()
@@ -132,7 +175,9 @@ class Scheduler:
         if spec is None:
             return None
         if self.grammars is None:
-            raise ValueError("structured output (regex, json_schema, ebnf) needs the model's tokenizer")
+            raise ValueError(
+                "structured output (regex, json_schema, ebnf) needs the model's tokenizer"
+            )
         return self.grammars.matcher(spec)
 
     def _room_for_output(self, prompt_len: int) -> int:
@@ -173,7 +218,10 @@ class Scheduler:
                 self._process(step, result)
             except Exception as exc:  # noqa: BLE001 - the step's requests fail, the server stays up
                 log.exception("a step of %d requests failed; they are aborted", len(step.reqs))
-                self._fail(step.reqs, f"internal error while running this request: {type(exc).__name__}: {exc}")
+                self._fail(
+                    step.reqs,
+                    f"internal error while running this request: {type(exc).__name__}: {exc}",
+                )
         outputs, self.outputs = self.outputs, []
         return outputs
 
@@ -196,8 +244,11 @@ class Scheduler:
         prefill, lens, reused = self._prepare_prefill(batch_started=bool(decoding))
         if not decoding and not prefill:
             return None
-        mode = ForwardMode.MIXED if prefill and decoding else (
-            ForwardMode.EXTEND if prefill else _decode_mode(decoding))
+        mode = (
+            ForwardMode.MIXED
+            if prefill and decoding
+            else (ForwardMode.EXTEND if prefill else _decode_mode(decoding))
+        )
         return Step(mode, prefill + decoding, lens, reused)
 
     def _alternating_step(self) -> Step | None:
@@ -219,7 +270,7 @@ class Scheduler:
     def _batch_of(self, step: Step) -> ForwardBatch:
         """The step's batch, once its drafts are final: a draft model's tokens are drafted now,
         and drafts a grammar refuses are dropped (so a request's chunk length is known here)."""
-        decoding = step.reqs[step.num_prefill:]
+        decoding = step.reqs[step.num_prefill :]
         if self.model_drafter is not None and any(r.drafts for r in decoding):
             self.model_drafter.propose([r for r in decoding if r.drafts])
         for req in decoding:
@@ -247,18 +298,26 @@ class Scheduler:
     def _admit(self, budget: int, batch_started: bool, prefilling: list[Req]):
         if not self.waiting:
             return
-        shared = RadixCache(self.info.page_size)  # prompt parts being computed now: later sharers wait
+        shared = RadixCache(
+            self.info.page_size
+        )  # prompt parts being computed now: later sharers wait
         for req in prefilling:
-            self._mark_shared(shared, req.fill_ids[req.cached_len:])
+            self._mark_shared(shared, req.fill_ids[req.cached_len :])
         reserved = self._reserved_decode_slots()
-        ordered = order_waiting(self.args.schedule_policy, self.waiting, self.cache,
-                                lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]))
-        admitted = 0  # prompt tokens of the requests this step admits (continued chunks not counted)
+        ordered = order_waiting(
+            self.args.schedule_policy,
+            self.waiting,
+            self.cache,
+            lambda r: self.cache.match_length(r.fill_ids[: r.max_prefix_len()]),
+        )
+        admitted = (
+            0  # prompt tokens of the requests this step admits (continued chunks not counted)
+        )
         for req in ordered:
             if budget <= 0 or self.rows.available() == 0:
                 break
             slots, node = self._match(req)
-            uncached = req.fill_ids[len(slots):]
+            uncached = req.fill_ids[len(slots) :]
             if self._share_later(shared, uncached, batch_started):
                 continue
             n = min(len(uncached), self.args.chunked_prefill_size, budget)
@@ -267,7 +326,9 @@ class Scheduler:
             growth = req.remaining_new_tokens * self.new_token_ratio if n == len(uncached) else 0
             self.cache.inc_lock_ref(node)
             need = self.allocator.pages_needed(len(slots), n) * self.info.page_size
-            fits = need + reserved + growth <= self.allocator.available() + self.cache.evictable_size()
+            fits = (
+                need + reserved + growth <= self.allocator.available() + self.cache.evictable_size()
+            )
             if not fits and (batch_started or self.running):
                 self.cache.dec_lock_ref(node)
                 break
@@ -303,7 +364,9 @@ class Scheduler:
         return slots, node
 
     # ---- hierarchical cache ------------------------------------------------
-    def _load_from_tiers(self, prefix: list[int], slots: list[int], node) -> tuple[list[int], object]:
+    def _load_from_tiers(
+        self, prefix: list[int], slots: list[int], node
+    ) -> tuple[list[int], object]:
         """Extend a device match with blocks from the host and storage tiers: they get device
         slots (the match stays locked meanwhile) and join the tree like computed KV."""
         self.cache.inc_lock_ref(node)
@@ -313,9 +376,9 @@ class Scheduler:
             self.cache.dec_lock_ref(node)
         if not loaded:
             return slots, node
-        key = prefix[:len(slots) + len(loaded)]
+        key = prefix[: len(slots) + len(loaded)]
         already = self.cache.insert(key, slots + loaded)
-        self.allocator.free(loaded[:max(already - len(slots), 0)])
+        self.allocator.free(loaded[: max(already - len(slots), 0)])
         return self.cache.match_prefix(key)
 
     def _alloc_for_load(self, n: int) -> list[int] | None:
@@ -332,7 +395,9 @@ class Scheduler:
         """write_through backs up every cached prefix; write_through_selective only those hit
         more than once."""
         policy = self.args.hicache_write_policy
-        if policy == "write_through" or (policy == "write_through_selective" and node.hit_count >= 2):
+        if policy == "write_through" or (
+            policy == "write_through_selective" and node.hit_count >= 2
+        ):
             self.hicache.backup(tokens, slots)
 
     def _start(self, req: Req, slots: list[int], node) -> None:
@@ -353,7 +418,7 @@ class Scheduler:
                 self.estimates.admit(req.rid, req.input_ids, req.max_prefix_len())
         self.cache.record_hit(node)
         if self.hicache is not None and slots:
-            self._back_up_prefix(req.fill_ids[:len(slots)], slots, node)
+            self._back_up_prefix(req.fill_ids[: len(slots)], slots, node)
         self.running.append(req)
 
     def _reserved_decode_slots(self) -> float:
@@ -367,8 +432,9 @@ class Scheduler:
         if not reqs:
             return []
         self._propose_drafts(reqs)
-        while not self._make_room(sum(self.allocator.pages_needed(len(r.kv_slots), 1 + len(r.drafts))
-                                      for r in reqs)):
+        while not self._make_room(
+            sum(self.allocator.pages_needed(len(r.kv_slots), 1 + len(r.drafts)) for r in reqs)
+        ):
             if any(r.drafts for r in reqs):
                 for r in reqs:
                     r.spec.drafts = []
@@ -380,7 +446,9 @@ class Scheduler:
             reqs = [r for r in reqs if r is not victim]
         for req in reqs:
             assert self._alloc(req, 1 + len(req.drafts))
-        self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - self._ratio_decay())
+        self.new_token_ratio = max(
+            self.args.min_new_token_ratio, self.new_token_ratio - self._ratio_decay()
+        )
         return reqs
 
     def _propose_drafts(self, reqs: list[Req]) -> None:
@@ -402,7 +470,8 @@ class Scheduler:
                 self.model_drafter.drafting = any(state.drafts for state, _ in proposals)
 
     def _draft_candidates(self, req: Req) -> list[int]:
-        """The n-gram drafter's tokens; for a draft model, placeholders for as many as it may draft."""
+        """The n-gram drafter's tokens; for a draft model, placeholders for as many as it may
+        draft."""
         limit = req.remaining_new_tokens - 1
         if self.model_drafter is not None:
             return [0] * max(min(limit, self.args.speculative_num_draft_tokens), 0)
@@ -417,7 +486,7 @@ class Scheduler:
         spec.draft_masks = self.grammars.draft_masks(req.grammar, spec.drafts)
         dropped = len(spec.drafts) - len(spec.draft_masks)
         if dropped:
-            del spec.drafts[len(spec.draft_masks):]
+            del spec.drafts[len(spec.draft_masks) :]
             self._free_tail(req, len(req.kv_slots) - dropped)
 
     def _free_tail(self, req: Req, keep: int) -> None:
@@ -470,7 +539,7 @@ class Scheduler:
         key = req.fill_ids[:aligned]
         already = self.cache.insert(key, req.kv_slots[:aligned])
         if already > req.cached_len:
-            self.allocator.free(req.kv_slots[req.cached_len:already])
+            self.allocator.free(req.kv_slots[req.cached_len : already])
             req.synced = min(req.synced, req.cached_len)
         slots, node = self.cache.match_prefix(key)
         self.cache.inc_lock_ref(node)
@@ -481,14 +550,15 @@ class Scheduler:
             self._back_up_prefix(key, slots, node)
 
     def _release(self, req: Req) -> None:
-        """Give back everything the request holds: KV to the tree or allocator, its lock, its row."""
+        """Give back everything the request holds: KV to the tree or allocator, its lock, its
+        row."""
         self._cache_prefix(req)
         self._drop(req)
 
     def _drop(self, req: Req) -> None:
         """Give back what the request holds without caching more of it: its uncached KV to the
         allocator, its tree lock, its row."""
-        self.allocator.free(req.kv_slots[req.cached_len:])
+        self.allocator.free(req.kv_slots[req.cached_len :])
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         if req.row is not None:
@@ -503,7 +573,8 @@ class Scheduler:
         total = self.allocator.available() + self.cache.total_size() + self.held_slots()
         assert total == self.allocator.num_slots, (
             f"KV leak: free {self.allocator.available()} + cached {self.cache.total_size()} + "
-            f"held {self.held_slots()} != {self.allocator.num_slots}")
+            f"held {self.held_slots()} != {self.allocator.num_slots}"
+        )
         assert self.rows.available() + len(self.running) == self.rows.num_rows
         if self.hicache is not None:
             self.hicache.host.check()
@@ -518,13 +589,24 @@ class Scheduler:
             positions += range(start, end)
             locs += req.kv_slots[start:end]
             if req.synced < start:
-                writes.append((req.row, req.synced, req.kv_slots[req.synced:start]))
+                writes.append((req.row, req.synced, req.kv_slots[req.synced : start]))
             req.synced = end
             seq_lens.append(end)
             logprobs.append(self._logprob_request(req, start, end - len(req.drafts)))
         draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
-        return ForwardBatch(mode, ids, positions, locs, [r.row for r in reqs], seq_lens, lens,
-                            writes, self._sampling_batch(reqs), logprobs, draft_lens)
+        return ForwardBatch(
+            mode,
+            ids,
+            positions,
+            locs,
+            [r.row for r in reqs],
+            seq_lens,
+            lens,
+            writes,
+            self._sampling_batch(reqs),
+            logprobs,
+            draft_lens,
+        )
 
     def _logprob_request(self, req: Req, start: int, end: int) -> LogprobRequest | None:
         if not req.return_logprob:
@@ -534,25 +616,35 @@ class Scheduler:
             lo = max(start, req.logprob_start_len - 1, 0)
             hi = min(end, len(req.input_ids) - 1)
             if lo < hi:
-                lp.prompt_start, lp.prompt_targets = lo - start, req.input_ids[lo + 1:hi + 1]
+                lp.prompt_start, lp.prompt_targets = lo - start, req.input_ids[lo + 1 : hi + 1]
         return lp
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         ps = [r.params for r in reqs]
         return SamplingBatch(
-            temperatures=[p.temperature for p in ps], top_ps=[p.top_p for p in ps],
-            top_ks=[p.top_k for p in ps], min_ps=[p.min_p for p in ps],
-            seeds=[p.seed for p in ps], steps=[len(r.output_ids) for r in reqs],
+            temperatures=[p.temperature for p in ps],
+            top_ps=[p.top_p for p in ps],
+            top_ks=[p.top_k for p in ps],
+            min_ps=[p.min_p for p in ps],
+            seeds=[p.seed for p in ps],
+            steps=[len(r.output_ids) for r in reqs],
             frequency_penalties=[p.frequency_penalty for p in ps],
             presence_penalties=[p.presence_penalty for p in ps],
             repetition_penalties=[p.repetition_penalty for p in ps],
             penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
-            penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+            penalty_prompts=[
+                r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs
+            ],
             suppressed_ids=[self._suppressed(r) for r in reqs],
-            token_masks=self._token_masks(reqs), logit_biases=_logit_biases(ps),
+            token_masks=self._token_masks(reqs),
+            logit_biases=_logit_biases(ps),
             fallback_ids=[self.fallback_id] * len(reqs),
-            draft_token_masks=[r.spec.draft_masks if r.drafts and r.grammar is not None else None for r in reqs]
-            if any(r.drafts and r.grammar is not None for r in reqs) else None)
+            draft_token_masks=[
+                r.spec.draft_masks if r.drafts and r.grammar is not None else None for r in reqs
+            ]
+            if any(r.drafts and r.grammar is not None for r in reqs)
+            else None,
+        )
 
     def _token_masks(self, reqs: list[Req]) -> list[list[int] | None] | None:
         if not any(r.grammar is not None for r in reqs):
@@ -562,7 +654,9 @@ class Scheduler:
     def _suppressed(self, req: Req) -> list[int] | None:
         if len(req.output_ids) >= req.params.min_new_tokens:
             return None
-        return sorted(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids))
+        return sorted(
+            set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
+        )
 
     # ---- results ---------------------------------------------------------
     def _process(self, step: Step, result: ForwardResult) -> None:
@@ -594,9 +688,11 @@ class Scheduler:
         got = result.prompt_logprobs[b]
         if got is not None:
             first = len(req.input_logprobs) + max(req.logprob_start_len, 0)
-            targets = req.input_ids[first:first + len(got.logprobs)]
+            targets = req.input_ids[first : first + len(got.logprobs)]
             req.input_logprobs += [[lp, t] for lp, t in zip(got.logprobs, targets)]
-            req.input_top_logprobs += [_pairs(t) for t in got.top] if got.top else [None] * len(targets)
+            req.input_top_logprobs += (
+                [_pairs(t) for t in got.top] if got.top else [None] * len(targets)
+            )
         if len(req.kv_slots) >= len(req.input_ids):
             req.prompt_logprobs_done = True
 
@@ -617,8 +713,11 @@ class Scheduler:
             req.output_logprobs.append([got.logprobs[i], token])
             req.output_top_logprobs.append(_pairs(got.top[i]) if got.top else None)
         if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish_reason = FinishReason("abort", message="no token satisfies both the grammar and the "
-                                 "other sampling constraints (stop_token_ids, min_new_tokens)")
+            req.finish_reason = FinishReason(
+                "abort",
+                message="no token satisfies both the grammar and the "
+                "other sampling constraints (stop_token_ids, min_new_tokens)",
+            )
             return
         req.finish_reason = self._finish_reason(req, token)
 
@@ -650,7 +749,9 @@ class Scheduler:
         Skipped with logprobs, which only sampled tokens have."""
         if req.return_logprob:
             return 0
-        tokens, req.grammar = self.grammars.forced_tokens(req.grammar, req.params.max_new_tokens - len(req.output_ids))
+        tokens, req.grammar = self.grammars.forced_tokens(
+            req.grammar, req.params.max_new_tokens - len(req.output_ids)
+        )
         req.output_ids += tokens
         self.stats.jump_forward_tokens_total += len(tokens)
         if tokens and len(req.output_ids) >= req.params.max_new_tokens:
@@ -688,23 +789,37 @@ class Scheduler:
         return None
 
     def _emit(self, req: Req) -> None:
-        new = req.output_ids[req.sent_len:]
+        new = req.output_ids[req.sent_len :]
         if not new and not req.finished:
             return
         first = req.sent_len == 0
         req.sent_len = len(req.output_ids)
-        out = ReqOutput(req.rid, new, req.finished, req.finish_reason, len(req.input_ids),
-                        len(req.output_ids), req.cached_tokens, queue_time=req.queue_time,
-                        stop=req.params.stop if first else None,
-                        skip_special_tokens=req.params.skip_special_tokens)
+        out = ReqOutput(
+            req.rid,
+            new,
+            req.finished,
+            req.finish_reason,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+            queue_time=req.queue_time,
+            stop=req.params.stop if first else None,
+            skip_special_tokens=req.params.skip_special_tokens,
+        )
         if req.spec is not None:
-            out.spec_verify_ct, out.spec_accepted_tokens = req.spec.verify_steps, req.spec.accepted_total
+            out.spec_verify_ct, out.spec_accepted_tokens = (
+                req.spec.verify_steps,
+                req.spec.accepted_total,
+            )
         if req.return_logprob:
-            out.output_logprobs = req.output_logprobs[req.sent_logprobs:]
-            out.output_top_logprobs = req.output_top_logprobs[req.sent_logprobs:]
+            out.output_logprobs = req.output_logprobs[req.sent_logprobs :]
+            out.output_top_logprobs = req.output_top_logprobs[req.sent_logprobs :]
             req.sent_logprobs = len(req.output_logprobs)
             if req.finished or len(req.output_ids) == len(new):
-                out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+                out.input_logprobs, out.input_top_logprobs = (
+                    req.input_logprobs,
+                    req.input_top_logprobs,
+                )
         if req.finished:
             kind = req.finish_reason.kind
             self.stats.requests_finished[kind] = self.stats.requests_finished.get(kind, 0) + 1
@@ -732,14 +847,27 @@ class Scheduler:
     def _log_step(self, step: Step) -> None:
         usage = 1 - self.allocator.available() / self.allocator.num_slots
         if step.num_prefill:
-            new = sum(step.batch.extend_lens[:step.num_prefill])
+            new = sum(step.batch.extend_lens[: step.num_prefill])
             cached = step.reused_tokens
-            log.info("prefill: %d reqs, %d new tokens, %d cached tokens (hit %.0f%%), token usage %.2f, "
-                     "running %d, queued %d", step.num_prefill, new, cached, 100 * cached / max(new + cached, 1),
-                     usage, len(self.running), len(self.waiting))
+            log.info(
+                "prefill: %d reqs, %d new tokens, %d cached tokens (hit %.0f%%), token usage %.2f, "
+                "running %d, queued %d",
+                step.num_prefill,
+                new,
+                cached,
+                100 * cached / max(new + cached, 1),
+                usage,
+                len(self.running),
+                len(self.waiting),
+            )
         if step.mode != ForwardMode.EXTEND and self.stats.forward_steps % DECODE_LOG_INTERVAL == 0:
-            log.info("decode: %d reqs, token usage %.2f, gen throughput %.1f tok/s, queued %d",
-                     len(step.reqs), usage, self._throughput(), len(self.waiting))
+            log.info(
+                "decode: %d reqs, token usage %.2f, gen throughput %.1f tok/s, queued %d",
+                len(step.reqs),
+                usage,
+                self._throughput(),
+                len(self.waiting),
+            )
 
     def snapshot(self) -> SchedulerStats:
         s = self.stats
@@ -765,7 +893,9 @@ class Scheduler:
         """The dashboard's biggest cached prefixes, each with the tiers that hold it."""
         rows = []
         for prefix in self.cache.top_prefixes(limit):
-            tiers = ["device"] + (self.hicache.tiers_of(prefix.tokens) if self.hicache is not None else [])
+            tiers = ["device"] + (
+                self.hicache.tiers_of(prefix.tokens) if self.hicache is not None else []
+            )
             rows.append(dict(vars(prefix), tiers=tiers))
         return rows
 
@@ -787,12 +917,24 @@ def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
     else:
         host_tokens = int(args.hicache_ratio * info.num_slots)
     model = args.model or "bundled"
-    identity = fingerprint(model, args.seed if model.startswith("dummy:") else None, args.quantization, info.dtype,
-                           block_size(info.page_size), tuple(pool.k[0].shape[1:]), len(pool.k), args.tp_size)
+    identity = fingerprint(
+        model,
+        args.seed if model.startswith("dummy:") else None,
+        args.quantization,
+        info.dtype,
+        block_size(info.page_size),
+        tuple(pool.k[0].shape[1:]),
+        len(pool.k),
+        args.tp_size,
+    )
     hicache = HiCache.create(pool, info.page_size, host_tokens, identity, args.hicache_storage_dir)
-    log.info("hierarchical cache: host tier %d tokens (%.1f MB), %s%s", hicache.capacity_tokens(),
-             hicache.capacity_tokens() * info.bytes_per_token / 2**20, args.hicache_write_policy,
-             f", storage {hicache.storage.folder}" if hicache.storage else "")
+    log.info(
+        "hierarchical cache: host tier %d tokens (%.1f MB), %s%s",
+        hicache.capacity_tokens(),
+        hicache.capacity_tokens() * info.bytes_per_token / 2**20,
+        args.hicache_write_policy,
+        f", storage {hicache.storage.folder}" if hicache.storage else "",
+    )
     return hicache
 
 

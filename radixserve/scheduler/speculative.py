@@ -14,6 +14,7 @@ at batch 1, and at batch 8, where a row costs about a decoded token's share, onl
 do, and they gain little. A request that keeps missing stops proposing for a while
 (exponentially longer after each run of misses).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -41,11 +42,13 @@ class SpecState:
     drafts: list[int] = field(default_factory=list)  # proposed for the step being run
     draft_masks: list[list[int]] = field(default_factory=list)  # grammar bitmasks after each draft
     accepted_ema: float = 1.0  # decayed sums: drafts accepted, and drafts tried (accepted or the
-    tried_ema: float = 2.0     # first rejected), so accept_rate = P(next draft kept | previous kept)
+    tried_ema: float = 2.0  # first rejected), so accept_rate = P(next draft kept | previous kept)
     misses: int = 0
     pauses: int = 0
     paused_until: int = 0  # output length before which no drafts are proposed
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    index: dict[tuple[int, ...], int] = field(
+        default_factory=dict
+    )  # n-gram -> end of its latest occurrence
     indexed: int = 0  # context positions whose n-grams are in `index`
     verify_steps: int = 0
     accepted_total: int = 0
@@ -116,8 +119,12 @@ class StepCost:
         return max(medians[lo] + slope * (rows - lo), MIN_STEP_S)
 
 
-def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost: StepCost,
-                  depth_seconds: float = 0.0) -> None:
+def budget_drafts(
+    proposals: list[tuple[SpecState, list[int]]],
+    rows: int,
+    cost: StepCost,
+    depth_seconds: float = 0.0,
+) -> None:
     """Set each request's drafts to the prefix of its proposal worth verifying this step: the
     most likely draft tokens, as many as give the step the most expected tokens per second.
     `rows` is the step's rows without drafts (one per request, plus prompt chunks).
@@ -125,8 +132,14 @@ def budget_drafts(proposals: list[tuple[SpecState, list[int]]], rows: int, cost:
     `depth_seconds` is what drafting one token deeper costs the whole batch (a draft model's
     step; n-gram drafts cost nothing). Since that cost is shared, each depth limit is tried
     and the one with the most tokens per second is kept."""
-    candidates = sorted(((state.accept_rate ** (j + 1), j, i) for i, (state, draft) in enumerate(proposals)
-                         for j in range(len(draft))), key=lambda c: (-c[0], c[1]))
+    candidates = sorted(
+        (
+            (state.accept_rate ** (j + 1), j, i)
+            for i, (state, draft) in enumerate(proposals)
+            for j in range(len(draft))
+        ),
+        key=lambda c: (-c[0], c[1]),
+    )
     longest = max((len(draft) for _, draft in proposals), default=0)
     best_rate, best = len(proposals) / cost.seconds(rows), [0] * len(proposals)
     for depth in range(1, longest + 1) if depth_seconds > 0 else [longest]:
@@ -153,7 +166,9 @@ class NgramDrafter:
         self.max_drafts = max_drafts
         self.shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
-    def propose(self, state: SpecState, tokens: list[int], output_len: int, limit: int) -> list[int]:
+    def propose(
+        self, state: SpecState, tokens: list[int], output_len: int, limit: int
+    ) -> list[int]:
         """Up to `limit` draft tokens to follow `tokens` (prompt and output so far); none while
         the request is paused."""
         if output_len < state.paused_until or limit <= 0:
@@ -164,7 +179,7 @@ class NgramDrafter:
             key = tuple(tokens[-n:])
             end = state.index.get(key)
             if end is not None:
-                return tokens[end + 1:end + 1 + limit]
+                return tokens[end + 1 : end + 1 + limit]
             follow = self.shared.get(key)
             if follow is not None:
                 self.shared.move_to_end(key)
@@ -176,15 +191,15 @@ class NgramDrafter:
         """Index the n-grams ending before the last token (the last one is the lookup key)."""
         for end in range(state.indexed, len(tokens) - 1):
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
-                state.index[tuple(tokens[end + 1 - n:end + 1])] = end
+                state.index[tuple(tokens[end + 1 - n : end + 1])] = end
         state.indexed = max(state.indexed, len(tokens) - 1)
 
     def remember(self, output: list[int]) -> None:
         """Keep a finished request's output n-grams, each with the tokens that followed it."""
         for end in range(MIN_NGRAM - 1, len(output) - 1):
-            follow = tuple(output[end + 1:end + 1 + self.max_drafts])
+            follow = tuple(output[end + 1 : end + 1 + self.max_drafts])
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
-                key = tuple(output[end + 1 - n:end + 1])
+                key = tuple(output[end + 1 - n : end + 1])
                 self.shared[key] = follow
                 self.shared.move_to_end(key)
         while len(self.shared) > SHARED_NGRAMS:

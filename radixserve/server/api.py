@@ -1,10 +1,11 @@
 """The FastAPI app: SGLang's native routes, health, control; OpenAI routes live in openai_api."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -54,7 +55,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     --max-request-bytes a 413, malformed or mistyped input a 400 naming the field."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
-        raise RequestError(f"Content-Type must be application/json, got {content_type or 'none'!r}", 415)
+        raise RequestError(
+            f"Content-Type must be application/json, got {content_type or 'none'!r}", 415
+        )
     raw = await read_body(request, request.app.state.args.max_request_bytes)
     try:
         data = orjson.loads(raw or b"{}")
@@ -72,7 +75,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `limit` bytes."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the request body has {declared} bytes; this server accepts at most {limit}", 413)
+        raise RequestError(
+            f"the request body has {declared} bytes; this server accepts at most {limit}", 413
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -82,16 +87,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def error_response(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int = 400, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status), status_code=status, headers=headers)
 
 
 def error_body(message: str, status: int) -> dict:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-            404: "NotFoundError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-            499: "ClientClosedRequest", 503: "ServiceUnavailableError"}.get(status, "Error")
-    return {"object": "error", "message": message, "type": kind, "code": status,
-            "error": {"message": message, "type": kind, "code": status}}
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        403: "PermissionDeniedError",
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+        415: "UnsupportedMediaTypeError",
+        499: "ClientClosedRequest",
+        503: "ServiceUnavailableError",
+    }.get(status, "Error")
+    return {
+        "object": "error",
+        "message": message,
+        "type": kind,
+        "code": status,
+        "error": {"message": message, "type": kind, "code": status},
+    }
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -100,6 +119,7 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
     """Server-sent events; a request that fails mid-stream ends with an error event and [DONE]."""
+
     async def body():
         try:
             async for chunk in chunks:
@@ -110,17 +130,25 @@ def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
             yield b"data: [DONE]\n\n"
         finally:  # a disconnected client cancels us here: close the chain so the request aborts
             await chunks.aclose()
+
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
     # FastAPI's own docs routes skip app dependencies: they are added below, behind the key
-    app = FastAPI(title="radixserve", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(auth_dependency(server_args.api_key))])
+    app = FastAPI(
+        title="radixserve",
+        version="0.1.0",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(auth_dependency(server_args.api_key))],
+    )
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
     install_error_handlers(app)
     _native_routes(app, tm, server_args, health)
     from .openai_api import openai_routes
+
     openai_routes(app, tm, server_args)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
@@ -175,6 +203,7 @@ def auth_dependency(api_key: str | None):
     It also refuses requests a web page of another origin sends (a browser names that page in
     `Origin`): with CORS off they have no business here, and without a key they could drive the
     server from any site."""
+
     async def check_key(request: Request) -> None:
         origin = request.headers.get("origin")
         if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
@@ -183,6 +212,7 @@ def auth_dependency(api_key: str | None):
             return
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+
     return check_key
 
 
@@ -194,8 +224,11 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
     return [value] * count
 
 
-async def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateReq], bool]:
-    """The batch of scheduler requests a /generate body stands for, and whether it was a single prompt."""
+async def build_generate(
+    tm: TokenizerManager, body: GenerateRequest
+) -> tuple[list[GenerateReq], bool]:
+    """The batch of scheduler requests a /generate body stands for, and whether it was a single
+    prompt."""
     if (body.text is None) == (body.input_ids is None):
         raise RequestError("send exactly one of 'text' or 'input_ids'")
     if body.text is not None:
@@ -208,14 +241,24 @@ async def build_generate(tm: TokenizerManager, body: GenerateRequest) -> tuple[l
         raise RequestError("the batch is empty")
     n = len(id_lists)
     params = _per_prompt(body.sampling_params, n, "sampling_params")
-    rids = _per_prompt(body.rid, n, "rid") if isinstance(body.rid, list) else [
-        None if body.rid is None else (body.rid if single else f"{body.rid}-{i}") for i in range(n)]
+    rids = (
+        _per_prompt(body.rid, n, "rid")
+        if isinstance(body.rid, list)
+        else [
+            None if body.rid is None else (body.rid if single else f"{body.rid}-{i}")
+            for i in range(n)
+        ]
+    )
     logprob = _per_prompt(body.return_logprob or False, n, "return_logprob")
-    starts = _per_prompt(-1 if body.logprob_start_len is None else body.logprob_start_len, n, "logprob_start_len")
+    starts = _per_prompt(
+        -1 if body.logprob_start_len is None else body.logprob_start_len, n, "logprob_start_len"
+    )
     tops = _per_prompt(body.top_logprobs_num or 0, n, "top_logprobs_num")
     reqs = []
     for i in range(n):
-        reqs += tm.expand_n(tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i]))
+        reqs += tm.expand_n(
+            tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i])
+        )
     return reqs, single and len(reqs) == 1
 
 
@@ -250,23 +293,35 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
     async def health_generate():
         if (problem := health.problem()) is not None:
             return error_response(f"unhealthy: {problem}", 503)
-        req = tm.make_request([tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
-                              {"max_new_tokens": 1, "temperature": 0})
+        req = tm.make_request(
+            [tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
+            {"max_new_tokens": 1, "temperature": 0},
+        )
         await asyncio.wait_for(tm.run_to_end(req), timeout=60)
         return Response(status_code=200)
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": args.engine.model or tm.model_name, "tokenizer_path": args.engine.model,
-                "is_generation": True, "served_model_name": served_name(tm, args)}
+        return {
+            "model_path": args.engine.model or tm.model_name,
+            "tokenizer_path": args.engine.model,
+            "is_generation": True,
+            "served_model_name": served_name(tm, args),
+        }
 
     @app.get("/get_server_info")
     async def server_info():
         stats = await tm.control("stats")
-        return json_response({**server_args_dict(args), "worker": vars(tm.info),
-                              "max_total_num_tokens": tm.info.num_slots,
-                              "stats": stats, "uptime_s": time.time() - health.started,
-                              "processes": health.processes})
+        return json_response(
+            {
+                **server_args_dict(args),
+                "worker": vars(tm.info),
+                "max_total_num_tokens": tm.info.num_slots,
+                "stats": stats,
+                "uptime_s": time.time() - health.started,
+                "processes": health.processes,
+            }
+        )
 
     @app.get("/get_chat_template")
     async def chat_template():
@@ -299,7 +354,9 @@ async def _stream_generate(tm: TokenizerManager, req: GenerateReq, body: Generat
         await stream.aclose()
 
 
-async def _stream_generate_many(tm: TokenizerManager, reqs: list[GenerateReq], body: GenerateRequest):
+async def _stream_generate_many(
+    tm: TokenizerManager, reqs: list[GenerateReq], body: GenerateRequest
+):
     """Several prompts (or n > 1) in one stream: chunks interleave as they come, each with the
     `index` of its request; closing the stream aborts whatever is still running."""
     updates: asyncio.Queue = asyncio.Queue()

@@ -1,4 +1,6 @@
-"""Starts the processes (scheduler with TP rank 0, ranks > 0, detokenizer), serves HTTP, and cleans up."""
+"""Starts the processes (scheduler with TP rank 0, ranks > 0, detokenizer), serves HTTP, and
+cleans up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +30,9 @@ from .tokenizer_manager import TokenizerManager, api_inbox
 log = logging.getLogger("radixserve")
 READY_TIMEOUT_S = 900
 HEALTH_STALL_S = 30.0  # /health turns 503 when the scheduler loop is stuck this long with work
-DEATH_GRACE_S = 0.5  # after a child dies, time for the failed requests' errors to reach their clients
+DEATH_GRACE_S = (
+    0.5  # after a child dies, time for the failed requests' errors to reach their clients
+)
 SCHEDULER_MAIN = "radixserve.scheduler.process:run_scheduler"
 FOLLOWER_MAIN = "radixserve.worker.process:run_follower"  # a tensor-parallel rank > 0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -84,18 +88,32 @@ def run_child(main: str, *args) -> None:
     getattr(importlib.import_module(module), function)(*args)
 
 
-def start_children(args: ServerArgs, endpoints: Endpoints, tokenizer_dir, heartbeat: Heartbeat) -> Children:
+def start_children(
+    args: ServerArgs, endpoints: Endpoints, tokenizer_dir, heartbeat: Heartbeat
+) -> Children:
     ctx = mp.get_context("spawn")
     e = args.engine
     init_method = e.dist_init_method(endpoints.tp_init_file)
     procs = {
-        "detokenizer": ctx.Process(target=run_detokenizer, args=(tokenizer_dir, endpoints, e.log_level),
-                                   name="radixserve-detokenizer"),
-        **{f"worker (tp rank {rank})": ctx.Process(target=run_child, args=(FOLLOWER_MAIN, e, init_method, rank),
-                                                   name=f"radixserve-worker-tp{rank}")
-           for rank in e.local_tp_ranks() if rank > 0},
-        "scheduler": ctx.Process(target=run_child, args=(SCHEDULER_MAIN, e, endpoints, heartbeat),
-                                 name="radixserve-scheduler"),
+        "detokenizer": ctx.Process(
+            target=run_detokenizer,
+            args=(tokenizer_dir, endpoints, e.log_level),
+            name="radixserve-detokenizer",
+        ),
+        **{
+            f"worker (tp rank {rank})": ctx.Process(
+                target=run_child,
+                args=(FOLLOWER_MAIN, e, init_method, rank),
+                name=f"radixserve-worker-tp{rank}",
+            )
+            for rank in e.local_tp_ranks()
+            if rank > 0
+        },
+        "scheduler": ctx.Process(
+            target=run_child,
+            args=(SCHEDULER_MAIN, e, endpoints, heartbeat),
+            name="radixserve-scheduler",
+        ),
     }
     for proc in procs.values():
         proc.start()
@@ -110,7 +128,9 @@ def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:
         while time.time() < deadline:
             dead = children.first_dead()
             if dead:
-                raise RuntimeError(f"the {dead[0]} process died during start-up (exit code {dead[1]})")
+                raise RuntimeError(
+                    f"the {dead[0]} process died during start-up (exit code {dead[1]})"
+                )
             for msg in recv_all(sock, 500):
                 if isinstance(msg, SchedulerReady):
                     return msg
@@ -120,8 +140,13 @@ def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:
         ctx.term()
 
 
-def watch_children(children: Children, health: Health, server: uvicorn.Server, exit_code: list[int],
-                   on_death: Callable[[str], None]) -> None:
+def watch_children(
+    children: Children,
+    health: Health,
+    server: uvicorn.Server,
+    exit_code: list[int],
+    on_death: Callable[[str], None],
+) -> None:
     """When a child dies: go unhealthy, fail the requests in flight (`on_death`), give their
     clients a moment to receive the error, then shut down."""
     while not server.should_exit:
@@ -141,13 +166,17 @@ def watch_children(children: Children, health: Health, server: uvicorn.Server, e
 def launch_server(args: ServerArgs) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1). On a node other
     than node 0, only this node's tensor-parallel ranks run."""
-    logging.basicConfig(level=args.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.engine.log_level.upper(), format="%(asctime)s %(name)s: %(message)s"
+    )
     if args.engine.node_rank > 0:
         return run_node_ranks(args.engine)
     started = time.time()
     source = resolve_model(args.engine.model)
     if args.engine.speculative_draft_model is not None:
-        resolve_draft_model(args.engine.speculative_draft_model, source)  # refused here, before any child starts
+        resolve_draft_model(
+            args.engine.speculative_draft_model, source
+        )  # refused here, before any child starts
     endpoints = Endpoints.create()
     heartbeat = Heartbeat(mp.get_context("spawn"))
     children = start_children(args, endpoints, source.tokenizer_dir, heartbeat)
@@ -155,11 +184,18 @@ def launch_server(args: ServerArgs) -> int:
     try:
         tokenizer = load_tokenizer_or_none(source.tokenizer_dir)  # while the children start
         ready = wait_ready(endpoints, children)
-        tm = TokenizerManager(tokenizer, endpoints, ready, args.engine.max_n, args.max_queued_requests)
-        health = Health(processes={name: p.pid for name, p in children.procs.items()}, heartbeat=heartbeat,
-                        stall_limit=min(HEALTH_STALL_S, args.engine.watchdog_timeout))
+        tm = TokenizerManager(
+            tokenizer, endpoints, ready, args.engine.max_n, args.max_queued_requests
+        )
+        health = Health(
+            processes={name: p.pid for name, p in children.procs.items()},
+            heartbeat=heartbeat,
+            stall_limit=min(HEALTH_STALL_S, args.engine.watchdog_timeout),
+        )
         app = create_app(tm, args, health)
-        on_death: list[Callable[[str], None]] = [lambda reason: None]  # set once the event loop runs
+        on_death: list[Callable[[str], None]] = [
+            lambda reason: None
+        ]  # set once the event loop runs
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -172,11 +208,16 @@ def launch_server(args: ServerArgs) -> int:
             sampler.cancel()
 
         app.router.lifespan_context = lifespan
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2
+        )
         server = GracefulServer(config)
-        threading.Thread(target=watch_children, daemon=True, name="child-watch",
-                         args=(children, health, server, exit_code, lambda reason: on_death[0](reason))).start()
+        threading.Thread(
+            target=watch_children,
+            daemon=True,
+            name="child-watch",
+            args=(children, health, server, exit_code, lambda reason: on_death[0](reason)),
+        ).start()
         server.run()
         if not server.started and exit_code[0] == 0:
             exit_code[0] = 1
@@ -191,7 +232,13 @@ def launch_server(args: ServerArgs) -> int:
 
 
 def log_ready(args: ServerArgs, ready: SchedulerReady, seconds: float) -> None:
-    log.info("serving %s on http://%s:%d (cold start %.1f s)", ready.model_name, args.host, args.port, seconds)
+    log.info(
+        "serving %s on http://%s:%d (cold start %.1f s)",
+        ready.model_name,
+        args.host,
+        args.port,
+        seconds,
+    )
     log.info(ready.info.capacity_line())
 
 
@@ -199,18 +246,28 @@ def run_node_ranks(engine: EngineArgs) -> int:
     """A node > 0 of multi-node tensor parallelism: its ranks follow rank 0 (on node 0) over
     torch.distributed. Exits 0 on SIGINT/SIGTERM, 1 when a rank exits (node 0 went away)."""
     ctx = mp.get_context("spawn")
-    children = Children({f"worker (tp rank {rank})": ctx.Process(target=run_child,
-                                                                   args=(FOLLOWER_MAIN, engine,
-                                                                         engine.dist_init_method(), rank),
-                                                                   name=f"radixserve-worker-tp{rank}")
-                         for rank in engine.local_tp_ranks()})
+    children = Children(
+        {
+            f"worker (tp rank {rank})": ctx.Process(
+                target=run_child,
+                args=(FOLLOWER_MAIN, engine, engine.dist_init_method(), rank),
+                name=f"radixserve-worker-tp{rank}",
+            )
+            for rank in engine.local_tp_ranks()
+        }
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     for proc in children.procs.values():
         proc.start()
-    log.info("node %d of %d: tensor-parallel ranks %s joining %s", engine.node_rank, engine.nnodes,
-             engine.local_tp_ranks(), engine.dist_init_addr)
+    log.info(
+        "node %d of %d: tensor-parallel ranks %s joining %s",
+        engine.node_rank,
+        engine.nnodes,
+        engine.local_tp_ranks(),
+        engine.dist_init_addr,
+    )
     try:
         while not stop.wait(0.2):
             if (dead := children.first_dead()) is not None:

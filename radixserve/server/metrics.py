@@ -4,6 +4,7 @@ The scheduler owns the cache and batch figures: the api process asks it for a
 snapshot (one small control message) and exports it through a custom collector,
 so nothing is shared between processes. Request latencies are measured here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,10 +30,14 @@ class Metrics:
         self.tm = tm
         self.registry = CollectorRegistry()
         histogram = lambda name, doc, buckets=LATENCY_BUCKETS: Histogram(  # noqa: E731
-            P + name, doc, buckets=buckets, registry=self.registry)
+            P + name, doc, buckets=buckets, registry=self.registry
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
-                             (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between output tokens",
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
         self.queue = histogram("queue_time_seconds", "Time from arrival to admission")
         self.registry.register(_SchedulerCollector(self))
@@ -70,11 +75,19 @@ class Metrics:
 
     @staticmethod
     def _point(s: dict) -> dict:
-        return {"t": time.time(), "hit_rate": s["cache_hit_rate"], "recent_hit_rate": s["recent_hit_rate"],
-                "cached_total": s["cached_tokens_total"],
-                "computed_total": s["prompt_tokens_total"] - s["cached_tokens_total"],
-                "throughput": s["gen_throughput"], "running": s["num_running"], "queued": s["num_queued"],
-                "kv_running": s["running_slots"], "kv_cached": s["cached_slots"], "kv_free": s["free_slots"]}
+        return {
+            "t": time.time(),
+            "hit_rate": s["cache_hit_rate"],
+            "recent_hit_rate": s["recent_hit_rate"],
+            "cached_total": s["cached_tokens_total"],
+            "computed_total": s["prompt_tokens_total"] - s["cached_tokens_total"],
+            "throughput": s["gen_throughput"],
+            "running": s["num_running"],
+            "queued": s["num_queued"],
+            "kv_running": s["running_slots"],
+            "kv_cached": s["cached_slots"],
+            "kv_free": s["free_slots"],
+        }
 
     async def dashboard_data(self) -> dict:
         """The dashboard's payload; the radix-tree walk for the top prefixes runs only here,
@@ -82,14 +95,25 @@ class Metrics:
         if not self.history:
             await self.refresh()
         prefixes = (await self.tm.control("top_prefixes", TOP_PREFIXES))["top_prefixes"]
-        return {"model": self.tm.model_name, "now": time.time(), "current": self.snapshot,
-                "ttft": _percentiles(self.recent_ttft), "history": list(self.history),
-                "top_prefixes": [self._prefix_row(p) for p in prefixes]}
+        return {
+            "model": self.tm.model_name,
+            "now": time.time(),
+            "current": self.snapshot,
+            "ttft": _percentiles(self.recent_ttft),
+            "history": list(self.history),
+            "top_prefixes": [self._prefix_row(p) for p in prefixes],
+        }
 
     def _prefix_row(self, p: dict) -> dict:
-        return {"tokens": p["num_tokens"], "hits": p["hit_count"], "idle_s": p["idle_seconds"],
-                "locked": p["locked"], "saved_tokens": p["hit_count"] * p["num_tokens"], "tiers": p["tiers"],
-                "preview": self._preview(p["tokens"])}
+        return {
+            "tokens": p["num_tokens"],
+            "hits": p["hit_count"],
+            "idle_s": p["idle_seconds"],
+            "locked": p["locked"],
+            "saved_tokens": p["hit_count"] * p["num_tokens"],
+            "tiers": p["tiers"],
+            "preview": self._preview(p["tokens"]),
+        }
 
     def _preview(self, tokens: list[int]) -> str:
         """The start and the end of a cached prefix, so siblings can be told apart."""
@@ -113,15 +137,27 @@ class _SchedulerCollector:
     """Exports the latest scheduler snapshot as Prometheus families."""
 
     GAUGES = [
-        ("cache_hit_rate", "Prompt tokens served from the radix cache / all prompt tokens", "cache_hit_rate"),
-        ("recent_cache_hit_rate", "Cache hit rate over the last 200 admitted requests", "recent_hit_rate"),
+        (
+            "cache_hit_rate",
+            "Prompt tokens served from the radix cache / all prompt tokens",
+            "cache_hit_rate",
+        ),
+        (
+            "recent_cache_hit_rate",
+            "Cache hit rate over the last 200 admitted requests",
+            "recent_hit_rate",
+        ),
         ("num_running_reqs", "Requests in the running batch", "num_running"),
         ("num_queue_reqs", "Requests waiting for admission", "num_queued"),
         ("kv_capacity_tokens", "KV pool size in tokens", "num_slots"),
         ("kv_free_tokens", "Free KV slots", "free_slots"),
         ("kv_cached_tokens", "KV slots held by the radix tree", "cached_slots"),
         ("kv_evictable_tokens", "Cached KV slots no request holds (evictable)", "evictable_slots"),
-        ("kv_running_tokens", "KV slots held by running requests outside the tree", "running_slots"),
+        (
+            "kv_running_tokens",
+            "KV slots held by running requests outside the tree",
+            "running_slots",
+        ),
         ("radix_tree_nodes", "Nodes of the radix tree", "radix_nodes"),
         ("gen_throughput", "Generated tokens per second (last 10 s)", "gen_throughput"),
     ]
@@ -131,11 +167,17 @@ class _SchedulerCollector:
         ("generation_tokens", "Generated tokens", "generation_tokens_total"),
         ("evicted_tokens", "Tokens evicted from the radix cache", "evicted_tokens_total"),
         ("retractions", "Requests retracted for lack of KV memory", "retractions_total"),
-        ("jump_forward_tokens", "Output tokens a grammar forced, added without decode steps",
-         "jump_forward_tokens_total"),
+        (
+            "jump_forward_tokens",
+            "Output tokens a grammar forced, added without decode steps",
+            "jump_forward_tokens_total",
+        ),
         ("aborted_requests", "Aborted requests", "aborted_total"),
-        ("spec_verify_steps", "Request-steps that verified draft tokens (speculative decoding)",
-         "spec_verify_steps_total"),
+        (
+            "spec_verify_steps",
+            "Request-steps that verified draft tokens (speculative decoding)",
+            "spec_verify_steps_total",
+        ),
         ("spec_draft_tokens", "Draft tokens verified", "spec_draft_tokens_total"),
         ("spec_accepted_tokens", "Draft tokens accepted", "spec_accepted_tokens_total"),
     ]
@@ -150,17 +192,26 @@ class _SchedulerCollector:
         for name, doc, key in self.GAUGES:
             yield GaugeMetricFamily(P + name, doc, value=s[key])
         used = s["num_slots"] - s["free_slots"]
-        yield GaugeMetricFamily(P + "token_usage", "Used share of the KV pool", value=used / max(s["num_slots"], 1))
+        yield GaugeMetricFamily(
+            P + "token_usage", "Used share of the KV pool", value=used / max(s["num_slots"], 1)
+        )
         for name, doc, key in self.COUNTERS:
             yield CounterMetricFamily(P + name, doc, value=s[key])
         computed = s["prompt_tokens_total"] - s["cached_tokens_total"]
-        yield CounterMetricFamily(P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed)
+        yield CounterMetricFamily(
+            P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed
+        )
         if s["spec_verify_steps_total"]:
-            yield GaugeMetricFamily(P + "spec_accept_length", "Tokens per verify step: accepted drafts + 1",
-                                    value=1 + s["spec_accepted_tokens_total"] / s["spec_verify_steps_total"])
+            yield GaugeMetricFamily(
+                P + "spec_accept_length",
+                "Tokens per verify step: accepted drafts + 1",
+                value=1 + s["spec_accepted_tokens_total"] / s["spec_verify_steps_total"],
+            )
         yield from _estimate_families(s)
         yield from _hicache_families(s.get("hicache") or {})
-        family = CounterMetricFamily(P + "requests", "Finished requests by finish reason", labels=["finish_reason"])
+        family = CounterMetricFamily(
+            P + "requests", "Finished requests by finish reason", labels=["finish_reason"]
+        )
         for reason, count in sorted(s["requests_finished"].items()):
             family.add_metric([reason], count)
         yield family
@@ -170,21 +221,30 @@ def _estimate_families(s: dict):
     """What the recent hit rate would have been with the KV memory scaled (`mem.shadow`)."""
     if not s.get("cache_estimates"):
         return
-    family = GaugeMetricFamily(P + "cache_hit_rate_estimate", "Recent cache hit rate estimated for the KV memory "
-                               "scaled by `memory` (shadow caches)", labels=["memory"])
+    family = GaugeMetricFamily(
+        P + "cache_hit_rate_estimate",
+        "Recent cache hit rate estimated for the KV memory scaled by `memory` (shadow caches)",
+        labels=["memory"],
+    )
     for memory, value in s["cache_estimates"].items():
         family.add_metric([memory], value)
     yield family
-    yield CounterMetricFamily(P + "cache_estimate_seconds", "Scheduler time spent on those estimates",
-                              value=s["cache_estimate_seconds"])
+    yield CounterMetricFamily(
+        P + "cache_estimate_seconds",
+        "Scheduler time spent on those estimates",
+        value=s["cache_estimate_seconds"],
+    )
 
 
 def _hicache_families(h: dict):
     """The hierarchical cache's figures per tier (host memory, storage), when it is on."""
     if not h:
         return
-    hits = CounterMetricFamily(P + "hicache_hit_tokens", "Prompt tokens found in a tier below the device pool",
-                               labels=["tier"])
+    hits = CounterMetricFamily(
+        P + "hicache_hit_tokens",
+        "Prompt tokens found in a tier below the device pool",
+        labels=["tier"],
+    )
     hits.add_metric(["host"], h["host_hit_tokens"])
     hits.add_metric(["storage"], h["storage_hit_tokens"])
     yield hits
@@ -192,15 +252,30 @@ def _hicache_families(h: dict):
         ("hicache_loaded_tokens", "Tokens loaded back into the device pool", "loaded_tokens"),
         ("hicache_load_seconds", "Time spent loading blocks back", "load_seconds"),
         ("hicache_loaded_bytes", "Bytes copied into the device pool", "loaded_bytes"),
-        ("hicache_backed_up_bytes", "Bytes copied from the device pool to the host tier", "backed_up_bytes"),
+        (
+            "hicache_backed_up_bytes",
+            "Bytes copied from the device pool to the host tier",
+            "backed_up_bytes",
+        ),
         ("hicache_storage_written_blocks", "Blocks written to storage", "storage_written_blocks"),
-        ("hicache_storage_skipped_blocks", "Blocks not written to storage (disk full or writer behind)",
-         "storage_skipped_blocks"),
-        ("hicache_storage_bad_blocks", "Stored blocks found corrupt, truncated or foreign (recomputed)",
-         "storage_bad_blocks"),
+        (
+            "hicache_storage_skipped_blocks",
+            "Blocks not written to storage (disk full or writer behind)",
+            "storage_skipped_blocks",
+        ),
+        (
+            "hicache_storage_bad_blocks",
+            "Stored blocks found corrupt, truncated or foreign (recomputed)",
+            "storage_bad_blocks",
+        ),
         ("hicache_load_timeouts", "Loads cut short by the timeout", "load_timeouts"),
     ]:
         yield CounterMetricFamily(P + name, doc, value=h[key])
-    yield GaugeMetricFamily(P + "hicache_host_used_tokens", "Tokens held by the host tier", value=h["host_used_tokens"])
-    yield GaugeMetricFamily(P + "hicache_host_capacity_tokens", "Host tier size in tokens",
-                            value=h["host_capacity_tokens"])
+    yield GaugeMetricFamily(
+        P + "hicache_host_used_tokens", "Tokens held by the host tier", value=h["host_used_tokens"]
+    )
+    yield GaugeMetricFamily(
+        P + "hicache_host_capacity_tokens",
+        "Host tier size in tokens",
+        value=h["host_capacity_tokens"],
+    )

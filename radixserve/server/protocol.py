@@ -1,6 +1,7 @@
 """Request bodies of the HTTP API, as pydantic models in strict mode: wrong types (`"1"` or
 `1.0` for an integer, `"yes"` for a boolean) are 400s naming the field, never coerced. OpenAI
 fields that radixserve does not implement are refused by name, not dropped."""
+
 from __future__ import annotations
 
 import json
@@ -11,23 +12,51 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # OpenAI request fields with no implementation here: refused when set to anything but these
 # values (a client that sends the default loses nothing).
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple] = {
-    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "suffix": (None, ""),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "reasoning_effort": (None,), "store": (None, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
 }
-TOOL_FIELDS: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}
+TOOL_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+}
 TEXT_PART = "text"
 # apply_chat_template's own arguments, not template variables
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def refuse_unsupported(data: Any, fields: dict[str, tuple]) -> Any:
     if isinstance(data, dict):
         for name, allowed in fields.items():
-            if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in allowed):
+            if name in data and not any(
+                data[name] == value and type(data[name]) is type(value) for value in allowed
+            ):
                 raise ValueError(f"{name!r} is not supported by radixserve")
     return data
 
@@ -129,14 +158,25 @@ class _OpenAIBase(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
         }
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
-                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                    "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
-                    "stop_token_ids": self.stop_token_ids, "regex": self.regex, "ebnf": self.ebnf,
-                    "logit_bias": self.logit_bias}
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "logit_bias": self.logit_bias,
+        }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.response_format is not None:
             params.update(self.response_format.grammar())
@@ -213,8 +253,10 @@ class ChatMessage(BaseModel):
         for part in content if isinstance(content, list) else []:
             kind = part.get("type")
             if kind != TEXT_PART or not isinstance(part.get("text"), str):
-                raise ValueError(f"content parts must be {{'type': 'text', 'text': str}}; "
-                                 f"parts of type {kind!r} are not supported")
+                raise ValueError(
+                    f"content parts must be {{'type': 'text', 'text': str}}; "
+                    f"parts of type {kind!r} are not supported"
+                )
         return content
 
     def text(self) -> str:
@@ -226,8 +268,17 @@ class ChatMessage(BaseModel):
         """The message as chat templates take it (tool calls with their arguments as objects)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_object(c.function.arguments)}} for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _json_object(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -250,8 +301,12 @@ class ChatCompletionRequest(_OpenAIBase):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    separate_reasoning: bool = True  # with --reasoning-parser: reasoning in message.reasoning_content
-    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking)
+    separate_reasoning: bool = (
+        True  # with --reasoning-parser: reasoning in message.reasoning_content
+    )
+    chat_template_kwargs: dict[str, Any] | None = (
+        None  # more variables for the template (enable_thinking)
+    )
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     add_generation_prompt: bool | None = None  # default: True, unless continue_final_message
 
@@ -260,8 +315,10 @@ class ChatCompletionRequest(_OpenAIBase):
     def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         taken = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
         if taken:
-            raise ValueError(f"chat_template_kwargs cannot set {taken}; they are request fields or "
-                             f"radixserve's own")
+            raise ValueError(
+                f"chat_template_kwargs cannot set {taken}; they are request fields or "
+                f"radixserve's own"
+            )
         return kwargs
 
     @classmethod
@@ -272,30 +329,48 @@ class ChatCompletionRequest(_OpenAIBase):
     def _continued_message_is_the_assistants(self) -> "ChatCompletionRequest":
         if self.continue_final_message:
             if self.messages[-1].role != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the assistant's")
+                raise ValueError(
+                    "continue_final_message needs the last message to be the assistant's"
+                )
             if self.add_generation_prompt:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be true"
+                )
         return self
 
     def template_options(self) -> dict[str, Any]:
         """Keyword arguments of the chat template for this request."""
-        opening = not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": opening,
-                "continue_final_message": self.continue_final_message}
+        opening = (
+            not self.continue_final_message
+            if self.add_generation_prompt is None
+            else self.add_generation_prompt
+        )
+        return {
+            **(self.chat_template_kwargs or {}),
+            "add_generation_prompt": opening,
+            "continue_final_message": self.continue_final_message,
+        }
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
         names = [t.function.name for t in self.tools or []]
         if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if (
+            isinstance(self.tool_choice, NamedToolChoice)
+            and self.tool_choice.function.name not in names
+        ):
+            raise ValueError(
+                f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+            )
         return self
 
     def template_functions(self) -> list[dict[str, Any]]:
         """The functions the prompt shows, as OpenAI dicts: every tool, with tool_choice 'none'
         too, so that an agent loop's prompts keep one prefix (and hit the radix cache)."""
-        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []]
+        return [
+            t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []
+        ]
 
     def offered_functions(self) -> list[dict[str, Any]]:
         """The functions the model may call (none with tool_choice 'none')."""

@@ -1,4 +1,5 @@
 """The api process's side of a request: validate, tokenize, send, await outputs, abort."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,14 +40,22 @@ class _Pending:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, endpoints: Endpoints, ready: SchedulerReady, max_n: int = 16,
-                 max_queued: int | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        endpoints: Endpoints,
+        ready: SchedulerReady,
+        max_n: int = 16,
+        max_queued: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.endpoints = endpoints
         self.info = ready.info
         self.model_name = ready.model_name
         self.max_n = max_n
-        self.max_in_flight = None if max_queued is None else max_queued + ready.info.max_running_requests
+        self.max_in_flight = (
+            None if max_queued is None else max_queued + ready.info.max_running_requests
+        )
         self.dead: str | None = None  # why the server can no longer run requests
         self.pending: dict[str, _Pending] = {}
         self.replies: dict[str, asyncio.Future] = {}
@@ -72,7 +81,8 @@ class TokenizerManager:
         return await asyncio.to_thread(self.tokenize, text)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
-        """The rendered prompt; `options` are the template's (`ChatCompletionRequest.template_options`)."""
+        """The rendered prompt; `options` are the template's
+        (`ChatCompletionRequest.template_options`)."""
         if self.tokenizer is None:
             raise RequestError("this model has no chat template")
         try:
@@ -82,16 +92,28 @@ class TokenizerManager:
         except Exception as exc:  # template errors are the caller's input
             raise RequestError(f"cannot apply the chat template: {exc}") from exc
 
-    def make_request(self, input_ids: list[int], params: dict | None, rid: str | None = None,
-                     return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0) -> GenerateReq:
+    def make_request(
+        self,
+        input_ids: list[int],
+        params: dict | None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input."""
         try:
             sp = SamplingParams.from_dict(params, self.max_n)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"invalid sampling_params: {exc}") from exc
-        req = GenerateReq(rid or uuid.uuid4().hex, input_ids, sp, return_logprob, logprob_start_len,
-                          top_logprobs_num)
+        req = GenerateReq(
+            rid or uuid.uuid4().hex,
+            input_ids,
+            sp,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+        )
         try:
             check_generate(req, self.info)
         except ValueError as exc:
@@ -100,15 +122,19 @@ class TokenizerManager:
 
     @staticmethod
     def expand_n(req: GenerateReq) -> list[GenerateReq]:
-        """n samples become n requests; the shared prompt is computed once through the radix cache."""
+        """n samples become n requests; the shared prompt is computed once through the radix
+        cache."""
         if req.sampling_params.n == 1:
             return [req]
-        return [replace(req, rid=f"{req.rid}-{i}", sampling_params=sample)
-                for i, sample in enumerate(req.sampling_params.per_sample())]
+        return [
+            replace(req, rid=f"{req.rid}-{i}", sampling_params=sample)
+            for i, sample in enumerate(req.sampling_params.per_sample())
+        ]
 
     # ---- running ----------------------------------------------------------
     async def run(self, req: GenerateReq) -> AsyncIterator[RequestState]:
-        """Send a request and yield its state after every update; aborts if the caller stops early."""
+        """Send a request and yield its state after every update; aborts if the caller stops
+        early."""
         pending = await self._send(req)
         try:
             while not pending.state.finished:
@@ -118,7 +144,9 @@ class TokenizerManager:
             await self._close(req.rid, pending)
         self._finish(pending)
 
-    async def run_to_end(self, req: GenerateReq, disconnected: Callable | None = None) -> RequestState:
+    async def run_to_end(
+        self, req: GenerateReq, disconnected: Callable | None = None
+    ) -> RequestState:
         """Await the final state; abort if `disconnected()` turns true while waiting."""
         pending = await self._send(req)
         loop = asyncio.get_running_loop()
@@ -142,8 +170,9 @@ class TokenizerManager:
         if self.dead is not None:
             raise RequestError(f"the server cannot run requests: {self.dead}", 503)
         if self.max_in_flight is not None and len(self.pending) >= self.max_in_flight:
-            raise RequestError("the request queue is full; retry later", 503,
-                               {"Retry-After": str(RETRY_AFTER_S)})
+            raise RequestError(
+                "the request queue is full; retry later", 503, {"Retry-After": str(RETRY_AFTER_S)}
+            )
         if req.rid in self.pending:
             raise RequestError(f"a request with rid {req.rid!r} is already running")
         pending = self.pending[req.rid] = _Pending(RequestState(req.rid))
@@ -171,7 +200,9 @@ class TokenizerManager:
         new ones are refused. Call on the event loop."""
         self.dead = reason
         for pending in self.pending.values():
-            pending.updates.put_nowait(RequestError(f"the server cannot finish this request: {reason}", 503))
+            pending.updates.put_nowait(
+                RequestError(f"the server cannot finish this request: {reason}", 503)
+            )
 
     async def control(self, kind: str, arg: int = 0, timeout: float = 10.0) -> dict:
         token = uuid.uuid4().hex
@@ -200,7 +231,11 @@ class TokenizerManager:
 
     def text_of(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens included ("" without a tokenizer)."""
-        return "" if self.tokenizer is None else decode_ids(self.tokenizer, token_ids, skip_special_tokens=False)
+        return (
+            ""
+            if self.tokenizer is None
+            else decode_ids(self.tokenizer, token_ids, skip_special_tokens=False)
+        )
 
 
 def _raise_error(update: Any) -> Any:

@@ -6,6 +6,7 @@ static buffers: a step copies its ids, positions, slots, rows and lengths into t
 `n` entries and fills the rest with a padding request that writes its K/V into the
 reserved slot 0, attends over one token, and whose logits are dropped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,23 +84,43 @@ class StaticInputs:
 
     def fill(self, n: int, bs: int, input_ids, positions, out_cache_loc, rows, seq_lens) -> None:
         """Copy a step of `n` requests in, padding entries n..bs-1."""
-        for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
-                                    (self.out_cache_loc, out_cache_loc, PAD_SLOT), (self.rows, rows, 0),
-                                    (self.seq_lens, seq_lens, 1)):
+        for buffer, values, pad in (
+            (self.input_ids, input_ids, 0),
+            (self.positions, positions, 0),
+            (self.out_cache_loc, out_cache_loc, PAD_SLOT),
+            (self.rows, rows, 0),
+            (self.seq_lens, seq_lens, 1),
+        ):
             buffer[:n].copy_(values)
             buffer[n:bs].fill_(pad)
 
-    def attention_inputs(self, bs: int, req_to_token: torch.Tensor, max_context_len: int) -> AttentionInputs:
-        return AttentionInputs(is_decode=True, out_cache_loc=self.out_cache_loc[:bs], rows=self.rows[:bs],
-                               seq_lens=self.seq_lens[:bs], extend_lens=self.ones[:bs], req_to_token=req_to_token,
-                               max_seq_len=max_context_len, max_extend_len=1)
+    def attention_inputs(
+        self, bs: int, req_to_token: torch.Tensor, max_context_len: int
+    ) -> AttentionInputs:
+        return AttentionInputs(
+            is_decode=True,
+            out_cache_loc=self.out_cache_loc[:bs],
+            rows=self.rows[:bs],
+            seq_lens=self.seq_lens[:bs],
+            extend_lens=self.ones[:bs],
+            req_to_token=req_to_token,
+            max_seq_len=max_context_len,
+            max_extend_len=1,
+        )
 
 
 class CudaGraphRunner:
     """Decode steps of up to `max(batch_sizes)` requests through captured graphs."""
 
-    def __init__(self, model, backend: GraphBackend, req_to_token: torch.Tensor, max_context_len: int,
-                 batch_sizes: list[int], graph_cls=CudaGraph):
+    def __init__(
+        self,
+        model,
+        backend: GraphBackend,
+        req_to_token: torch.Tensor,
+        max_context_len: int,
+        batch_sizes: list[int],
+        graph_cls=CudaGraph,
+    ):
         self.model, self.backend, self.req_to_token = model, backend, req_to_token
         self.max_context_len = max_context_len
         self.batch_sizes = sorted(batch_sizes)
@@ -130,7 +151,9 @@ class CudaGraphRunner:
         return self.outputs[bs][:n]
 
     def _plan(self, bs: int) -> None:
-        self.backend.plan_graph(bs, self.static.attention_inputs(bs, self.req_to_token, self.max_context_len))
+        self.backend.plan_graph(
+            bs, self.static.attention_inputs(bs, self.req_to_token, self.max_context_len)
+        )
 
     def _step(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.static.input_ids[:bs], self.static.positions[:bs], self.backend)

@@ -1,4 +1,5 @@
 """Runs one forward step of the model over the paged KV pool and samples."""
+
 from __future__ import annotations
 
 import logging
@@ -12,9 +13,9 @@ from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..mem.kv_pool import KVPool
+from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from ..models.loader import build_model, with_max_context
 from ..models.source import ModelSource
-from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample, verify
 from .step_inputs import StepInputs
@@ -27,7 +28,8 @@ DEFAULT_CPU_MAX_TOKENS = 65536
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on GPU, and on CPUs with AMX-BF16 (measured here: prefill 2.4x and batch-32
-    decode 2.2x faster than fp32, bench/decode_step.py); fp32 on other CPUs, where bf16 is slower."""
+    decode 2.2x faster than fp32, bench/decode_step.py); fp32 on other CPUs, where bf16 is
+    slower."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
     return getattr(torch, name)
@@ -59,40 +61,92 @@ class ModelRunner:
     """`reserve_bytes_per_token`: KV memory per slot kept back for a draft model's pool.
     `layout`: run as a draft model on a target's slots (see SlotLayout)."""
 
-    def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device | None = None,
-                 graph_cls=None, tp: TPGroup = TPGroup(), reserve_bytes_per_token: int = 0,
-                 layout: SlotLayout | None = None):
+    def __init__(
+        self,
+        source: ModelSource,
+        args: EngineArgs,
+        device: torch.device | None = None,
+        graph_cls=None,
+        tp: TPGroup = TPGroup(),
+        reserve_bytes_per_token: int = 0,
+        layout: SlotLayout | None = None,
+    ):
         self.device = device or default_device()
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
-        self.max_context_len = (layout.max_context_len if layout is not None
-                                else with_max_context(source.config, args.max_context_len))
+        self.max_context_len = (
+            layout.max_context_len
+            if layout is not None
+            else with_max_context(source.config, args.max_context_len)
+        )
         self.tp = tp
-        self.model = build_model(source, self.dtype, self.device, self.max_context_len, args.seed,
-                                 args.quantization, tp)
+        self.model = build_model(
+            source, self.dtype, self.device, self.max_context_len, args.seed, args.quantization, tp
+        )
         cfg = self.config = self.model.cfg  # this rank's heads
-        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = (layout.num_pages if layout is not None
-                     else tp.min_int(self._num_pages(args, per_token + reserve_bytes_per_token)))
+        per_token = KVPool.bytes_per_token(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        num_pages = (
+            layout.num_pages
+            if layout is not None
+            else tp.min_int(self._num_pages(args, per_token + reserve_bytes_per_token))
+        )
         ps = args.page_size
-        self.pool = KVPool((num_pages + 1) * ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           self.dtype, self.device)
-        self.req_to_token = (layout.req_to_token if layout is not None else
-                             torch.zeros(args.max_running_requests, self.max_context_len, dtype=torch.long,
-                                         device=self.device))
+        self.pool = KVPool(
+            (num_pages + 1) * ps,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.req_to_token = (
+            layout.req_to_token
+            if layout is not None
+            else torch.zeros(
+                args.max_running_requests,
+                self.max_context_len,
+                dtype=torch.long,
+                device=self.device,
+            )
+        )
         backend = resolve_backend_name(args.attention_backend, self.device.type)
-        self.backend = create_backend(backend, pool=self.pool, num_heads=cfg.num_heads,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                      device=self.device)
-        if self.device.type == "cpu" and not args.enable_torch_compile and self.model.fuse_cpu_layers(self.backend):
-            log.info("CPU forward: the decoder layers run in one C++ call (kernels/cpu_decoder.cpp)")
+        self.backend = create_backend(
+            backend,
+            pool=self.pool,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            device=self.device,
+        )
+        if (
+            self.device.type == "cpu"
+            and not args.enable_torch_compile
+            and self.model.fuse_cpu_layers(self.backend)
+        ):
+            log.info(
+                "CPU forward: the decoder layers run in one C++ call (kernels/cpu_decoder.cpp)"
+            )
         self.graphs = self._capture_graphs(args, graph_cls)
-        self.compiled = CompiledForward(self.model, self.backend, self.req_to_token) \
-            if args.enable_torch_compile else None
-        self.info = WorkerInfo(num_pages, ps, self.max_context_len, args.max_running_requests,
-                               cfg.vocab_size, cfg.eos_token_ids, str(self.dtype).removeprefix("torch."),
-                               str(self.device), backend, per_token)
+        self.compiled = (
+            CompiledForward(self.model, self.backend, self.req_to_token)
+            if args.enable_torch_compile
+            else None
+        )
+        self.info = WorkerInfo(
+            num_pages,
+            ps,
+            self.max_context_len,
+            args.max_running_requests,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            str(self.dtype).removeprefix("torch."),
+            str(self.device),
+            backend,
+            per_token,
+        )
 
     def slot_layout(self) -> SlotLayout:
         return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
@@ -111,14 +165,23 @@ class ModelRunner:
         """Decode graphs on CUDA with a graph-capable backend, unless disabled; `graph_cls`
         (EagerGraph) runs the same path on CPU for tests."""
         graph_cls = graph_cls or (CudaGraph if self.device.type == "cuda" else None)
-        if graph_cls is None or args.disable_cuda_graph or not getattr(self.backend, "supports_cuda_graph", False):
+        if (
+            graph_cls is None
+            or args.disable_cuda_graph
+            or not getattr(self.backend, "supports_cuda_graph", False)
+        ):
             return None
         sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
         start = time.perf_counter()
         with torch.inference_mode():
-            graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, self.max_context_len,
-                                     sizes, graph_cls)
-        log.info("captured decode graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
+            graphs = CudaGraphRunner(
+                self.model, self.backend, self.req_to_token, self.max_context_len, sizes, graph_cls
+            )
+        log.info(
+            "captured decode graphs for batch sizes %s in %.1f s",
+            sizes,
+            time.perf_counter() - start,
+        )
         return graphs
 
     @torch.inference_mode()
@@ -134,10 +197,17 @@ class ModelRunner:
             next_ids, rows = sample(logits, fb.sampling).tolist(), range(fb.batch_size)
         else:
             next_ids, accepted, rows = verify(logits, fb.sampling, self._drafts(fb))
-        prompt_logprobs = ([None] * fb.batch_size if hidden is None
-                           else self._prompt_logprobs(hidden, inputs.extend_lens, fb))
-        return ForwardResult(next_ids, self._output_logprobs(logits, next_ids, accepted, rows, fb), prompt_logprobs,
-                             accepted)
+        prompt_logprobs = (
+            [None] * fb.batch_size
+            if hidden is None
+            else self._prompt_logprobs(hidden, inputs.extend_lens, fb)
+        )
+        return ForwardResult(
+            next_ids,
+            self._output_logprobs(logits, next_ids, accepted, rows, fb),
+            prompt_logprobs,
+            accepted,
+        )
 
     @staticmethod
     def _drafts(fb: ForwardBatch) -> list[list[int]]:
@@ -145,7 +215,7 @@ class ModelRunner:
         drafts, end = [], 0
         for n, k in zip(fb.extend_lens, fb.draft_lens):
             end += n
-            drafts.append(fb.input_ids[end - k:end])
+            drafts.append(fb.input_ids[end - k : end])
         return drafts
 
     def follow(self) -> None:
@@ -160,22 +230,39 @@ class ModelRunner:
         steps never need them)."""
         self.req_to_token[inputs.table_rows, inputs.table_cols] = inputs.table_slots
         if self._fits_graph(inputs):
-            return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.rows,
-                                      inputs.seq_lens), None
+            return self.graphs.replay(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.out_cache_loc,
+                inputs.rows,
+                inputs.seq_lens,
+            ), None
         is_decode = inputs.mode == ForwardMode.DECODE
-        self.backend.plan(AttentionInputs(
-            is_decode=is_decode, out_cache_loc=inputs.out_cache_loc, rows=inputs.rows, seq_lens=inputs.seq_lens,
-            extend_lens=inputs.extend_lens, req_to_token=self.req_to_token, max_seq_len=inputs.max_seq_len,
-            max_extend_len=inputs.max_extend_len))
+        self.backend.plan(
+            AttentionInputs(
+                is_decode=is_decode,
+                out_cache_loc=inputs.out_cache_loc,
+                rows=inputs.rows,
+                seq_lens=inputs.seq_lens,
+                extend_lens=inputs.extend_lens,
+                req_to_token=self.req_to_token,
+                max_seq_len=inputs.max_seq_len,
+                max_extend_len=inputs.max_extend_len,
+            )
+        )
         hidden = (self.compiled or self.model)(inputs.input_ids, inputs.positions, self.backend)
         return self.model.compute_logits(hidden[inputs.logit_index]), hidden
 
     def _fits_graph(self, inputs: StepInputs) -> bool:
-        return (self.graphs is not None and inputs.mode == ForwardMode.DECODE
-                and inputs.batch_size <= self.graphs.max_bs)
+        return (
+            self.graphs is not None
+            and inputs.mode == ForwardMode.DECODE
+            and inputs.batch_size <= self.graphs.max_bs
+        )
 
-    def _output_logprobs(self, logits, next_ids: list[int], accepted: list[list[int]] | None, rows,
-                         fb: ForwardBatch) -> list[TokenLogprobs | None]:
+    def _output_logprobs(
+        self, logits, next_ids: list[int], accepted: list[list[int]] | None, rows, fb: ForwardBatch
+    ) -> list[TokenLogprobs | None]:
         """Logprobs of the tokens each request emits this step, for the requests that asked:
         its next token, from logits row `rows[b]`, after a verify step preceded by its accepted
         drafts, from the rows before it."""
@@ -184,16 +271,24 @@ class ModelRunner:
         if not wanted:
             return out
         emitted = [(accepted[b] if accepted else []) + [next_ids[b]] for b in wanted]
-        picked = [row for b, tokens in zip(wanted, emitted) for row in range(rows[b] - len(tokens) + 1, rows[b] + 1)]
+        picked = [
+            row
+            for b, tokens in zip(wanted, emitted)
+            for row in range(rows[b] - len(tokens) + 1, rows[b] + 1)
+        ]
         logprobs = torch.log_softmax(logits[picked], dim=-1)
         first = 0
         for b, tokens in zip(wanted, emitted):
             targets = torch.tensor(tokens, device=logits.device)
-            out[b] = _token_logprobs(logprobs[first:first + len(tokens)], targets, fb.logprobs[b].top_k)
+            out[b] = _token_logprobs(
+                logprobs[first : first + len(tokens)], targets, fb.logprobs[b].top_k
+            )
             first += len(tokens)
         return out
 
-    def _prompt_logprobs(self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch) -> list[TokenLogprobs | None]:
+    def _prompt_logprobs(
+        self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch
+    ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * fb.batch_size
         if all(lp is None or lp.prompt_start < 0 or not lp.prompt_targets for lp in fb.logprobs):
             return out
@@ -202,7 +297,7 @@ class ModelRunner:
             if lp is None or lp.prompt_start < 0 or not lp.prompt_targets:
                 continue
             first = starts[b] + lp.prompt_start
-            states = hidden[first:first + len(lp.prompt_targets)]
+            states = hidden[first : first + len(lp.prompt_targets)]
             logprobs = torch.log_softmax(self.model.compute_logits(states), dim=-1)
             targets = torch.tensor(lp.prompt_targets, device=logprobs.device)
             out[b] = _token_logprobs(logprobs, targets, lp.top_k)

@@ -5,6 +5,7 @@ With tensor parallelism, rank 0 broadcasts each step's model inputs as one packe
 (torch.distributed: gloo on CPU, NCCL on GPU) and the ranks meet again in every layer's
 all-reduces.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,15 +20,21 @@ from ..models.source import ModelSource, resolve_draft_model, resolve_model
 from .model_runner import ModelRunner, default_device, resolve_dtype
 
 
-def start_rank0(args: EngineArgs, endpoints: Endpoints, source: ModelSource) -> tuple[ModelRunner, ModelRunner | None]:
+def start_rank0(
+    args: EngineArgs, endpoints: Endpoints, source: ModelSource
+) -> tuple[ModelRunner, ModelRunner | None]:
     """TP rank 0, in the calling (scheduler) process, and the draft model when there is one."""
     device = worker_device(0, args)
     tp = init_tp_group(0, args.tp_size, args.dist_init_method(endpoints.tp_init_file), device)
     return build_runners(source, args, device, tp)
 
 
-def build_runners(source: ModelSource, args: EngineArgs, device: torch.device | None = None,
-                  tp: TPGroup = TPGroup()) -> tuple[ModelRunner, ModelRunner | None]:
+def build_runners(
+    source: ModelSource,
+    args: EngineArgs,
+    device: torch.device | None = None,
+    tp: TPGroup = TPGroup(),
+) -> tuple[ModelRunner, ModelRunner | None]:
     """The model's runner (rank 0's shard) and, with `--speculative-algorithm draft`, the draft
     model's, unsharded, on the same device and slots; the KV pool is sized for both."""
     if args.speculative_algorithm != "draft":
@@ -42,7 +49,9 @@ def build_runners(source: ModelSource, args: EngineArgs, device: torch.device | 
 def run_follower(args: EngineArgs, init_method: str, tp_rank: int) -> None:
     """Entry point of the process of TP rank `tp_rank` > 0, meeting the others at `init_method`."""
     exit_with_parent()
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker tp{tp_rank}: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format=f"%(asctime)s worker tp{tp_rank}: %(message)s"
+    )
     device = worker_device(tp_rank, args)
     tp = init_tp_group(tp_rank, args.tp_size, init_method, device)
     ModelRunner(resolve_model(args.model), args, device, tp=tp).follow()

@@ -4,6 +4,7 @@ Stateless: everything a request needs (its output so far, its seed and step)
 comes in the batch, so results do not depend on batch composition. Runs on the logits'
 device (on a GPU the full logits never come to the host; only the sampled ids do).
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -16,7 +17,11 @@ from ..sampling_params import GREEDY_BELOW
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits `[B, V]` float32 -> token ids `[B]`."""
-    rows = [b for b, (t, k) in enumerate(zip(sb.temperatures, sb.top_ks)) if t >= GREEDY_BELOW and k != 1]
+    rows = [
+        b
+        for b, (t, k) in enumerate(zip(sb.temperatures, sb.top_ks))
+        if t >= GREEDY_BELOW and k != 1
+    ]
     if not rows and not _edits_logits(sb):  # all greedy, nothing to mask or bias
         return _argmax(logits)
     logits = logits.clone()
@@ -28,7 +33,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     tokens = _argmax(logits)
     if not rows:
         return tokens
-    temps = torch.tensor([sb.temperatures[r] for r in rows], dtype=torch.float32, device=logits.device)
+    temps = torch.tensor(
+        [sb.temperatures[r] for r in rows], dtype=torch.float32, device=logits.device
+    )
     probs = _filtered_probs(logits[rows] / temps.unsqueeze(1), sb, rows)
     tokens[rows] = _draw(probs, [sb.seeds[r] for r in rows], [sb.steps[r] for r in rows])
     return tokens
@@ -45,7 +52,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def verify(logits: torch.Tensor, sb: SamplingBatch, drafts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+def verify(
+    logits: torch.Tensor, sb: SamplingBatch, drafts: list[list[int]]
+) -> tuple[list[int], list[list[int]], list[int]]:
     """Check each request's drafts against the model: logits hold, per request, a row for the
     token before its drafts and one per draft. A token is sampled at every row as without
     speculation (seeded draws use the step of the output position the row would fill); draft i
@@ -72,6 +81,7 @@ def _rows_of(sb: SamplingBatch, drafts: list[list[int]]) -> SamplingBatch:
     """Each request's sampling settings once per logits row, as they are at the output position
     the row fills: its step, its output so far (penalties) and its grammar state (row i comes
     after drafts[:i])."""
+
     def per_row(name: str, values):
         if values is None or name == "draft_token_masks":
             return None
@@ -92,8 +102,12 @@ def _rows_of(sb: SamplingBatch, drafts: list[list[int]]) -> SamplingBatch:
 
 
 def _edits_logits(sb: SamplingBatch) -> bool:
-    return (any(b for b in sb.logit_biases or []) or any(m is not None for m in sb.token_masks or [])
-            or any(o is not None for o in sb.penalty_outputs) or any(sb.suppressed_ids))
+    return (
+        any(b for b in sb.logit_biases or [])
+        or any(m is not None for m in sb.token_masks or [])
+        or any(o is not None for o in sb.penalty_outputs)
+        or any(sb.suppressed_ids)
+    )
 
 
 def apply_token_masks(logits: torch.Tensor, masks: list[list[int] | None] | None) -> None:
@@ -110,12 +124,15 @@ def apply_token_masks(logits: torch.Tensor, masks: list[list[int] | None] | None
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-def _apply_logit_biases(logits: torch.Tensor, biases: list[list[tuple[int, float]] | None] | None) -> None:
+def _apply_logit_biases(
+    logits: torch.Tensor, biases: list[list[tuple[int, float]] | None] | None
+) -> None:
     for b, pairs in enumerate(biases or []):
         if pairs:
             ids, values = zip(*pairs)
             logits[b, torch.tensor(ids, dtype=torch.long, device=logits.device)] += torch.tensor(
-                values, dtype=logits.dtype, device=logits.device)
+                values, dtype=logits.dtype, device=logits.device
+            )
 
 
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
@@ -128,8 +145,11 @@ def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
         row -= sb.frequency_penalties[b] * counts + sb.presence_penalties[b] * (counts > 0)
         rep = sb.repetition_penalties[b]
         if rep != 1.0:
-            seen = torch.tensor(sorted(set(outputs) | set(sb.penalty_prompts[b] or [])), dtype=torch.long,
-                                device=logits.device)
+            seen = torch.tensor(
+                sorted(set(outputs) | set(sb.penalty_prompts[b] or [])),
+                dtype=torch.long,
+                device=logits.device,
+            )
             values = row[seen]
             row[seen] = torch.where(values > 0, values / rep, values * rep)
 
@@ -140,7 +160,9 @@ def _apply_suppression(logits: torch.Tensor, sb: SamplingBatch) -> None:
             logits[b, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
 
 
-def _allow_fallback_where_all_forbidden(logits: torch.Tensor, fallback_ids: list[int] | None) -> None:
+def _allow_fallback_where_all_forbidden(
+    logits: torch.Tensor, fallback_ids: list[int] | None
+) -> None:
     """A row whose every token is forbidden (say a grammar that allows only EOS while
     min_new_tokens bans it) gets its fallback token back, instead of sampling from NaN
     probabilities. Without a host sync: rows with an allowed token keep their logit."""
@@ -148,8 +170,11 @@ def _allow_fallback_where_all_forbidden(logits: torch.Tensor, fallback_ids: list
         return
     dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
     fallback = torch.tensor(fallback_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
-    logits.scatter_(1, fallback, torch.where(dead, torch.zeros_like(dead, dtype=logits.dtype),
-                                             logits.gather(1, fallback)))
+    logits.scatter_(
+        1,
+        fallback,
+        torch.where(dead, torch.zeros_like(dead, dtype=logits.dtype), logits.gather(1, fallback)),
+    )
 
 
 def _filtered_probs(logits: torch.Tensor, sb: SamplingBatch, rows: list[int]) -> torch.Tensor:
@@ -157,7 +182,11 @@ def _filtered_probs(logits: torch.Tensor, sb: SamplingBatch, rows: list[int]) ->
     top_ks = [sb.top_ks[r] for r in rows]
     top_ps = [sb.top_ps[r] for r in rows]
     min_ps = [sb.min_ps[r] for r in rows]
-    if all(k == -1 for k in top_ks) and all(p >= 1.0 for p in top_ps) and all(m == 0 for m in min_ps):
+    if (
+        all(k == -1 for k in top_ks)
+        and all(p >= 1.0 for p in top_ps)
+        and all(m == 0 for m in min_ps)
+    ):
         return probs
     dev = probs.device
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -177,6 +206,8 @@ def _draw(probs: torch.Tensor, seeds: list[int | None], steps: list[int]) -> tor
         out[unseeded] = torch.multinomial(probs[unseeded], 1).flatten()
     for i, (seed, step) in enumerate(zip(seeds, steps)):
         if seed is not None:
-            generator = torch.Generator(probs.device).manual_seed((seed * 1_000_003 + step) % (1 << 63))
+            generator = torch.Generator(probs.device).manual_seed(
+                (seed * 1_000_003 + step) % (1 << 63)
+            )
             out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
     return out

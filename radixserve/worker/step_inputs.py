@@ -4,6 +4,7 @@ Rank 0 (in the scheduler process) builds `StepInputs` from the scheduler's Forwa
 broadcasts them packed; the other ranks unpack and run the same forward. Sampling inputs
 never leave rank 0: only it samples.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -52,10 +53,24 @@ class StepInputs:
         for n, drafts in zip(fb.extend_lens, fb.draft_lens or [0] * fb.batch_size):
             end += n
             logit_index += range(end - 1 - drafts, end)
-        values = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.rows, fb.seq_lens, fb.extend_lens,
-                  table_rows, table_cols, table_slots, logit_index]
-        return cls(fb.mode, *(torch.tensor(v, dtype=torch.long, device=device) for v in values),
-                   max(fb.seq_lens), max(fb.extend_lens))
+        values = [
+            fb.input_ids,
+            fb.positions,
+            fb.out_cache_loc,
+            fb.rows,
+            fb.seq_lens,
+            fb.extend_lens,
+            table_rows,
+            table_cols,
+            table_slots,
+            logit_index,
+        ]
+        return cls(
+            fb.mode,
+            *(torch.tensor(v, dtype=torch.long, device=device) for v in values),
+            max(fb.seq_lens),
+            max(fb.extend_lens),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -63,9 +78,19 @@ class StepInputs:
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: a header of sizes, then every field's values in order."""
-        header = torch.tensor([int(self.mode), self.input_ids.numel(), self.batch_size, self.table_rows.numel(),
-                               self.logit_index.numel(), self.max_seq_len, self.max_extend_len],
-                              dtype=torch.long, device=self.rows.device)
+        header = torch.tensor(
+            [
+                int(self.mode),
+                self.input_ids.numel(),
+                self.batch_size,
+                self.table_rows.numel(),
+                self.logit_index.numel(),
+                self.max_seq_len,
+                self.max_extend_len,
+            ],
+            dtype=torch.long,
+            device=self.rows.device,
+        )
         return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-2]])
 
     @classmethod

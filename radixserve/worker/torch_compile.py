@@ -12,6 +12,7 @@ never stops for a recompile (tests/test_torch_compile.py checks this from a cold
 Compiled artifacts are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`), so a second
 start only re-traces.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,12 +32,16 @@ _BACKENDS: dict[int, AttentionBackend] = {}
 
 
 @torch.library.custom_op("radixserve::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int
+) -> torch.Tensor:
     return _BACKENDS[backend].forward(layer, q, k, v)
 
 
 @_attention.register_fake
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int) -> torch.Tensor:
+def _attention_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int
+) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -47,7 +52,9 @@ class OpaqueAttention:
         self.key = id(backend)
         _BACKENDS[self.key] = backend
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         return _attention(q, k, v, layer, self.key)
 
 
@@ -62,17 +69,31 @@ class CompiledForward:
             self._warm_up(backend, req_to_token, tokens)
         log.info("compiled the forward pass in %.1f s", time.perf_counter() - start)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         return self.compiled(input_ids, positions, self.opaque)
 
     @torch.inference_mode()
     def _warm_up(self, backend: AttentionBackend, req_to_token: torch.Tensor, tokens: int) -> None:
         """A decode step of `tokens` requests over 13 tokens of the reserved slot 0 (page 0 is
         never allocated); the graph depends only on the token count, not on the mode."""
-        def fresh(value: int = 0) -> torch.Tensor:  # a new tensor each time: dynamo guards on aliasing
+
+        def fresh(
+            value: int = 0,
+        ) -> torch.Tensor:  # a new tensor each time: dynamo guards on aliasing
             return torch.full((tokens,), value, dtype=torch.long, device=req_to_token.device)
 
-        backend.plan(AttentionInputs(is_decode=True, out_cache_loc=fresh(), rows=fresh(), seq_lens=fresh(13),
-                                     extend_lens=fresh(1), req_to_token=req_to_token, max_seq_len=13,
-                                     max_extend_len=1))
+        backend.plan(
+            AttentionInputs(
+                is_decode=True,
+                out_cache_loc=fresh(),
+                rows=fresh(),
+                seq_lens=fresh(13),
+                extend_lens=fresh(1),
+                req_to_token=req_to_token,
+                max_seq_len=13,
+                max_extend_len=1,
+            )
+        )
         self(fresh(), fresh(12), backend)

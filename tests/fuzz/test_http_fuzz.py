@@ -6,22 +6,32 @@ hang); afterwards a greedy request answers as before and the KV invariant holds.
 Deterministic (derandomized) so CI runs the same requests every time; generated tokens are
 kept few (small max_new_tokens, a 96-token context) so the suite stays quick.
 """
+
 import json
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from server_utils import start_server, wait_idle
 
 EXAMPLES = 340  # per route: 1,020 requests in all
 REQUEST_TIMEOUT_S = 120  # a request that takes longer counts as a hang
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+anything = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 
 
 def either(plausible):
@@ -31,66 +41,141 @@ def either(plausible):
 
 
 SAMPLING = {
-    "max_new_tokens": st.integers(0, 8), "min_new_tokens": st.integers(0, 4),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "top_k": st.integers(-1, 50),
-    "min_p": st.floats(0, 1), "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0.5, 2), "n": st.integers(1, 3), "seed": st.integers(0, 2**64),
+    "max_new_tokens": st.integers(0, 8),
+    "min_new_tokens": st.integers(0, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "n": st.integers(1, 3),
+    "seed": st.integers(0, 2**64),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, 50000), max_size=3),
-    "stop_regex": st.sampled_from(["a+", "(a+)+b", "[", "\\d", "(?<=x)y", "(" * 80 + "a" + ")" * 80]),
+    "stop_regex": st.sampled_from(
+        ["a+", "(a+)+b", "[", "\\d", "(?<=x)y", "(" * 80 + "a" + ")" * 80]
+    ),
     "regex": st.sampled_from(["a", "[0-9]+", "(", "yes|no", "(" * 80 + "a" + ")" * 80]),
-    "json_schema": st.sampled_from([{"type": "object"}, "{", {"type": "integer"}, "[" * 100 + "]" * 100]),
+    "json_schema": st.sampled_from(
+        [{"type": "object"}, "{", {"type": "integer"}, "[" * 100 + "]" * 100]
+    ),
     "ebnf": st.sampled_from(['root ::= "a"', "root ::="]),
-    "logit_bias": st.dictionaries(st.sampled_from(["0", "81", "-1", "99999999", "x"]), st.floats(-150, 150),
-                                  max_size=2),
-    "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["0", "81", "-1", "99999999", "x"]), st.floats(-150, 150), max_size=2
+    ),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
 }
-# the output length is always drawn (small, or arbitrary JSON): left out, a request would run to the context's end
-sampling_params = st.fixed_dictionaries({"max_new_tokens": either(SAMPLING["max_new_tokens"])},
-                                        optional={k: either(v) for k, v in SAMPLING.items() if k != "max_new_tokens"})
+# the output length is always drawn (small, or arbitrary JSON): left out, a request would run to
+# the context's end
+sampling_params = st.fixed_dictionaries(
+    {"max_new_tokens": either(SAMPLING["max_new_tokens"])},
+    optional={k: either(v) for k, v in SAMPLING.items() if k != "max_new_tokens"},
+)
 token_ids = st.lists(st.integers(-5, 50000), max_size=12)
 prompt_text = st.text(max_size=40)
 
 generate_prompt = st.one_of(
-    st.fixed_dictionaries({"text": either(st.one_of(prompt_text, st.lists(prompt_text, min_size=1, max_size=3)))}),
-    st.fixed_dictionaries({"input_ids": either(st.one_of(token_ids, st.lists(token_ids, min_size=1, max_size=2)))}),
-    st.dictionaries(st.sampled_from(["text", "input_ids"]), anything))
-generate_options = st.fixed_dictionaries({}, optional={
-    "sampling_params": st.one_of(*[sampling_params] * 8, st.lists(sampling_params, max_size=2), anything),
-    "stream": either(st.booleans()), "return_logprob": either(st.booleans()),
-    "top_logprobs_num": either(st.integers(0, 5)), "logprob_start_len": either(st.integers(-2, 5)),
-    "rid": either(st.text(min_size=1, max_size=8)),
-})
-generate_bodies = st.builds(lambda prompt, options: {**prompt, **options}, generate_prompt, generate_options)
+    st.fixed_dictionaries(
+        {"text": either(st.one_of(prompt_text, st.lists(prompt_text, min_size=1, max_size=3)))}
+    ),
+    st.fixed_dictionaries(
+        {"input_ids": either(st.one_of(token_ids, st.lists(token_ids, min_size=1, max_size=2)))}
+    ),
+    st.dictionaries(st.sampled_from(["text", "input_ids"]), anything),
+)
+generate_options = st.fixed_dictionaries(
+    {},
+    optional={
+        "sampling_params": st.one_of(
+            *[sampling_params] * 8, st.lists(sampling_params, max_size=2), anything
+        ),
+        "stream": either(st.booleans()),
+        "return_logprob": either(st.booleans()),
+        "top_logprobs_num": either(st.integers(0, 5)),
+        "logprob_start_len": either(st.integers(-2, 5)),
+        "rid": either(st.text(min_size=1, max_size=8)),
+    },
+)
+generate_bodies = st.builds(
+    lambda prompt, options: {**prompt, **options}, generate_prompt, generate_options
+)
 
 OPENAI = {
-    "max_tokens": st.integers(0, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
-    "n": st.integers(1, 3), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=2)),
-    "stream": st.booleans(), "seed": st.integers(0, 2**64), "logprobs": st.integers(0, 25),
-    "presence_penalty": st.floats(-3, 3), "response_format": st.sampled_from(
-        [{"type": "json_object"}, {"type": "json_schema"}, {"type": "text"}, {"type": "xml"}]),
-    "stream_options": st.just({"include_usage": True}), "tools": st.just([]), "best_of": st.just(1),
+    "max_tokens": st.integers(0, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=2)),
+    "stream": st.booleans(),
+    "seed": st.integers(0, 2**64),
+    "logprobs": st.integers(0, 25),
+    "presence_penalty": st.floats(-3, 3),
+    "response_format": st.sampled_from(
+        [{"type": "json_object"}, {"type": "json_schema"}, {"type": "text"}, {"type": "xml"}]
+    ),
+    "stream_options": st.just({"include_usage": True}),
+    "tools": st.just([]),
+    "best_of": st.just(1),
 }
 completion_bodies = st.fixed_dictionaries(
-    {"prompt": either(st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=2))),
-     "max_tokens": either(OPENAI["max_tokens"])},
-    optional={k: either(v) for k, v in OPENAI.items() if k != "max_tokens"})
-messages = st.lists(st.fixed_dictionaries({
-    "role": either(st.sampled_from(["system", "user", "assistant"])),
-    "content": either(st.one_of(prompt_text, st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": prompt_text}), max_size=2))),
-}), min_size=1, max_size=3)
-chat_bodies = st.fixed_dictionaries({"messages": either(messages), "max_tokens": either(OPENAI["max_tokens"])},
-                                    optional={k: either(v) for k, v in OPENAI.items() if k not in ("best_of", "max_tokens")})
+    {
+        "prompt": either(
+            st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=2))
+        ),
+        "max_tokens": either(OPENAI["max_tokens"]),
+    },
+    optional={k: either(v) for k, v in OPENAI.items() if k != "max_tokens"},
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": either(st.sampled_from(["system", "user", "assistant"])),
+            "content": either(
+                st.one_of(
+                    prompt_text,
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["text", "image_url"]), "text": prompt_text}
+                        ),
+                        max_size=2,
+                    ),
+                )
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
+chat_bodies = st.fixed_dictionaries(
+    {"messages": either(messages), "max_tokens": either(OPENAI["max_tokens"])},
+    optional={k: either(v) for k, v in OPENAI.items() if k not in ("best_of", "max_tokens")},
+)
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("fuzz"), "--max-total-tokens", "2048", "--max-context-len", "96",
-                       "--max-running-requests", "8", "--chunked-prefill-size", "64")
+    srv = start_server(
+        tmp_path_factory.mktemp("fuzz"),
+        "--max-total-tokens",
+        "2048",
+        "--max-context-len",
+        "96",
+        "--max-running-requests",
+        "8",
+        "--chunked-prefill-size",
+        "64",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -107,8 +192,13 @@ def before(client):
 
 
 def greedy(client) -> str:
-    r = client.post("/generate", json={"text": "The capital of France is",
-                                       "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    r = client.post(
+        "/generate",
+        json={
+            "text": "The capital of France is",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["text"]
 
