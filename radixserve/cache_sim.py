@@ -27,10 +27,10 @@ import heapq
 import itertools
 from dataclasses import dataclass, replace
 
-from .config import RouterArgs
 from .kv_events import chain_hashes
 from .mem.shadow import ReplicaCache
 from .request_log import RequestRecord
+from .router.config import RouterArgs
 from .router.keys import ids_key
 from .router.policies import CacheAware, make_policy
 from .router.tree import PrefixTree

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
 
 from .kv_events import KVEventsConfig
 
@@ -17,133 +16,193 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 EVICTION_POLICIES = ("lru", "lfu", "slru")  # radix cache eviction order; see mem/radix_cache.py
 REQUEST_LOG_LEVELS = ("full", "hashes")  # what --log-requests stores of each prompt
+LOG_LEVELS = ("debug", "info", "warning", "error")
+QUANTIZATIONS = ("int8",)
+HICACHE_STORAGE_BACKENDS = ("file",)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+def option(default, help: str, choices: tuple | None = None, flag: bool = True, **extra):
+    """A configuration field: its default, its `--flag` help and its allowed values, defined
+    once. The CLI builds each flag from this (`cli.add_flags`) and `check_choices` enforces
+    `choices`; `flag=False` marks a field that is set by the program, not by a flag."""
+    metadata = dict(help=help, choices=choices, flag=flag, **extra)
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not options")
+    return field(default=default, metadata=metadata)
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "LlamaForCausalLM"
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+def option_default(f):
+    return f.default_factory() if f.default is MISSING else f.default
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
-    @property
-    def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return dict(self.rope_scaling) if self.rope_scaling else None
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type not in (None, "default"):
-            scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", False) or cfg.get("model_type") == "qwen2",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture=arch,
-        )
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+def check_choices(obj):
+    """Each option with `choices` holds one of them (None stays allowed where it is the
+    default)."""
+    for f in fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):
+            yield f"{f.name} must be one of {choices}, got {value!r}"
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything that shapes an engine: model, memory, scheduling, numerics."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_total_tokens: int | None = None
-    mem_fraction: float = 0.3
-    max_running_requests: int = 64
-    max_context_len: int | None = None
-    chunked_prefill_size: int = 512
-    max_prefill_tokens: int | None = None  # None: `prefill_budget` picks it for the device
-    prefill_admit_tokens: int | None = None  # None: `prefill_admit_limit` picks it for the device
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
-    disable_cache_estimates: bool = False  # no live what-if hit rates for 0.5x/2x/4x the KV memory
-    log_requests: str | None = (
-        None  # folder of the rotating JSONL request log (cache sizing, `radixserve replay`)
+    model: str | None = option(
+        None,
+        "bundled SmolLM2-135M-Instruct when omitted; a local HF checkpoint directory "
+        "(Llama/Qwen2/Mistral); or dummy:<shape> random weights (dummy:llama-3-8b, "
+        "dummy:qwen2-0.5b, dummy:smollm2-135m, dummy:tiny)",
     )
-    log_requests_level: str = (
-        "full"  # full: token ids; hashes: chained hashes of 16-token blocks, no text
+    dtype: str = option(
+        "auto",
+        "weights/KV dtype; auto = bfloat16 on GPU and on CPUs with AMX-BF16, else float32",
+        DTYPES,
     )
-    page_size: int = 1
-    attention_backend: str = "auto"
-    tp_size: int = 1
-    seed: int = 0
-    num_threads: int | None = None
-    new_token_ratio: float = 0.4
-    min_new_token_ratio: float = 0.1
-    log_level: str = "info"
-    max_n: int = 16
-    quantization: str | None = None
-    enable_mixed_chunk: bool = True
-    disable_cuda_graph: bool = False
-    enable_jump_forward: bool = False
-    enable_torch_compile: bool = False
-    watchdog_timeout: float = (
-        300.0  # the scheduler exits when a step takes longer (the server then stops)
+    max_total_tokens: int | None = option(None, "KV pool size in tokens (overrides --mem-fraction)")
+    mem_fraction: float = option(0.3, "fraction of free memory for the KV pool")
+    max_running_requests: int = option(64, "requests decoding at once")
+    max_context_len: int | None = option(None, "context length cap (default: the model's)")
+    chunked_prefill_size: int = option(512, "longest prompt chunk per step")
+    max_prefill_tokens: int | None = option(
+        None, "prompt tokens per step (default: 2048 on CPU, 4096 on GPU, as measured)"
     )
-    cuda_graph_max_bs: int = 64
-    kv_events_config: str | None = None  # JSON (kv_events.KVEventsConfig): publish KV cache events
-    nnodes: int = 1  # machines the tensor-parallel ranks span
-    node_rank: int = 0  # this machine's place among them; node 0 serves HTTP and hosts rank 0
-    dist_init_addr: str | None = None  # host:port where the ranks meet (needed across nodes)
-    enable_hierarchical_cache: bool = False  # host-memory (and storage) tiers under the radix tree
-    hicache_ratio: float = 2.0  # host tier size / device pool size
-    hicache_size: int = 0  # host tier in GiB; overrides hicache_ratio when > 0
-    hicache_write_policy: str = "write_through"
-    hicache_storage_backend: str | None = None  # "file": blocks kept on disk, across restarts
-    hicache_storage_dir: str | None = None
-    speculative_algorithm: str | None = (
-        None  # ngram: drafts by n-gram lookup; draft: by a smaller model
+    prefill_admit_tokens: int | None = option(
+        None,
+        "a waiting request joins a step only if the prompt tokens the step admits stay within "
+        "this (the first always joins), so a burst of prompts completes one after another "
+        "(default: 256 on CPU; on GPU the step's budget)",
     )
-    speculative_num_draft_tokens: int = 8  # most drafts a request proposes per step
-    speculative_draft_model: str | None = None  # the draft model of speculative_algorithm "draft"
+    schedule_policy: str = option(
+        "lpm", "lpm: longest cached prefix first; dfs-weight; fcfs", SCHEDULE_POLICIES
+    )
+    enable_priority_scheduling: bool = option(
+        False,
+        "admit waiting requests by their `priority` field (higher first; the schedule policy "
+        "orders each level) and retract the lowest priority first when KV memory runs out",
+    )
+    batch_wait_ms: float = option(
+        0.0,
+        "with fewer than 1/8 of --max-running-requests running, admission waits up to this long "
+        "after the oldest waiting request arrived, so that arrivals close together start in one "
+        "step (0: off, as measured best on CPU; bench/README.md)",
+    )
+    disable_radix_cache: bool = option(False, "no prefix reuse (a baseline)")
+    radix_eviction_policy: str = option(
+        "lru",
+        "which cached prefixes go first when KV memory is short: lru; lfu (fewest hits); slru "
+        "(never-hit before hit, each least recent first)",
+        EVICTION_POLICIES,
+    )
+    disable_cache_estimates: bool = option(
+        False,
+        "do not estimate (on /metrics and the dashboard) what hit rate 0.5x, 2x and 4x the KV "
+        "memory would give, from metadata-only shadow caches",
+    )
+    log_requests: str | None = option(
+        None,
+        "append every finished request to a rotating JSONL log in DIR, for `radixserve replay` "
+        "(cache sizing)",
+        metavar="DIR",
+    )
+    log_requests_level: str = option(
+        "full",
+        "full: prompt and output token ids; hashes: only chained hashes of 16-token blocks (no "
+        "text can be recovered)",
+        REQUEST_LOG_LEVELS,
+    )
+    page_size: int = option(1, "KV slots per page")
+    attention_backend: str = option(
+        "auto",
+        "auto: flashinfer on CUDA if importable, else triton, else torch_native",
+        ATTENTION_BACKENDS,
+    )
+    enable_jump_forward: bool = option(
+        False,
+        "structured output: append the text a grammar forces without decoding it token by token "
+        "(fewer steps; the forced text is tokenized on its own)",
+    )
+    enable_torch_compile: bool = option(
+        False,
+        "torch.compile the whole forward, attention kept opaque (adds minutes to the first "
+        "start-up, less once inductor's on-disk cache is warm)",
+    )
+    watchdog_timeout: float = option(
+        300.0, "seconds a scheduler step may take before the scheduler exits and the server stops"
+    )
+    disable_cuda_graph: bool = option(False, "run GPU decode steps eagerly (no CUDA graphs)")
+    cuda_graph_max_bs: int = option(64, "largest decode batch captured in a CUDA graph")
+    tp_size: int = option(
+        1,
+        "tensor-parallel ranks: rank 0 in the scheduler, one worker process per other rank, "
+        "torch.distributed (gloo on CPU, NCCL on GPU); must divide the head counts",
+    )
+    nnodes: int = option(1, "machines the --tp-size ranks span (torch.distributed across them)")
+    node_rank: int = option(
+        0,
+        "this machine's place among --nnodes; node 0 serves HTTP and hosts rank 0, the others "
+        "only run their ranks",
+    )
+    dist_init_addr: str | None = option(
+        None, "host:port of node 0 where the ranks meet (needed with --nnodes > 1)"
+    )
+    enable_hierarchical_cache: bool = option(
+        False,
+        "keep KV evicted from the device pool in host memory (and storage), and load it back on "
+        "a hit instead of recomputing",
+    )
+    hicache_ratio: float = option(2.0, "host tier size as a multiple of the device pool")
+    hicache_size: int = option(0, "host tier size in GiB (overrides --hicache-ratio when > 0)")
+    hicache_write_policy: str = option(
+        "write_through",
+        "write_through: every cached prefix is copied to the host tier; write_through_selective: "
+        "prefixes hit more than once; write_back: on eviction from the device pool",
+        HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_backend: str | None = option(
+        None,
+        "also keep blocks on disk, across restarts and shared by the servers of one machine",
+        HICACHE_STORAGE_BACKENDS,
+    )
+    hicache_storage_dir: str | None = option(None, "the folder of --hicache-storage-backend file")
+    speculative_algorithm: str | None = option(
+        None,
+        "ngram: decoding requests draft the tokens that followed their last tokens earlier in "
+        "their context (or in recent outputs); draft: a smaller model with the same tokenizer "
+        "drafts them. The model verifies the drafts in one step; output is unchanged",
+        SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model: str | None = option(
+        None,
+        "the draft model of --speculative-algorithm draft: a local HF directory or "
+        "dummy:<shape>, with the served model's vocabulary",
+    )
+    speculative_num_draft_tokens: int = option(
+        8,
+        "most draft tokens a request verifies per step (fewer where the measured step cost says "
+        "they would not pay)",
+    )
+    new_token_ratio: float = option(
+        0.4,
+        "share of each running request's remaining max_new_tokens that admission reserves at "
+        "first; it decays to --min-new-token-ratio and rises after each retraction",
+    )
+    min_new_token_ratio: float = option(0.1, "the floor of --new-token-ratio")
+    seed: int = option(0, "seed for dummy weights")
+    num_threads: int | None = option(None, "torch threads of the worker (default: all cores)")
+    quantization: str | None = option(
+        None,
+        "weight-only int8 (faster CPU decode; outputs differ slightly from fp32)",
+        QUANTIZATIONS,
+    )
+    kv_events_config: str | None = option(
+        None,
+        "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "
+        '\'{"endpoint": "tcp://*:5557", "topic": "kv"}\'',
+    )
+    log_level: str = option("info", "log level", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -151,29 +210,9 @@ class EngineArgs:
             raise ValueError("invalid engine arguments: " + "; ".join(problems))
 
     def _problems(self):
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            yield (
-                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            yield (
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.dtype not in DTYPES:
-            yield f"dtype must be one of {DTYPES}, got {self.dtype!r}"
+        yield from check_choices(self)
         if self.page_size < 1:
             yield "page_size must be >= 1"
-        if self.radix_eviction_policy not in EVICTION_POLICIES:
-            yield (
-                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, "
-                f"got {self.radix_eviction_policy!r}"
-            )
-        if self.log_requests_level not in REQUEST_LOG_LEVELS:
-            yield (
-                f"log_requests_level must be one of {REQUEST_LOG_LEVELS}, "
-                f"got {self.log_requests_level!r}"
-            )
         if self.kv_events_config is not None:
             try:
                 KVEventsConfig.from_json(self.kv_events_config)
@@ -189,41 +228,35 @@ class EngineArgs:
             yield "mem_fraction must be in (0, 1]"
         if self.max_running_requests < 1:
             yield "max_running_requests must be >= 1"
-        if self.quantization not in (None, "int8"):
-            yield f"quantization must be None or 'int8', got {self.quantization!r}"
+        if not 0 <= self.batch_wait_ms <= 10_000:
+            yield "batch_wait_ms must be between 0 and 10000"
+        if not 0 <= self.min_new_token_ratio <= self.new_token_ratio <= 1:
+            yield "min_new_token_ratio <= new_token_ratio must both be in [0, 1]"
         if self.tp_size < 1:
             yield "tp_size must be >= 1"
         if self.cuda_graph_max_bs < 1:
             yield "cuda_graph_max_bs must be >= 1"
-        if not 1 <= self.nnodes <= self.tp_size:
-            yield f"nnodes must be between 1 and tp_size ({self.tp_size}): every node hosts a rank"
-        if not 0 <= self.node_rank < self.nnodes:
-            yield f"node_rank must be in [0, nnodes), got {self.node_rank}"
-        if self.dist_init_addr is not None and not re.fullmatch(
-            r"[\w.\-\[\]:]+:\d+", self.dist_init_addr
-        ):
-            yield f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"
-        if self.nnodes > 1 and self.dist_init_addr is None:
-            yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
+        yield from self._distributed_problems()
         yield from self._hicache_problems()
-        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
-            yield (
-                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got "
-                f"{self.speculative_algorithm!r}"
-            )
         if (self.speculative_algorithm == "draft") != (self.speculative_draft_model is not None):
             yield "speculative_algorithm draft and speculative_draft_model go together"
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             yield "speculative_num_draft_tokens must be between 1 and 16"
+        if self.log_requests is not None:
+            yield from log_folder_problems(self.log_requests)
+
+    def _distributed_problems(self):
+        if not 1 <= self.nnodes <= self.tp_size:
+            yield f"nnodes must be between 1 and tp_size ({self.tp_size}): every node hosts a rank"
+        if not 0 <= self.node_rank < self.nnodes:
+            yield f"node_rank must be in [0, nnodes), got {self.node_rank}"
+        addr = self.dist_init_addr
+        if addr is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", addr):
+            yield f"dist_init_addr must be host:port, got {addr!r}"
+        if self.nnodes > 1 and addr is None:
+            yield "dist_init_addr (host:port of node 0) is needed when nnodes > 1"
 
     def _hicache_problems(self):
-        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            yield (
-                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
-                f"got {self.hicache_write_policy!r}"
-            )
-        if self.hicache_storage_backend not in (None, "file"):
-            yield f"hicache_storage_backend must be 'file', got {self.hicache_storage_backend!r}"
         if (self.hicache_storage_backend is None) != (self.hicache_storage_dir is None):
             yield "hicache_storage_backend file and hicache_storage_dir go together"
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
@@ -238,12 +271,9 @@ class EngineArgs:
             yield "enable_hierarchical_cache runs with tp_size 1 only (the tiers do not shard yet)"
 
     def prefill_budget(self, device: str) -> int:
-        """Prompt tokens per step: the flag, else what measured best on the device type.
-
-        CPU (bench/README.md, 2-core EPYC, concurrency 8): 2048 against 4096 gave a lower p95
-        TTFT on no_sharing (5.38 s against 6.02 s) at the same throughput; a step's cost grows
-        linearly with its prompt tokens there, so smaller steps start requests sooner. GPU
-        keeps SGLang-like 4096 (not yet measured)."""
+        """Prompt tokens per step: the flag, else what measured best on the device type (CPU:
+        2048, a lower p95 TTFT than 4096 at the same throughput, bench/README.md; GPU keeps
+        SGLang's 4096, not yet measured)."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 2048 if device.startswith("cpu") else 4096
@@ -253,12 +283,9 @@ class EngineArgs:
         this, or it is the first admitted (a long prompt's continued chunks do not count, so
         short prompts still ride along with them).
 
-        On CPU a step's cost is linear in its rows from a few dozen on (the linear layers are
-        bound by arithmetic there), so prompts arriving together gain nothing from sharing one
-        step: taken one per step, the first completes after its own prefill instead of after all
-        of theirs, and the running requests decode between them. Taken in pairs (the rule was
-        "until the step holds this many"), multi_turn's eight ~190-token first turns finished
-        two by two, so the last two waited as long as in one shared step."""
+        On CPU a step's cost is linear in its rows from a few dozen on, so prompts arriving
+        together gain nothing from sharing one step: taken one per step, the first completes
+        after its own prefill instead of after all of theirs (bench/README.md)."""
         if self.prefill_admit_tokens is not None:
             return self.prefill_admit_tokens
         return 256 if device.startswith("cpu") else self.prefill_budget(device)
@@ -280,109 +307,83 @@ class EngineArgs:
         return replace(self, **changes)
 
 
+def log_folder_problems(folder: str):
+    """An unusable --log-requests folder is refused before anything starts (it is created)."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        yield f"log_requests: cannot create the folder {folder!r}: {exc.strerror}"
+        return
+    if not os.access(folder, os.W_OK):
+        yield f"log_requests: the folder {folder!r} is not writable"
+
+
+def _names(module: str) -> tuple[str, ...]:
+    """The names a parser registry offers (imported here so that config stays the one place
+    of each option's choices)."""
+    if module == "tool_calls":
+        from .tool_calls import PARSERS
+    else:
+        from .reasoning import PARSERS
+    return tuple(sorted(PARSERS))
+
+
 @dataclass(frozen=True)
 class ServerArgs:
-    """The HTTP front: where to listen and who may call."""
+    """The HTTP front: where to listen, who may call, how many replicas."""
 
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    engine: EngineArgs = field(default_factory=EngineArgs)
-    max_request_bytes: int = 8 << 20  # a larger body is a 413
-    max_queued_requests: int | None = (
-        None  # beyond the running ones; more is a 503 (None: no limit)
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(30000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>'")
+    served_model_name: str | None = option(None, "model name reported by /v1/models")
+    engine: EngineArgs = field(default_factory=EngineArgs, metadata=dict(flag=False))
+    max_request_bytes: int = option(8 << 20, "largest request body accepted; a larger one is a 413")
+    max_queued_requests: int | None = option(
+        None,
+        "requests allowed to wait beyond --max-running-requests; more are answered 503 with "
+        "Retry-After (default: no limit)",
     )
-    tool_call_parser: str | None = (
-        None  # None: detected from the chat template (tool_calls.detect_parser)
+    tool_call_parser: str | None = option(
+        None,
+        "format of the model's tool calls (default: detected from the chat template)",
+        _names("tool_calls"),
     )
-    reasoning_parser: str | None = None  # None: no reasoning is split out (reasoning.PARSERS)
-
-
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-
-
-@dataclass(frozen=True)
-class RouterArgs:
-    """`radixserve router`: the workers, the policy and its thresholds (SGLang's router names
-    and meanings), health checks, the circuit breaker and retries."""
-
-    worker_urls: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: str = "cache_aware"
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = (
-        8  # SGLang's 64 suits GPU batches of hundreds; CPU replicas run ~10
+    reasoning_parser: str | None = option(
+        None,
+        "split <think>...</think> reasoning from the answer into reasoning_content (deepseek-r1 "
+        "and qwen3-thinking: the output starts inside the reasoning; qwen3: only when it opens "
+        "<think>)",
+        _names("reasoning"),
     )
-    balance_rel_threshold: float = 1.5
-    max_tree_size: int = 1 << 26
-    eviction_interval_secs: float = 120.0
-    health_check_interval_secs: float = 2.0
-    health_check_timeout_secs: float = 5.0
-    health_failure_threshold: int = 2
-    cb_failure_threshold: int = 3
-    cb_success_threshold: int = 1
-    cb_timeout_duration_secs: float = 10.0
-    retry_max_retries: int = 2
-    request_timeout_secs: float = 1800.0
-    api_key: str | None = None
-    max_request_bytes: int = 8 << 20
-    log_level: str = "info"
-    kv_events: bool = False  # cache_aware on the workers' KV events instead of the approximate tree
-    tokenizer_path: str | None = None  # with kv_events; None: the bundled model's
+    dp_size: int = option(
+        1,
+        "data-parallel replicas, each a whole server with its share of the CPU cores (or its own "
+        "GPUs), behind a router on --host/--port",
+    )
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
         if problems:
-            raise ValueError("invalid router arguments: " + "; ".join(problems))
+            raise ValueError("invalid server arguments: " + "; ".join(problems))
 
     def _problems(self):
-        if self.policy not in ROUTER_POLICIES:
-            yield f"policy must be one of {ROUTER_POLICIES}, got {self.policy!r}"
-        for url in self.worker_urls:
-            if (problem := worker_url_problem(url)) is not None:
-                yield problem
-        if len(set(self.worker_urls)) != len(self.worker_urls):
-            yield "worker_urls has duplicates"
-        if not 0 <= self.cache_threshold <= 1:
-            yield "cache_threshold must be in [0, 1]"
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
-            yield "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1"
-        if self.max_tree_size < 1 or self.eviction_interval_secs <= 0:
-            yield "max_tree_size and eviction_interval_secs must be positive"
-        if (
-            min(
-                self.health_check_interval_secs,
-                self.health_check_timeout_secs,
-                self.cb_timeout_duration_secs,
-            )
-            <= 0
-        ):
-            yield "health check interval and timeout and cb_timeout_duration_secs must be positive"
-        if (
-            min(self.health_failure_threshold, self.cb_failure_threshold, self.cb_success_threshold)
-            < 1
-        ):
+        yield from check_choices(self)
+        if not 0 <= self.port <= 65535:
+            yield f"port must be in [0, 65535], got {self.port}"
+        if self.max_request_bytes < 1:
+            yield "max_request_bytes must be >= 1"
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            yield "max_queued_requests must be >= 0"
+        if self.dp_size < 1:
+            yield "dp_size must be >= 1"
+        if self.dp_size > 1 and self.engine.nnodes > 1:
             yield (
-                "health_failure_threshold, cb_failure_threshold and cb_success_threshold "
-                "must be >= 1"
+                "dp_size with nnodes is not supported: start each multi-node replica on its own, "
+                "behind `radixserve router`"
             )
-        if self.retry_max_retries < 0:
-            yield "retry_max_retries must be >= 0"
-        if self.kv_events and self.policy != "cache_aware":
-            yield "kv_events needs the cache_aware policy"
-
-
-def worker_url_problem(url: str) -> str | None:
-    """Why `url` cannot name a worker (an http(s) URL with a host and no path), or None."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises on a malformed port
-    except ValueError as exc:
-        return f"worker url {url!r} is malformed: {exc}"
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        return f"worker url {url!r} must look like http://host:port"
-    return None
+        if self.dp_size > 1 and self.engine.kv_events_config is not None:
+            yield (
+                "kv_events_config with dp_size is not supported (each replica needs its own "
+                "endpoint): --router-kv-events gives each one its own, or start them one by one "
+                "behind `radixserve router`"
+            )

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 
 @dataclass(frozen=True)

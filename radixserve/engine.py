@@ -28,11 +28,15 @@ from .worker.process import build_runners
 log = logging.getLogger(__name__)
 
 _STOP = object()
+IDLE_WAIT_S = 0.5  # the scheduler thread's longest sleep with no work (a stop wakes it)
 
 
 class Engine:
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        self.args = EngineArgs(model=model, **kwargs)
+    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, **kwargs: Any):
+        """`Engine(model, **options)` as SGLang's, or `Engine(args=EngineArgs(...))`."""
+        if args is not None and (model is not None or kwargs):
+            raise ValueError("give the Engine either args or options, not both")
+        self.args = args if args is not None else EngineArgs(model=model, **kwargs)
         if self.args.tp_size != 1:
             raise ValueError(
                 "the offline Engine runs one process; serve with `radixserve serve --tp-size N` "
@@ -171,13 +175,9 @@ class Engine:
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, raw in zip(id_lists, params_list):
-            params = (
-                raw
-                if isinstance(raw, SamplingParams)
-                else SamplingParams.from_dict(raw, self.args.max_n)
-            )
+            params = raw if isinstance(raw, SamplingParams) else SamplingParams.from_dict(raw)
             if isinstance(raw, SamplingParams):
-                params.validate(self.args.max_n)
+                params.validate()
             for sample in params.per_sample():
                 req = GenerateReq(
                     uuid.uuid4().hex,
@@ -264,8 +264,9 @@ class Engine:
         sched = self.scheduler
         while not self._stopped:
             with self._wake:
-                if not self._inbox and not sched.has_work():
-                    self._wake.wait(timeout=0.5)
+                timeout = sched.poll_timeout_s(IDLE_WAIT_S)
+                if not self._inbox and timeout > 0:
+                    self._wake.wait(timeout=timeout)
                 items = list(self._inbox)
                 self._inbox.clear()
             for kind, payload in items:

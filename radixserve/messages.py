@@ -159,6 +159,7 @@ class GenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    priority: int = 0  # higher runs first, with --enable-priority-scheduling
 
 
 @dataclass
@@ -283,9 +284,3 @@ class ControlReply:
 class SchedulerReady:
     info: WorkerInfo
     model_name: str
-
-
-@dataclass
-class ChildFailed:
-    name: str
-    error: str

@@ -13,6 +13,7 @@ from .constrained import GRAMMAR_KEYS, check_grammar_text, json_grammar_text
 MAX_TOP_K = 1 << 20
 GREEDY_BELOW = 1e-5  # a smaller temperature samples like greedy; dividing by it overflows float32
 MAX_SEED = (1 << 63) - 1
+MAX_N = 16  # most samples one request may ask for (`n`)
 MAX_STOP_REGEX_CHARS = 4096
 # SGLang parameters we accept only when unset.
 UNSUPPORTED_WHEN_SET = ("custom_params", "dtype", "no_stop_trim", "stream_interval")
@@ -50,8 +51,8 @@ class SamplingParams:
     )
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, max_n: int = 128) -> "SamplingParams":
-        """Build from a JSON dict and validate (at most `max_n` samples); unknown keys, wrong
+    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON dict and validate (at most `MAX_N` samples); unknown keys, wrong
         types and values out of range raise ValueError."""
         if data is not None and not isinstance(data, dict):
             raise ValueError("sampling_params must be an object")
@@ -73,7 +74,7 @@ class SamplingParams:
             if key in data:
                 data[key] = json_grammar_text(data[key], key)
         params = cls(**data)
-        params.validate(max_n)
+        params.validate()
         return params
 
     def per_sample(self) -> list["SamplingParams"]:
@@ -91,8 +92,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def validate(self, max_n: int = 128) -> None:
-        problems = list(self._problems(max_n))
+    def validate(self) -> None:
+        problems = list(self._problems(MAX_N))
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -1,9 +1,8 @@
 """Tool calls in model output: the formats models are trained to emit, parsed whole or as a stream.
 
 Formats (`--tool-call-parser`, names as in SGLang where one exists):
-- `hermes` (Qwen 2.5+, Hermes, SmolLM3 and many fine-tunes): `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>`,
-  one block per call.
+- `hermes` (Qwen 2.5+, Hermes, SmolLM3 and many fine-tunes):
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call.
 - `llama3`: a JSON object `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`),
   several separated by `;`; the whole output must be calls.
 - `mistral`: `[TOOL_CALLS]` followed by a JSON list of `{"name": ..., "arguments": {...}}`.

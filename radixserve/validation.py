@@ -10,6 +10,7 @@ from __future__ import annotations
 from .messages import GenerateReq, WorkerInfo
 
 MAX_TOP_LOGPROBS = 100
+PRIORITY_LIMIT = 2**31  # |priority| below this
 
 
 def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
@@ -33,8 +34,38 @@ def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
         raise ValueError("logprob_start_len must be >= -1")
 
 
+def check_output_room(prompt_len: int, max_new_tokens: int, info: WorkerInfo, field: str) -> None:
+    """An explicit output length that the context cannot hold after the prompt is refused
+    (a default one is capped instead)."""
+    limit = context_limit(info)
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"{field}: this server holds {limit} tokens of context and the prompt has "
+            f"{prompt_len}, so at most {max(limit - prompt_len, 0)} can be generated, not "
+            f"{max_new_tokens}"
+        )
+
+
+def check_priority(priority: int | None, enabled: bool) -> None:
+    if priority is None:
+        return
+    if not enabled:
+        raise ValueError("priority: this server was not started with --enable-priority-scheduling")
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or abs(priority) >= PRIORITY_LIMIT
+    ):
+        raise ValueError(f"priority must be an integer with |priority| < 2**31, got {priority!r}")
+
+
+def context_limit(info: WorkerInfo) -> int:
+    """Tokens one request may hold: the context and the KV pool bound it."""
+    return min(info.max_context_len, info.num_slots)
+
+
 def _check_prompt(ids: list[int], info: WorkerInfo) -> None:
-    limit = min(info.max_context_len, info.num_slots)
+    limit = context_limit(info)
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= limit:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.config import RouterArgs
+from radixserve.router.config import RouterArgs
 from radixserve.router.keys import routing_key
 from radixserve.router.policies import CacheAware, PowerOfTwo, RoundRobin
 from radixserve.router.tree import PrefixTree

@@ -1,6 +1,7 @@
 """Scheduler tests without a model: the fake executor checks every slot mapping."""
 
 import random
+import time
 
 import pytest
 from fake_executor import EOS, FakeExecutor, reference
@@ -55,11 +56,10 @@ def prompts(n, length, seed=0, shared=0):
     return [prefix + [rng.randrange(998) for _ in range(length)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
-def test_outputs_match_reference(page_size, policy, mixed):
-    sched, _ = make(page_size=page_size, schedule_policy=policy, enable_mixed_chunk=mixed)
+def test_outputs_match_reference(page_size, policy):
+    sched, _ = make(page_size=page_size, schedule_policy=policy)
     ps = prompts(6, 20, shared=40)
     for i, p in enumerate(ps):
         submit(sched, str(i), p, max_new=10)
@@ -126,9 +126,8 @@ def test_repeated_prompt_hits_cache_and_disabled_cache_does_not():
         assert res["b"]["ids"] == reference(p, 8)
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_chunked_prefill_keeps_decodes_running(mixed):
-    sched, ex = make(chunk=16, enable_mixed_chunk=mixed)
+def test_chunked_prefill_keeps_decodes_running():
+    sched, ex = make(chunk=16)
     short = prompts(1, 5, seed=1)[0]
     submit(sched, "short", short, max_new=20)
     first = sched.step()[0].new_token_ids
@@ -139,18 +138,15 @@ def test_chunked_prefill_keeps_decodes_running(mixed):
     assert first + res["short"]["ids"] == reference(short, 20)
     chunks = [i for i, b in enumerate(ex.batches) if 16 in b.extend_lens]
     assert len(chunks) >= 6
-    if mixed:  # each chunk rides along with the short request's decode
-        assert all(
-            ex.batches[i].mode == ForwardMode.MIXED and 1 in ex.batches[i].extend_lens
-            for i in chunks[:3]
-        )
-    else:  # chunks alternate with decode steps
-        assert all(ex.batches[i + 1].mode == ForwardMode.DECODE for i in chunks[:3])
+    # each chunk rides along with the short request's decode
+    assert all(
+        ex.batches[i].mode == ForwardMode.MIXED and 1 in ex.batches[i].extend_lens
+        for i in chunks[:3]
+    )
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_small_pool_retracts_and_still_matches(mixed):
-    sched, _ = make(num_pages=120, max_running=8, chunk=32, enable_mixed_chunk=mixed)
+def test_small_pool_retracts_and_still_matches():
+    sched, _ = make(num_pages=120, max_running=8, chunk=32)
     ps = prompts(8, 30, seed=3)
     for i, p in enumerate(ps):
         submit(sched, str(i), p, max_new=40)
@@ -158,7 +154,8 @@ def test_small_pool_retracts_and_still_matches(mixed):
     for i, p in enumerate(ps):
         assert res[str(i)]["ids"] == reference(p, 40)
     assert sched.stats.retractions_total > 0
-    assert sched.allocator.available() + sched.cache.total_size() == sched.allocator.num_slots
+    allocator = sched.kv.allocator
+    assert allocator.available() + sched.cache.total_size() == allocator.num_slots
 
 
 def test_eviction_under_pressure_with_pages():
@@ -168,7 +165,7 @@ def test_eviction_under_pressure_with_pages():
         submit(sched, str(round_), p, max_new=6)
         res = run(sched)
         assert res[str(round_)]["ids"] == reference(p, 6)
-    assert sched.stats.evicted_tokens_total > 0
+    assert sched.snapshot().evicted_tokens_total > 0
 
 
 def test_abort_waiting_and_running_frees_everything():
@@ -181,7 +178,7 @@ def test_abort_waiting_and_running_frees_everything():
     res = run(sched)
     assert res["run"]["out"].finish_reason.kind == "abort"
     assert res["wait"]["out"].finish_reason.kind == "abort"
-    assert not sched.running and sched.rows.available() == sched.rows.num_rows
+    assert not sched.running and sched.kv.rows.available() == sched.kv.rows.num_rows
 
 
 def test_stop_tokens_eos_and_min_new_tokens():
@@ -252,4 +249,103 @@ def test_a_failing_step_aborts_its_requests_and_the_scheduler_goes_on():
     after = prompts(1, 12, seed=4)[0]
     submit(sched, "after", after, max_new=6)
     assert run(sched)["after"]["ids"] == reference(after, 6)
-    assert not sched.running and sched.rows.available() == sched.rows.num_rows
+    assert not sched.running and sched.kv.rows.available() == sched.kv.rows.num_rows
+
+
+def first_output_steps(sched, max_steps=10_000) -> dict[str, int]:
+    """The step at which each request produced its first token."""
+    first: dict[str, int] = {}
+    for step in range(max_steps):
+        for out in sched.step():
+            first.setdefault(out.rid, step)
+        sched.check_memory()
+        if not sched.has_work():
+            return first
+    raise AssertionError("scheduler did not finish")
+
+
+def test_a_high_priority_request_overtakes_the_queue():
+    sched, _ = make(max_running=1, enable_priority_scheduling=True)
+    ps = prompts(6, 12, seed=5)
+    for i in range(5):
+        submit(sched, f"low{i}", ps[i], max_new=6)
+    sched.step()  # the first requests are admitted; the others wait
+    high = GenerateReq(
+        "high",
+        ps[5],
+        SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0, ignore_eos=True)),
+        priority=5,
+    )
+    sched.add_request(high)
+    first = first_output_steps(sched)
+    waiting_lows = [f"low{i}" for i in range(1, 5)]
+    assert all(first["high"] < first[rid] for rid in waiting_lows), first
+
+
+def test_without_priority_scheduling_the_queue_keeps_its_order():
+    sched, _ = make(max_running=1, schedule_policy="fcfs")
+    ps = prompts(6, 12, seed=5)
+    for i in range(5):
+        submit(sched, f"low{i}", ps[i], max_new=6)
+    sched.step()
+    high = GenerateReq(
+        "high",
+        ps[5],
+        SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0, ignore_eos=True)),
+        priority=5,
+    )
+    sched.add_request(high)
+    first = first_output_steps(sched)
+    assert all(first["high"] > first[f"low{i}"] for i in range(5)), first
+
+
+def test_retraction_picks_the_lowest_priority_first():
+    sched, _ = make(num_pages=100, max_running=4, chunk=32, enable_priority_scheduling=True)
+    victims = []
+    retract = sched.retraction.retract
+
+    def recording_retract(req):
+        victims.append((req.priority, sorted(r.priority for r in sched.running)))
+        retract(req)
+
+    sched.retraction.retract = recording_retract
+    ps = prompts(4, 10, seed=7)
+    for i, priority in enumerate([3, 0, 2, 1]):
+        req = request(str(i), ps[i], dict(max_new_tokens=40, temperature=0, ignore_eos=True))
+        req.priority = priority
+        check_generate(req, sched.info)
+        sched.add_request(req)
+    res = run(sched)
+    assert victims, "the pool was meant to run short"
+    assert all(victim == min(running) for victim, running in victims), victims
+    for i, p in enumerate(ps):
+        assert res[str(i)]["ids"] == reference(p, 40)
+
+
+def test_the_batching_window_holds_admission_until_it_closes():
+    sched, ex = make(batch_wait_ms=80)
+    submit(sched, "a", prompts(1, 8, seed=8)[0], max_new=3)
+    assert sched.step() == [] and not ex.batches  # held: the window is open
+    assert 0 < sched.poll_timeout_s(0.5) <= 0.08
+    submit(sched, "b", prompts(1, 8, seed=9)[0], max_new=3)
+    time.sleep(0.09)
+    sched.step()
+    assert ex.batches[0].extend_lens == [8, 8]  # both arrivals started in one step
+    run(sched)
+
+
+def test_a_lone_request_out_of_kv_memory_fails_alone_and_the_loop_goes_on():
+    sched, _ = make(num_pages=64)
+    taken = sched.kv.allocator.alloc_extend(0, None, 40)  # memory the scheduler cannot reclaim
+    submit(sched, "starved", prompts(1, 10, seed=10)[0], max_new=40)
+    outputs = []
+    while sched.has_work():
+        outputs += sched.step()
+    end = outputs[-1]
+    assert end.rid == "starved" and end.finish_reason.kind == "abort"
+    assert "out of KV memory" in end.finish_reason.message
+    sched.kv.allocator.free(taken)
+    sched.check_memory()
+    p = prompts(1, 10, seed=11)[0]
+    submit(sched, "next", p, max_new=8)
+    assert run(sched)["next"]["ids"] == reference(p, 8)

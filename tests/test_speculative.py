@@ -289,13 +289,11 @@ def outputs_both_ways(draft_model_dir):
     }
     for algorithm, kw in settings.items():
         with Engine(max_total_tokens=16384, max_running_requests=16, dtype="float32", **kw) as eng:
-            eng.scheduler.step_cost = FlatStepCost()
-            if (
-                algorithm == "draft"
-            ):  # this draft costs nearly what the model does, so the draft budget
-                eng.scheduler._draft_step_seconds = lambda: (
-                    0.0
-                )  # would stop drafting: count it free
+            eng.scheduler.decode.step_cost = FlatStepCost()
+            if algorithm == "draft":
+                # this draft costs nearly what the model does, so the draft budget would stop
+                # drafting: count it free
+                eng.scheduler.decode.draft_step_seconds = lambda: 0.0
             out = eng.generate(prompts, greedy)
             sampled = [eng.generate(prompts[i], seeded[i]) for i in range(8)]
             constrained = [
@@ -359,9 +357,9 @@ def test_speculation_survives_retraction_chunked_prefill_and_pages(
         dtype="float32",
         **kw,
     ) as eng:
-        eng.scheduler.step_cost = FlatStepCost()
+        eng.scheduler.decode.step_cost = FlatStepCost()
         if algorithm == "draft":
-            eng.scheduler._draft_step_seconds = lambda: 0.0  # see outputs_both_ways
+            eng.scheduler.decode.draft_step_seconds = lambda: 0.0  # see outputs_both_ways
         results = eng.generate(
             prompts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
         )

@@ -10,8 +10,8 @@ import pytest
 from conftest import PROMPTS
 from server_utils import free_port, start_server
 
-from radixserve.config import ModelConfig
 from radixserve.distributed import TPGroup
+from radixserve.model_config import ModelConfig
 
 
 def test_shard_config_splits_heads_and_refuses_uneven_splits():

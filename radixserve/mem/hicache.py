@@ -19,27 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import queue
-import shutil
-import struct
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..kv_events import chain_hashes
+from .hicache_storage import FileStore, TierStats
 from .kv_pool import KVPool, _zeros
 
 log = logging.getLogger(__name__)
 BLOCK_TOKENS = 64
-MAGIC = b"RSKVBLK1"
-HEADER = struct.Struct("<8s8sQIQ8s")  # magic, fingerprint, hash, tokens, payload bytes, checksum
-WRITE_QUEUE_BLOCKS = 256  # blocks waiting for the storage writer; more are dropped (counted)
 
 
 def block_size(page_size: int) -> int:
@@ -50,21 +42,6 @@ def block_size(page_size: int) -> int:
 def fingerprint(*parts: object) -> str:
     """16 hex digits naming what KV is compatible: model, dtype, block size, TP layout."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
-
-
-@dataclass
-class TierStats:
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    loaded_tokens: int = 0
-    load_seconds: float = 0.0
-    loaded_bytes: int = 0
-    backed_up_tokens: int = 0
-    backed_up_bytes: int = 0
-    storage_written_blocks: int = 0
-    storage_skipped_blocks: int = 0  # disk full (or past the writer's queue)
-    storage_bad_blocks: int = 0  # corrupt, truncated or foreign files found on a read
-    load_timeouts: int = 0
 
 
 class HostStore:
@@ -116,112 +93,6 @@ class HostStore:
     def clear(self) -> None:
         self.free.extend(self.index.values())
         self.index.clear()
-
-
-class FileStore:
-    """L3: one file per block under `folder/<fingerprint>/`, written atomically (a temporary
-    file renamed into place), so servers sharing the folder never read half a block."""
-
-    def __init__(
-        self, folder: str, fingerprint_hex: str, stats: TierStats, min_free_bytes: int = 1 << 30
-    ):
-        self.folder = Path(folder) / fingerprint_hex
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.fingerprint = bytes.fromhex(fingerprint_hex)
-        self.stats = stats
-        self.min_free_bytes = min_free_bytes
-        self.pending: queue.Queue = queue.Queue(WRITE_QUEUE_BLOCKS)
-        self.writer = threading.Thread(
-            target=self._write_forever, daemon=True, name="hicache-writer"
-        )
-        self.writer.start()
-
-    def path(self, h: int) -> Path:
-        name = f"{h:016x}"
-        return self.folder / name[:2] / f"{name}.kv"
-
-    def contains(self, h: int) -> bool:
-        return self.path(h).exists()
-
-    def put(self, h: int, tokens: list[int], payload: bytes) -> None:
-        """Queue a block for writing; dropped (and counted) when the writer is behind."""
-        try:
-            self.pending.put_nowait((h, tokens, payload))
-        except queue.Full:
-            self.stats.storage_skipped_blocks += 1
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until the queued blocks are written (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
-        while self.pending.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def _write_forever(self) -> None:
-        while True:
-            h, tokens, payload = self.pending.get()
-            try:
-                self.write(h, tokens, payload)
-            finally:
-                self.pending.task_done()
-
-    def write(self, h: int, tokens: list[int], payload: bytes) -> bool:
-        path = self.path(h)
-        if path.exists():
-            return True
-        ids = struct.pack(f"<{len(tokens)}I", *tokens)
-        header = HEADER.pack(
-            MAGIC, self.fingerprint, h, len(tokens), len(payload), _checksum(ids, payload)
-        )
-        try:
-            path.parent.mkdir(exist_ok=True)
-            if shutil.disk_usage(path.parent).free < self.min_free_bytes + len(payload):
-                raise OSError("the disk is (nearly) full")
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(header + ids + payload)
-            os.replace(tmp, path)
-        except OSError as exc:
-            self.stats.storage_skipped_blocks += 1
-            log.warning("hicache: block %016x not written to storage: %s", h, exc)
-            return False
-        self.stats.storage_written_blocks += 1
-        return True
-
-    def read(self, h: int, tokens: list[int], payload_bytes: int) -> bytes | None:
-        """The block's payload, or None when it is missing or fails a check (then it is deleted)."""
-        path = self.path(h)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        problem = self._problem(data, h, tokens, payload_bytes)
-        if problem is None:
-            return data[HEADER.size + 4 * len(tokens) :]
-        self.stats.storage_bad_blocks += 1
-        log.warning("hicache: block file %s is unusable (%s); recomputing it", path, problem)
-        path.unlink(missing_ok=True)
-        return None
-
-    def _problem(self, data: bytes, h: int, tokens: list[int], payload_bytes: int) -> str | None:
-        if len(data) < HEADER.size:
-            return "truncated header"
-        magic, fp, stored_hash, n, size, checksum = HEADER.unpack_from(data)
-        if magic != MAGIC or fp != self.fingerprint or stored_hash != h:
-            return "not this model's block"
-        if n != len(tokens) or size != payload_bytes or len(data) != HEADER.size + 4 * n + size:
-            return "truncated or wrong size"
-        ids = data[HEADER.size : HEADER.size + 4 * n]
-        if ids != struct.pack(f"<{n}I", *tokens):
-            return "other tokens (hash collision)"
-        if _checksum(ids, data[HEADER.size + 4 * n :]) != checksum:
-            return "checksum mismatch"
-        return None
-
-
-def _checksum(ids: bytes, payload: bytes) -> bytes:
-    digest = hashlib.blake2b(ids, digest_size=8)
-    digest.update(payload)
-    return digest.digest()
 
 
 @dataclass

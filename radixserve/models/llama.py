@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend
-from ..config import ModelConfig
 from ..distributed import TPGroup
 from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fused
+from ..model_config import ModelConfig
 
 # checkpoint name fragment -> (our fused parameter, shard index)
 _FUSED_SHARDS = {

@@ -7,9 +7,9 @@ from typing import Iterable
 
 import torch
 
-from ..config import ModelConfig
 from ..distributed import TPGroup
 from ..mem.huge_pages import into_huge_pages
+from ..model_config import ModelConfig
 from .source import ModelSource
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

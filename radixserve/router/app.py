@@ -11,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..server.api import (
+from ..server.http import (
     auth_dependency,
     error_response,
     install_error_handlers,

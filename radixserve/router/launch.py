@@ -19,9 +19,10 @@ from typing import Callable
 
 import uvicorn
 
-from ..config import RouterArgs, ServerArgs
+from ..config import ServerArgs
 from ..server.launch import GracefulServer
 from .app import create_router_app
+from .config import RouterArgs
 from .proxy import Router
 
 log = logging.getLogger("radixserve.router")
@@ -78,7 +79,7 @@ def replica_args(server: ServerArgs, index: int, dp_size: int, kv_events: bool) 
                 {"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}
             )
         )
-    return replace(server, host="127.0.0.1", port=free_port(), engine=engine)
+    return replace(server, host="127.0.0.1", port=free_port(), engine=engine, dp_size=1)
 
 
 def place_replica(rank: int, dp_size: int, tp_size: int) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from ..config import ROUTER_POLICIES, RouterArgs
+from ..config import ROUTER_POLICIES
+from .config import RouterArgs
 from .tree import PrefixTree
 from .workers import Worker
 

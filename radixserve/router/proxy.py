@@ -21,9 +21,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from ..config import RouterArgs, worker_url_problem
-from ..server.api import error_body
-from ..server.tokenizer_manager import RequestError
+from ..server.http import RequestError, error_body
+from .config import RouterArgs, worker_url_problem
 from .keys import routing_key, token_key
 from .kv_index import KVEventIndex, events_endpoint, follow_events
 from .policies import CacheAware, Policy, make_policy

@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import logging
+import math
 import os
 import signal
 import threading
@@ -124,7 +125,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while True:
-            wait = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+            wait = math.ceil(1000 * self.scheduler.poll_timeout_s(IDLE_POLL_MS / 1000))
             for msg in recv_all(self.inbox, wait):
                 self.handle(msg)
             self.heartbeat.beat(busy=self.scheduler.has_work())

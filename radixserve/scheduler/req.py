@@ -22,6 +22,7 @@ class Req:
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # higher is admitted first and retracted last (priority scheduling)
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.

@@ -6,26 +6,32 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
-from urllib.parse import urlsplit
+from typing import Any
 
-import orjson
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 
 from ..config import ServerArgs
 from ..ipc import Heartbeat
 from ..messages import GenerateReq
 from ..tokenizer import chat_roles
+from .http import (
+    RequestError,
+    auth_dependency,
+    error_body,
+    error_response,
+    install_error_handlers,
+    json_response,
+    parse_body,
+    sse,
+)
 from .metrics import Metrics
+from .openai_api import openai_routes, served_name
 from .protocol import AbortRequest, GenerateRequest
-from .tokenizer_manager import RequestError, TokenizerManager
+from .tokenizer_manager import TokenizerManager
 
-OPEN_PATHS = {"/health", "/dashboard"}  # everything else needs the API key when one is set
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
@@ -50,90 +56,6 @@ class Health:
         return None
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body as `model`: a body that is not `application/json` is a 415, one over
-    --max-request-bytes a 413, malformed or mistyped input a 400 naming the field."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type != "application/json":
-        raise RequestError(
-            f"Content-Type must be application/json, got {content_type or 'none'!r}", 415
-        )
-    raw = await read_body(request, request.app.state.args.max_request_bytes)
-    try:
-        data = orjson.loads(raw or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RequestError("the JSON body must be an object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise RequestError(
-            f"the request body has {declared} bytes; this server accepts at most {limit}", 413
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"the request body exceeds {limit} bytes", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def error_response(
-    message: str, status: int = 400, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
-
-
-def error_body(message: str, status: int) -> dict:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        403: "PermissionDeniedError",
-        404: "NotFoundError",
-        413: "RequestTooLargeError",
-        415: "UnsupportedMediaTypeError",
-        499: "ClientClosedRequest",
-        503: "ServiceUnavailableError",
-    }.get(status, "Error")
-    return {
-        "object": "error",
-        "message": message,
-        "type": kind,
-        "code": status,
-        "error": {"message": message, "type": kind, "code": status},
-    }
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
-    """Server-sent events; a request that fails mid-stream ends with an error event and [DONE]."""
-
-    async def body():
-        try:
-            async for chunk in chunks:
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        except RequestError as exc:
-            yield b"data: " + orjson.dumps(error_body(str(exc), exc.status)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:  # a disconnected client cancels us here: close the chain so the request aborts
-            await chunks.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
 def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
     # FastAPI's own docs routes skip app dependencies: they are added below, behind the key
     app = FastAPI(
@@ -147,8 +69,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
     install_error_handlers(app)
     _native_routes(app, tm, server_args, health)
-    from .openai_api import openai_routes
-
     openai_routes(app, tm, server_args)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
@@ -182,38 +102,6 @@ def _observability_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.get("/dashboard/data")
     async def dashboard_data():
         return json_response(await metrics.dashboard_data())
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError):
-        return error_response(str(exc), exc.status, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError):
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            parts.append(f"{where}: {err.get('msg')}")
-        return error_response("invalid request: " + "; ".join(parts[:5]), 400)
-
-
-def auth_dependency(api_key: str | None):
-    """A global dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects.
-    It also refuses requests a web page of another origin sends (a browser names that page in
-    `Origin`): with CORS off they have no business here, and without a key they could drive the
-    server from any site."""
-
-    async def check_key(request: Request) -> None:
-        origin = request.headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
-            raise RequestError(f"cross-origin requests are refused (Origin {origin!r})", 403)
-        if not api_key or request.url.path in OPEN_PATHS or request.method == "OPTIONS":
-            return
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
-
-    return check_key
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list:
@@ -256,9 +144,18 @@ async def build_generate(
     tops = _per_prompt(body.top_logprobs_num or 0, n, "top_logprobs_num")
     reqs = []
     for i in range(n):
-        reqs += tm.expand_n(
-            tm.make_request(id_lists[i], params[i], rids[i], logprob[i], starts[i], tops[i])
+        explicit = isinstance(params[i], dict) and "max_new_tokens" in params[i]
+        req = tm.make_request(
+            id_lists[i],
+            params[i],
+            rids[i],
+            logprob[i],
+            starts[i],
+            tops[i],
+            priority=body.priority,
+            max_tokens_field="max_new_tokens" if explicit else None,
         )
+        reqs += tm.expand_n(req)
     return reqs, single and len(reqs) == 1
 
 
@@ -381,10 +278,6 @@ async def _stream_generate_many(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def served_name(tm: TokenizerManager, args: ServerArgs) -> str:
-    return args.served_model_name or tm.model_name
 
 
 def server_args_dict(args: ServerArgs) -> dict:

@@ -185,7 +185,11 @@ def launch_server(args: ServerArgs) -> int:
         tokenizer = load_tokenizer_or_none(source.tokenizer_dir)  # while the children start
         ready = wait_ready(endpoints, children)
         tm = TokenizerManager(
-            tokenizer, endpoints, ready, args.engine.max_n, args.max_queued_requests
+            tokenizer,
+            endpoints,
+            ready,
+            args.max_queued_requests,
+            args.engine.enable_priority_scheduling,
         )
         health = Health(
             processes={name: p.pid for name, p in children.procs.items()},

@@ -75,6 +75,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | list[int] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    priority: int | None = None  # with --enable-priority-scheduling: higher runs first
 
 
 class AbortRequest(BaseModel):
@@ -133,6 +134,7 @@ class _OpenAIBase(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
+    priority: int | None = None  # with --enable-priority-scheduling: higher runs first
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -354,6 +356,9 @@ class ChatCompletionRequest(_OpenAIBase):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
         names = [t.function.name for t in self.tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tools: the function name {repeated[0]!r} is given more than once")
         if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if (

@@ -16,21 +16,13 @@ from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
-from ..validation import check_generate
+from ..validation import check_generate, check_output_room, check_priority
+from .http import RequestError
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 THREADED_TOKENIZE_CHARS = 20000  # longer texts are tokenized off the event loop
 RETRY_AFTER_S = 1
-
-
-class RequestError(Exception):
-    """A request that cannot be served: becomes an HTTP 4xx (or 503) with this message."""
-
-    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or {}
 
 
 @dataclass
@@ -45,14 +37,14 @@ class TokenizerManager:
         tokenizer: Any,
         endpoints: Endpoints,
         ready: SchedulerReady,
-        max_n: int = 16,
         max_queued: int | None = None,
+        priority_scheduling: bool = False,
     ):
         self.tokenizer = tokenizer
         self.endpoints = endpoints
         self.info = ready.info
         self.model_name = ready.model_name
-        self.max_n = max_n
+        self.priority_scheduling = priority_scheduling
         self.max_in_flight = (
             None if max_queued is None else max_queued + ready.info.max_running_requests
         )
@@ -100,10 +92,13 @@ class TokenizerManager:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        priority: int | None = None,
+        max_tokens_field: str | None = None,
     ) -> GenerateReq:
-        """A validated request: the scheduler never sees bad input."""
+        """A validated request: the scheduler never sees bad input. `max_tokens_field` names
+        the field when the output length was given explicitly (then it must fit the context)."""
         try:
-            sp = SamplingParams.from_dict(params, self.max_n)
+            sp = SamplingParams.from_dict(params)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"invalid sampling_params: {exc}") from exc
         req = GenerateReq(
@@ -113,9 +108,13 @@ class TokenizerManager:
             return_logprob,
             logprob_start_len,
             top_logprobs_num,
+            priority=priority or 0,
         )
         try:
+            check_priority(priority, self.priority_scheduling)
             check_generate(req, self.info)
+            if max_tokens_field is not None:
+                check_output_room(len(input_ids), sp.max_new_tokens, self.info, max_tokens_field)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return req

@@ -1,0 +1,136 @@
+"""A step's batch, built from its requests: token ids, positions, slots and sampling inputs.
+
+Functions of the requests only; the one state they touch is each request's `synced` count
+(how many of its slots the worker's row already holds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..constrained import GrammarBackend
+from ..messages import ForwardBatch, ForwardMode, LogprobRequest, SamplingBatch
+from ..sampling_params import SamplingParams
+from .req import Req
+
+
+@dataclass
+class Step:
+    mode: ForwardMode
+    reqs: list[Req]
+    prefill_lens: list[int]  # the first len(prefill_lens) reqs run prompt chunks of these lengths
+    reused_tokens: int = 0
+    batch: ForwardBatch | None = None  # built in `Scheduler.step`, once the drafts are final
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill_lens)
+
+
+@dataclass(frozen=True)
+class SamplingContext:
+    """What sampling inputs need beyond the requests: the ids that end a request, the token
+    taken when every token is forbidden, and the grammar backend for token masks."""
+
+    eos_ids: frozenset[int]
+    fallback_id: int
+    grammars: GrammarBackend | None
+
+
+def decode_mode(reqs: list[Req]) -> ForwardMode:
+    """Decoding requests with drafts to verify run as an extend step (several tokens each)."""
+    return ForwardMode.EXTEND if any(r.drafts for r in reqs) else ForwardMode.DECODE
+
+
+def decode_lens(reqs: list[Req]) -> list[int]:
+    return [1 + len(r.drafts) for r in reqs]
+
+
+def build_batch(
+    mode: ForwardMode, reqs: list[Req], lens: list[int], ctx: SamplingContext
+) -> ForwardBatch:
+    """Request i feeds its last `lens[i]` slots; a row's new prefix slots go as `row_writes`."""
+    ids, positions, locs, writes, seq_lens, logprobs = [], [], [], [], [], []
+    for req, n in zip(reqs, lens):
+        end = len(req.kv_slots)
+        start = end - n
+        ids += (req.fill_ids + req.drafts)[start:end] if req.drafts else req.fill_ids[start:end]
+        positions += range(start, end)
+        locs += req.kv_slots[start:end]
+        if req.synced < start:
+            writes.append((req.row, req.synced, req.kv_slots[req.synced : start]))
+        req.synced = end
+        seq_lens.append(end)
+        logprobs.append(logprob_request(req, start, end - len(req.drafts)))
+    draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
+    return ForwardBatch(
+        mode,
+        ids,
+        positions,
+        locs,
+        [r.row for r in reqs],
+        seq_lens,
+        lens,
+        writes,
+        sampling_batch(reqs, ctx),
+        logprobs,
+        draft_lens,
+    )
+
+
+def logprob_request(req: Req, start: int, end: int) -> LogprobRequest | None:
+    if not req.return_logprob:
+        return None
+    lp = LogprobRequest(top_k=req.top_logprobs_num, want_output=end == len(req.fill_ids))
+    if req.wants_prompt_logprobs:
+        lo = max(start, req.logprob_start_len - 1, 0)
+        hi = min(end, len(req.input_ids) - 1)
+        if lo < hi:
+            lp.prompt_start, lp.prompt_targets = lo - start, req.input_ids[lo + 1 : hi + 1]
+    return lp
+
+
+def sampling_batch(reqs: list[Req], ctx: SamplingContext) -> SamplingBatch:
+    ps = [r.params for r in reqs]
+    checks_drafts = any(r.drafts and r.grammar is not None for r in reqs)
+    return SamplingBatch(
+        temperatures=[p.temperature for p in ps],
+        top_ps=[p.top_p for p in ps],
+        top_ks=[p.top_k for p in ps],
+        min_ps=[p.min_p for p in ps],
+        seeds=[p.seed for p in ps],
+        steps=[len(r.output_ids) for r in reqs],
+        frequency_penalties=[p.frequency_penalty for p in ps],
+        presence_penalties=[p.presence_penalty for p in ps],
+        repetition_penalties=[p.repetition_penalty for p in ps],
+        penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
+        penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+        suppressed_ids=[suppressed_ids(r, ctx.eos_ids) for r in reqs],
+        token_masks=token_masks(reqs, ctx.grammars),
+        logit_biases=logit_biases(ps),
+        fallback_ids=[ctx.fallback_id] * len(reqs),
+        draft_token_masks=[
+            r.spec.draft_masks if r.drafts and r.grammar is not None else None for r in reqs
+        ]
+        if checks_drafts
+        else None,
+    )
+
+
+def token_masks(reqs: list[Req], grammars: GrammarBackend | None) -> list[list[int] | None] | None:
+    if not any(r.grammar is not None for r in reqs):
+        return None
+    return [None if r.grammar is None else grammars.token_mask(r.grammar) for r in reqs]
+
+
+def suppressed_ids(req: Req, eos_ids: frozenset[int]) -> list[int] | None:
+    """Stop and EOS ids are forbidden until the request has its min_new_tokens."""
+    if len(req.output_ids) >= req.params.min_new_tokens:
+        return None
+    stops = set(req.params.stop_token_ids)
+    return sorted(stops | (set() if req.params.ignore_eos else eos_ids))
+
+
+def logit_biases(ps: list[SamplingParams]) -> list[list[tuple[int, float]] | None] | None:
+    if not any(p.logit_bias for p in ps):
+        return None
+    return [[(int(k), v) for k, v in p.logit_bias.items()] if p.logit_bias else None for p in ps]

@@ -1,0 +1,228 @@
+"""The scheduler's side of KV memory: the slot allocator, the request rows, the radix tree
+and the tiers under it (`mem/hicache`).
+
+A request's `kv_slots[:cached_len]` belong to the tree and are locked through `req.node`; the
+rest are its own pages. Invariant (`check_memory`): free + cached + held by running == pool."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from ..config import EngineArgs
+from ..mem.allocator import ReqToTokenRows, SlotAllocator
+from ..mem.hicache import HiCache, block_size, fingerprint
+from ..mem.kv_pool import KVPool
+from ..mem.radix_cache import RadixCache, TreeNode
+from ..messages import ForwardBatch, ForwardResult, WorkerInfo
+from .req import Req
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """What the scheduler needs from the model worker(s); `pool` (the device KV) only with the
+    hierarchical cache, which copies blocks in and out of it between steps."""
+
+    info: WorkerInfo
+    pool: KVPool
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+
+
+class KVManager:
+    def __init__(self, args: EngineArgs, executor: Executor):
+        info = executor.info
+        self.page_size = info.page_size
+        self.evicted_tokens = 0  # evicted from the tree to make room, over the server's life
+        self.allocator = SlotAllocator(info.num_pages, info.page_size)
+        self.rows = ReqToTokenRows(info.max_running_requests)
+        self.write_policy = args.hicache_write_policy
+        self.hicache = make_hicache(args, executor) if args.enable_hierarchical_cache else None
+        write_back = self.hicache is not None and self.write_policy == "write_back"
+        self.cache = RadixCache(
+            info.page_size,
+            self.allocator.free,
+            disable=args.disable_radix_cache,
+            record_events=args.kv_events_config is not None,
+            on_evict=self._back_up_leaf if write_back else None,
+            eviction_policy=args.radix_eviction_policy,
+        )
+
+    # ---- prefix matches ------------------------------------------------------
+    def match(self, req: Req) -> tuple[list[int], TreeNode]:
+        """The request's longest cached prefix, extended from the tiers when they hold more."""
+        prefix = req.fill_ids[: req.max_prefix_len()]
+        slots, node = self.cache.match_prefix(prefix)
+        if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
+            slots, node = self._load_from_tiers(prefix, slots, node)
+        return slots, node
+
+    def match_length(self, req: Req) -> tuple[int, TreeNode]:
+        """(cached prefix length, deepest node) without changing the tree."""
+        return self.cache.match_length(req.fill_ids[: req.max_prefix_len()])
+
+    def _load_from_tiers(
+        self, prefix: list[int], slots: list[int], node: TreeNode
+    ) -> tuple[list[int], TreeNode]:
+        """Extend a device match with blocks from the host and storage tiers: they get device
+        slots (the match stays locked meanwhile) and join the tree like computed KV."""
+        self.cache.inc_lock_ref(node)
+        try:
+            loaded = self.hicache.load(prefix, len(slots), self._alloc_for_load)
+        finally:
+            self.cache.dec_lock_ref(node)
+        if not loaded:
+            return slots, node
+        key = prefix[: len(slots) + len(loaded)]
+        already = self.cache.insert(key, slots + loaded)
+        self.allocator.free(loaded[: max(already - len(slots), 0)])
+        return self.cache.match_prefix(key)
+
+    def _alloc_for_load(self, n: int) -> list[int] | None:
+        pages = self.allocator.pages_needed(0, n)
+        if not self.make_room(pages):
+            return None
+        return self.allocator.alloc_extend(0, None, n)
+
+    def _back_up_leaf(self, leaf: TreeNode) -> None:
+        tokens, slots = self.cache.path_of(leaf)
+        self.hicache.backup(tokens, slots)
+
+    def _back_up_prefix(self, tokens: list[int], slots: list[int], node: TreeNode) -> None:
+        """write_through backs up every cached prefix; write_through_selective only those hit
+        more than once."""
+        policy = self.write_policy
+        if policy == "write_through" or (
+            policy == "write_through_selective" and node.hit_count >= 2
+        ):
+            self.hicache.backup(tokens, slots)
+
+    # ---- a request's memory --------------------------------------------------
+    def attach(self, req: Req, slots: list[int], node: TreeNode) -> None:
+        """Give an admitted request a row and its matched prefix (already locked)."""
+        req.row = self.rows.alloc()
+        req.kv_slots, req.cached_len, req.node, req.synced = list(slots), len(slots), node, 0
+        if req.spec is not None:
+            req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
+        self.cache.record_hit(node)
+        if self.hicache is not None and slots:
+            self._back_up_prefix(req.fill_ids[: len(slots)], slots, node)
+
+    def make_room(self, pages: int) -> bool:
+        """Evict cached prefixes until `pages` more pages can be allocated, if possible."""
+        missing = pages * self.page_size - self.allocator.available()
+        if missing > 0:
+            self.evicted_tokens += self.cache.evict(missing)
+        return self.allocator.can_alloc_pages(pages)
+
+    def alloc(self, req: Req, n: int) -> bool:
+        """`n` more slots for the request, evicting if needed; False when they do not fit."""
+        if not self.make_room(self.allocator.pages_needed(len(req.kv_slots), n)):
+            return False
+        last = req.kv_slots[-1] if req.kv_slots else None
+        req.kv_slots += self.allocator.alloc_extend(len(req.kv_slots), last, n)
+        return True
+
+    def pages_for(self, req: Req, n: int) -> int:
+        return self.allocator.pages_needed(len(req.kv_slots), n)
+
+    def fits(self, tokens: float) -> bool:
+        """Whether `tokens` fit in free plus evictable memory."""
+        return tokens <= self.allocator.available() + self.cache.evictable_size()
+
+    def free_tail(self, req: Req, keep: int) -> None:
+        """Give back the request's own slots past its first `keep` (draft slots not used)."""
+        self.allocator.free(req.kv_slots[keep:])
+        del req.kv_slots[keep:]
+
+    def cache_prefix(self, req: Req) -> None:
+        """Put the request's computed, page-aligned KV into the tree and lock it there."""
+        computed = len(req.kv_slots)
+        aligned = computed - computed % self.page_size
+        if self.cache.disable or aligned <= req.cached_len:
+            return
+        key = req.fill_ids[:aligned]
+        already = self.cache.insert(key, req.kv_slots[:aligned])
+        if already > req.cached_len:
+            self.allocator.free(req.kv_slots[req.cached_len : already])
+            req.synced = min(req.synced, req.cached_len)
+        slots, node = self.cache.match_prefix(key)
+        self.cache.inc_lock_ref(node)
+        if req.node is not None:
+            self.cache.dec_lock_ref(req.node)
+        req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
+        if self.hicache is not None:
+            self._back_up_prefix(key, slots, node)
+
+    def release(self, req: Req) -> None:
+        """Give back all the request holds: KV to the tree or allocator, its lock, its row."""
+        self.cache_prefix(req)
+        self.drop(req)
+
+    def drop(self, req: Req) -> None:
+        """Give back what the request holds without caching more of it: its uncached KV to the
+        allocator, its tree lock, its row."""
+        self.allocator.free(req.kv_slots[req.cached_len :])
+        if req.node is not None:
+            self.cache.dec_lock_ref(req.node)
+        if req.row is not None:
+            self.rows.free(req.row)
+
+    # ---- the whole pool -------------------------------------------------------
+    def flush(self) -> None:
+        self.cache.evict(self.cache.total_size())
+        self.cache.reset()
+        if self.hicache is not None:
+            self.hicache.host.clear()
+
+    def held_slots(self, running: list[Req]) -> int:
+        return sum(self.allocator.held_slots(len(r.kv_slots) - r.cached_len) for r in running)
+
+    def usage(self) -> float:
+        return 1 - self.allocator.available() / self.allocator.num_slots
+
+    def check_memory(self, running: list[Req]) -> None:
+        """Capacity invariant: free + cached + held by running requests == pool size."""
+        free, cached, held = (
+            self.allocator.available(),
+            self.cache.total_size(),
+            self.held_slots(running),
+        )
+        assert free + cached + held == self.allocator.num_slots, (
+            f"KV leak: free {free} + cached {cached} + held {held} != {self.allocator.num_slots}"
+        )
+        assert self.rows.available() + len(running) == self.rows.num_rows
+        if self.hicache is not None:
+            self.hicache.host.check()
+
+
+def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
+    """The tiers under the radix tree, sized from the device pool; blocks are named for this
+    model, dtype, block size and TP layout."""
+    info, pool = executor.info, executor.pool
+    if args.hicache_size > 0:
+        host_tokens = int(args.hicache_size * 2**30 // info.bytes_per_token)
+    else:
+        host_tokens = int(args.hicache_ratio * info.num_slots)
+    model = args.model or "bundled"
+    identity = fingerprint(
+        model,
+        args.seed if model.startswith("dummy:") else None,
+        args.quantization,
+        info.dtype,
+        block_size(info.page_size),
+        tuple(pool.k[0].shape[1:]),
+        len(pool.k),
+        args.tp_size,
+    )
+    storage = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
+    hicache = HiCache.create(pool, info.page_size, host_tokens, identity, storage)
+    log.info(
+        "hierarchical cache: host tier %d tokens (%.1f MB), %s%s",
+        hicache.capacity_tokens(),
+        hicache.capacity_tokens() * info.bytes_per_token / 2**20,
+        args.hicache_write_policy,
+        f", storage {hicache.storage.folder}" if hicache.storage else "",
+    )
+    return hicache
