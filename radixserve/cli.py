@@ -37,7 +37,9 @@ def add_flags(parser, cls, prefix: str = "", only=None, skip=()) -> None:
         kind = _flag_type(cls, f.name)
         help_text = f.metadata["help"]
         if prefix:
-            help_text = f"with --dp-size, the {prefix[:-1]}'s --{f.name.replace('_', '-')}: {help_text}"
+            help_text = (
+                f"with --dp-size, the {prefix[:-1]}'s --{f.name.replace('_', '-')}: {help_text}"
+            )
         kwargs = dict(default=f.default, help=help_text, dest=prefix.replace("-", "_") + f.name)
         if kind is bool:
             kwargs["action"] = "store_true"

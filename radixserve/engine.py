@@ -241,8 +241,8 @@ class Engine:
     def _run(self, source, started: queue.Queue) -> None:
         """Build the model and scheduler here, then loop: one thread runs every torch op of the
         engine. With OpenMP, ops started from a second thread once another thread has run any
-        take 1.5-3x as long on a 2-core CPU (measured: a batch-8 decode step 61-63 ms against
-        41-46 ms), so the caller's thread should not run torch work while the engine does."""
+        take far longer (bench/README.md), so the caller's thread should not run torch work
+        while the engine does."""
         try:
             self.runner, draft_runner = build_runners(source, self.args)
             decode_tail = self.detokenizer.decode if self.detokenizer else None

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve_kernels.cpu_ops import load as load_cpu_kernels
+
 
 def fused(cpu_ops):
     """The CPU kernels to call now: None while torch.compile traces (it fuses the torch code)."""
@@ -104,9 +106,7 @@ def packed_linear(
 ) -> torch.Tensor:
     """x @ W^T + b through radixserve's CPU kernel and its packed W. An op of our own, so that
     torch.compile keeps it as one opaque call."""
-    from radixserve_kernels.cpu_ops import load
-
-    return load().packed_linear(x, packed, bias, out_features)
+    return load_cpu_kernels().packed_linear(x, packed, bias, out_features)
 
 
 @packed_linear.register_fake
@@ -148,12 +148,8 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def pack_for_cpu(self) -> None:
-        """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 on CPU).
-
-        Measured on a 2-core AVX2 EPYC (bench/README.md): against oneDNN's prepacked weights, a
-        decode step at batch 8 went from 78 to 64 ms and at batch 1 from 40 to 29 ms; a
-        2048-token prefill is level (4.8-5.1 s both).
-        """
+        """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 on CPU),
+        faster than oneDNN's prepacked weights in decode (bench/README.md)."""
         packed = self.cpu_ops.pack_linear_weight(self.weight_t.t().contiguous())
         self.register_buffer("weight_packed", packed)
         self.weight_t = None

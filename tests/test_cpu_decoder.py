@@ -1,5 +1,6 @@
-"""The C++ decoder loop (kernels/cpu_decoder.cpp) against the Python layers it replaces, on the
-bundled model in float32: the same kernels in the same order, so the same bits, in prefill,
+"""The C++ decoder loop (radixserve_kernels/cpu_decoder.cpp) against the Python layers it
+replaces, on the bundled model in float32: the same kernels in the same order, so the same bits, in
+prefill,
 mixed and decode steps (the end-to-end HF comparisons run through it too: test_engine_hf.py)."""
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Attention over the paged KV pool on CPU (and any device, in pure torch).
 
-A step's requests are split into a decode group (one new token each) and an extend group
-(several new tokens), so that a mixed step does not pad every decode query to the longest
-prompt chunk. On CPU both groups run kernels that read K/V straight from the pool
-(`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32, paged extend (causal
-new tokens after a cached prefix: prompt chunks). Requests with a few new tokens (speculative
-verify rows, short chunks) join the decode kernel's group as one query per token: at batch 8
-on a 2-core Zen 1 a verify step then took 0.91-0.94x the time of running them through the
-extend kernel as a second group. Without a compiler, a group gathers its K/V and runs one
-padded, masked SDPA.
-"""
+A step's requests are split into a decode group (one new token each) and an extend group (several
+new tokens), so that a mixed step does not pad every decode query to the longest prompt chunk. On
+CPU both groups run kernels that read K/V straight from the pool
+(`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32, paged extend (causal new
+tokens after a cached prefix: prompt chunks). Requests with a few new tokens (speculative verify
+rows, short chunks) join the decode kernel's group as one query per token, which measured faster
+than a second, extend group (bench/README.md). Without a compiler, a group gathers its K/V and runs
+one padded, masked SDPA."""
 
 from __future__ import annotations
 
@@ -17,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
 from ..mem.kv_pool import KVPool
 from .base import AttentionInputs
@@ -115,7 +115,7 @@ class TorchNativeBackend:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
         self.scale = head_dim**-0.5
-        self.kernels = _cpu_kernels() if pool.k[0].device.type == "cpu" else None
+        self.kernels = load_cpu_kernels() if pool.k[0].device.type == "cpu" else None
         self.paged_extend = (
             self.kernels is not None
             and pool.k[0].dtype == torch.float32
@@ -148,8 +148,8 @@ class TorchNativeBackend:
         )
 
     def kernel_groups(self) -> list[list[torch.Tensor]] | None:
-        """This step's groups as the C++ decoder (kernels/cpu_decoder.cpp) takes them, when every
-        group runs a paged kernel: (tokens, rows, seq_lens) to decode, (tokens, rows,
+        """This step's groups as the C++ decoder (radixserve_kernels/cpu_decoder.cpp) takes them,
+        when every group runs a paged kernel: (tokens, rows, seq_lens) to decode, (tokens, rows,
         prefix_lens, extend_lens) to extend; None when one gathers K/V for SDPA."""
         if not all(g.rows is not None for g in self.groups):
             return None
@@ -229,9 +229,3 @@ class TorchNativeBackend:
         padded = q.new_zeros(group.kv_shape[0], group.max_q, *q.shape[1:])
         padded[group.pad_req, group.pad_pos] = q
         return padded
-
-
-def _cpu_kernels():
-    from radixserve_kernels.cpu_ops import load
-
-    return load()

@@ -1,12 +1,9 @@
 """Host memory from anonymous mappings advised for transparent huge pages (2 MiB).
 
-A decode step on CPU streams every packed weight and each request's K/V rows once. In 4 KiB
-pages those reads walk the page tables every 4 KiB, and the hardware prefetchers stop at each
-page's end. Measured on a 2-core Zen 1 (bench/README.md), side by side in one process: the
-model's linear layers at 8 rows from huge pages took 0.96x the time (1 row: 0.98x), decode
-attention over 30 layers at batch 8 0.97x. Where the kernel grants none (THP off), the memory
-is ordinary pages and nothing else changes.
-"""
+A decode step on CPU streams every packed weight and each request's K/V rows once. In 4 KiB pages
+those reads walk the page tables every 4 KiB, and the hardware prefetchers stop at each page's end;
+huge pages measured a few percent faster (bench/README.md). Where the kernel grants none (THP off),
+the memory is ordinary pages and nothing else changes."""
 
 from __future__ import annotations
 

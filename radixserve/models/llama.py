@@ -117,10 +117,11 @@ class LlamaForCausalLM(nn.Module):
         return layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
 
     def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
-        """Run the decoder layers through one C++ call (`CpuDecoder`, kernels/cpu_decoder.cpp) in
-        the steps whose attention the backend runs through its paged CPU kernels: the same kernels
-        in the same order, without Python between them. Needs every linear layer packed for the
-        CPU GEMM (float32), one rank and a backend that offers `kernel_groups`."""
+        """Run the decoder layers through one C++ call (`CpuDecoder`,
+        radixserve_kernels/cpu_decoder.cpp) in the steps whose attention the backend runs through
+        its paged CPU kernels: the same kernels in the same order, without Python between them.
+        Needs every linear layer packed for the CPU GEMM (float32), one rank and a backend that
+        offers `kernel_groups`."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         cpu_ops = self.lm_head.cpu_ops
         if (

@@ -7,6 +7,8 @@ from typing import Iterable
 
 import torch
 
+from radixserve_kernels.cpu_ops import load as load_cpu_kernels
+
 from ..distributed import TPGroup
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
@@ -54,9 +56,7 @@ def build_model(
 
     cpu_ops = None
     if device.type == "cpu":
-        from radixserve_kernels.cpu_ops import load
-
-        cpu_ops = load()
+        cpu_ops = load_cpu_kernels()
         use_cpu_ops(model, cpu_ops)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for linear in linears:

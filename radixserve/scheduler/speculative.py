@@ -5,15 +5,13 @@ quoting its context, an agent repeating a tool's output) proposes the tokens tha
 earlier occurrence. The model checks all of them in one extend step (`worker/sampler.verify`).
 Nothing here touches the model: a draft costs a dictionary lookup.
 
-When speculation pays: each draft token adds a row to the step. `StepCost` learns the step
-time of each row count as the server runs; `budget_drafts` keeps as many of the likeliest
-drafts (p^j for the j-th draft of a request whose drafts are accepted with chance p) as give
-the step the most expected tokens per second. On a GPU a row is nearly free and every draft is
-kept; on a 2-core Zen 1 in float32 (24 ms a step at 1 row, 3-5 ms per more row) long drafts pay
-at batch 1, and at batch 8, where a row costs about a decoded token's share, only the surest
-do, and they gain little. A request that keeps missing stops proposing for a while
-(exponentially longer after each run of misses).
-"""
+When speculation pays: each draft token adds a row to the step. `StepCost` learns the step time of
+each row count as the server runs; `budget_drafts` keeps as many of the likeliest drafts (p^j for
+the j-th draft of a request whose drafts are accepted with chance p) as give the step the most
+expected tokens per second. On a GPU a row is nearly free and every draft is kept; on a small CPU
+long drafts pay at batch 1, and at batch 8, where a row costs about a decoded token's share, only
+the surest do (bench/README.md). A request that keeps missing stops proposing for a while
+(exponentially longer after each run of misses)."""
 
 from __future__ import annotations
 
@@ -78,18 +76,13 @@ class StepCost:
     nearest two.
 
     Only steps without prompt chunks are measured: every row of a decode or verify step makes
-    logits, a prompt row does not (0.9 ms a row less for the bundled model's LM head on this CPU),
-    so prompt steps would make verify rows look cheap. Drafts in a step that prompt chunks join
-    are budgeted as in a decode step: the chunk costs the same with them or without, and a draft
-    row costs about as much in either.
+    logits, a prompt row does not, so prompt steps would make verify rows look cheap. Drafts in a
+    step that prompt chunks join are budgeted as in a decode step: the chunk costs the same with
+    them or without, and a draft row costs about as much in either.
 
-    A step's cost is not one line in its rows. On a 2-core Zen 1 in float32, a decode step took
-    22 ms at one row and 40 ms at eight, but each row past eight cost 5 ms, as much as the
-    average row of the eight, since the GEMM is compute-bound there; and one request with 5
-    drafts (6 rows, one full GEMM tile) took 31 ms where 3 drafts took 32. A line fitted over all
-    steps, prompt steps included, put the marginal row at 3.5 ms, so verify steps that could not
-    pay kept running. The median keeps a step slowed by something else (the api process's work
-    on the same cores) from setting a count's cost."""
+    A step's cost is not one line in its rows (GEMM tiles make some counts cheaper than fewer rows;
+    bench/README.md), so no line is fitted over them. The median keeps a step slowed by something
+    else (the api process's work on the same cores) from setting a count's cost."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []  # row counts seen, sorted

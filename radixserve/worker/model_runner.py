@@ -27,9 +27,8 @@ DEFAULT_CPU_MAX_TOKENS = 65536
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on GPU, and on CPUs with AMX-BF16 (measured here: prefill 2.4x and batch-32
-    decode 2.2x faster than fp32, bench/decode_step.py); fp32 on other CPUs, where bf16 is
-    slower."""
+    """`auto`: bf16 on GPU, and on CPUs with AMX-BF16 (faster than fp32 there,
+    bench/README.md); fp32 on other CPUs, where bf16 is slower."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
     return getattr(torch, name)
@@ -127,7 +126,8 @@ class ModelRunner:
             and self.model.fuse_cpu_layers(self.backend)
         ):
             log.info(
-                "CPU forward: the decoder layers run in one C++ call (kernels/cpu_decoder.cpp)"
+                "CPU forward: the decoder layers run in one C++ call "
+                "(radixserve_kernels/cpu_decoder.cpp)"
             )
         self.graphs = self._capture_graphs(args, graph_cls)
         self.compiled = (

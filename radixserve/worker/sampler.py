@@ -11,6 +11,8 @@ from dataclasses import fields
 
 import torch
 
+from radixserve_kernels.cpu_ops import load as load_cpu_kernels
+
 from ..messages import SamplingBatch
 from ..sampling_params import GREEDY_BELOW
 
@@ -45,9 +47,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax; on CPU in float32 through the C++ kernel (torch's took 2-3x as long
     on 8-40 rows of the LM head's output)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from radixserve_kernels.cpu_ops import load
-
-        if (ops := load()) is not None:
+        if (ops := load_cpu_kernels()) is not None:
             return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

@@ -6,18 +6,14 @@
 // kAcc vector accumulators and streams each of its blocks once per k: contiguous weight reads, no
 // horizontal sums. On AVX2 every tile shape uses all kAcc accumulators (6 rows x 1 block, 3 x 2,
 // 2 x 3, 1 x 6), so the FMA units stay busy at any row count: a 4-row tile over one block would
-// leave half of them waiting on the FMA latency (8 rows ran at 57 GFLOP/s a core against 86 for
-// 6); AVX-512's 24 leave room for any height (see next_height). Threads take units of blocks
-// from the two ends of the range (cpu_parallel.h), so each streams through the weight in one
-// direction (decode is bound by that stream; the model's linear
-// layers at 8 rows from DRAM took 26-36 ms against 28-40 ms with a [blocks, K, kBlock] layout,
-// interleaved runs). Rows are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk
-// at a time so a group's slice of the weight stays in cache across the row tiles. Chunks of 768
-// (one for the model's K = 576, two for its down projection) against 256 on a 2-core Zen 1,
-// interleaved: the model's linear layers took 0.91-0.93x the time at 8 rows, 0.97x at 1, 0.91x
-// at 32, 0.96-0.98x at 96 and 512; the LM head 0.93x at 8; the batch-8 decode step 0.97x. Fewer
-// chunks are fewer passes that reload a tile's accumulators and restart its weight stream.
+// leave half of them waiting on the FMA latency; AVX-512's 24 leave room for any height (see
+// next_height). Threads take units of blocks from the two ends of the range (cpu_parallel.h),
+// so each streams through the weight in one direction (decode is bound by that stream). Rows
+// are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk at a time so a
+// group's slice of the weight stays in cache across the row tiles; fewer chunks are fewer passes
+// that reload a tile's accumulators. The measurements behind each choice: bench/README.md.
 #include <torch/extension.h>
+#include "cpu_bindings.h"
 #include <ATen/Parallel.h>
 #include <array>
 #include <cstring>
@@ -46,11 +42,9 @@ static_assert(kGroup % kUnitBlocks == 0, "a group must hold whole units");
 constexpr int64_t kRowChunk = 96;
 // Up to kStreamRows rows (decode batches), a tile of kStreamTileRows or more rows reading its
 // blocks for the first time prefetches the blocks its thread reads next (every cache line of
-// them; see packed_linear), so that the weight stream overlaps the arithmetic. Measured on the
-// model's linear layers at 8 rows from DRAM, AVX2 (6x1 tiles): 20-24 ms against 27-31 ms
-// without; AVX-512 (6x2 tiles, 128-byte block rows): 0.89x the time of prefetching nothing.
-// Prefetching in the shorter multi-block tiles (1-5 rows) or in prefills was slower. The hint's
-// cache level is kPrefetchLocality (cpu_simd.h): L2 on AVX-512, every level on AVX2.
+// them; see packed_linear), so that the weight stream overlaps the arithmetic (measured faster
+// only in these tiles: bench/README.md). The hint's cache level is kPrefetchLocality
+// (cpu_simd.h): L2 on AVX-512, every level on AVX2.
 constexpr int64_t kStreamRows = 32;
 constexpr int kStreamTileRows = 6;
 
@@ -254,4 +248,9 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pack
                                                      y.data_ptr<float>(), n);
   cpu_parallel::for_units_from_both_ends(gemm.units, [&](int64_t unit, bool front) { gemm.run_unit(unit, front); });
   return y;
+}
+
+void bind_cpu_linear(pybind11::module& m) {
+  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
+  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
 }

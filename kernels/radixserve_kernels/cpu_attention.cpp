@@ -7,6 +7,7 @@
 //   row is read once for the block's tokens times the group's heads; each token sees the keys
 //   up to its own position (causal).
 #include <torch/extension.h>
+#include "cpu_bindings.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
@@ -553,29 +554,8 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != nullptr; }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);  // cpu_fused_ops.cpp
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
-void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
-torch::Tensor argmax_rows(torch::Tensor x);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // cpu_linear.cpp
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t n);
-
-void bind_cpu_decoder(pybind11::module& m);  // cpu_decoder.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_cpu_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
   m.def("paged_extend_attention", &paged_extend_attention, "paged causal attention of new tokens after a prefix (CPU)");
   m.def("extend_supported", &extend_supported, "whether paged_extend_attention has a kernel for this head dim");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
-  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (float32)");
-  m.def("store_kv_", &store_kv_, "write each token's K and V rows into the caches at its slot");
-  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
-  m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
-  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
-  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
-  bind_cpu_decoder(m);
 }

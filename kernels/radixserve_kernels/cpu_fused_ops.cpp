@@ -1,6 +1,7 @@
 // Fused elementwise ops for the CPU forward: each replaces a chain of small torch ops (and
 // their per-op dispatch cost) with one pass over the rows. float32 math for every dtype.
 #include <torch/extension.h>
+#include "cpu_bindings.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -243,4 +244,13 @@ torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_",
                                   [&] { rotate_rows<scalar_t>(x, cos, sin); });
   return x;
+}
+
+void bind_cpu_fused_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (float32)");
+  m.def("store_kv_", &store_kv_, "write each token's K and V rows into the caches at its slot");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
 }

@@ -10,11 +10,8 @@ typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t Int8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
 // The locality a software prefetch of streamed data (weights, K/V rows) passes to
-// __builtin_prefetch: 2 (prefetcht1, into L2) on AVX-512 machines, 3 (prefetcht0, every level)
-// elsewhere. On a 2-core Zen 4 (AVX-512, 32 KiB L1), interleaved in one process: the model's
-// linear layers at 6-32 rows took 0.82-0.90x the time with the L2 hint (it left L1's miss
-// buffers to the loads), and decode attention 0.92x (the batch-8 decode step 0.89x and 0.92x
-// for the two); on a 2-core Zen 1 (AVX2) the L2 hint was 1.03-1.04x slower for the GEMM.
+// __builtin_prefetch: 2 (prefetcht1, into L2) on AVX-512 machines, where it leaves L1's miss
+// buffers to the loads, and 3 (prefetcht0, every level) elsewhere (bench/README.md).
 #if defined(__AVX512F__)
 constexpr int kPrefetchLocality = 2;
 #else

@@ -10,6 +10,7 @@
 // outputs and ran the small kernels alone. Attention groups come planned by the torch backend
 // (torch_native.py).
 #include <torch/extension.h>
+#include "cpu_bindings.h"
 #include <atomic>
 #include <cstring>
 #include <vector>

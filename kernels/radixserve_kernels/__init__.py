@@ -1,0 +1,37 @@
+"""radixserve's kernels: Triton kernels for paged attention on GPUs, each beside its
+pure-torch reference, and the C++ CPU kernels (`cpu_ops`).
+
+Importing the package imports no Triton: the Triton kernels load on first use
+(`radixserve_kernels.decode_attention`, ...), so a CPU install without triton loads the CPU
+kernels. On a machine without a GPU the Triton kernels run under Triton's interpreter
+(`TRITON_INTERPRET=1`, set before the first use), which the tests use to check them against
+the references.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# each public Triton-side name and the module that defines it
+_TRITON_NAMES = {
+    "choose_splits": "decode_attention",
+    "decode_attention": "decode_attention",
+    "decode_attention_ref": "decode_attention",
+    "extend_attention": "extend_attention",
+    "extend_attention_ref": "extend_attention",
+    "build_kv_indices": "kv_indices",
+    "build_kv_indices_ref": "kv_indices",
+    "store_kv": "store_kv",
+    "store_kv_ref": "store_kv",
+}
+
+__all__ = sorted(_TRITON_NAMES)
+
+
+def __getattr__(name: str):
+    module = _TRITON_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixserve_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
