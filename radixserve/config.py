@@ -36,6 +36,14 @@ def option_default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
+def refuse_problems(kind: str, problems) -> None:
+    """Raise one ValueError naming every problem of a set of options (a one-line start-up
+    error)."""
+    found = list(problems)
+    if found:
+        raise ValueError(f"invalid {kind} arguments: " + "; ".join(found))
+
+
 def check_choices(obj):
     """Each option with `choices` holds one of them (None stays allowed where it is the
     default)."""
@@ -205,9 +213,7 @@ class EngineArgs:
     log_level: str = option("info", "log level", LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        problems = list(self._problems())
-        if problems:
-            raise ValueError("invalid engine arguments: " + "; ".join(problems))
+        refuse_problems("engine", self._problems())
 
     def _problems(self):
         yield from check_choices(self)
@@ -362,9 +368,7 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        problems = list(self._problems())
-        if problems:
-            raise ValueError("invalid server arguments: " + "; ".join(problems))
+        refuse_problems("server", self._problems())
 
     def _problems(self):
         yield from check_choices(self)

@@ -76,13 +76,13 @@ def test_refused_combinations_name_what_is_wrong():
                 "--dist-init-addr",
                 "h:1",
             ],
-            "--nnodes",
+            "dp_size with nnodes",
         ),
         (
             ["serve", "--dp-size", "2", "--kv-events-config", '{"endpoint": "tcp://*:5557"}'],
             "--router-kv-events",
         ),
-        (["serve", "--dp-size", "0"], "--dp-size"),
+        (["serve", "--dp-size", "0"], "dp_size must be >= 1"),
         (["serve", "--enable-hierarchical-cache", "--tp-size", "3"], "tp_size 1"),
         (
             ["serve", "--hicache-storage-backend", "file", "--hicache-storage-dir", "/tmp/x"],
@@ -93,7 +93,7 @@ def test_refused_combinations_name_what_is_wrong():
         (["router", "--worker-urls", "localhost:1"], "http://host:port"),
         (
             ["serve", "--log-requests", f"{__file__}/log"],
-            "--log-requests: cannot create",
+            "log_requests: cannot create",
         ),  # under a file
         (["replay", "--synthetic", "rag", "--cache-tokens", "4k,lots"], "--cache-tokens"),
         (["replay", "--synthetic", "rag", "--dp", "two"], "--dp"),

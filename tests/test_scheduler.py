@@ -264,38 +264,25 @@ def first_output_steps(sched, max_steps=10_000) -> dict[str, int]:
     raise AssertionError("scheduler did not finish")
 
 
-def test_a_high_priority_request_overtakes_the_queue():
-    sched, _ = make(max_running=1, enable_priority_scheduling=True)
+def first_steps_with_a_late_high_priority(**kw) -> dict[str, int]:
+    """One row; five priority-0 requests queue, then one of priority 5 arrives."""
+    sched, _ = make(max_running=1, **kw)
     ps = prompts(6, 12, seed=5)
     for i in range(5):
         submit(sched, f"low{i}", ps[i], max_new=6)
-    sched.step()  # the first requests are admitted; the others wait
-    high = GenerateReq(
-        "high",
-        ps[5],
-        SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0, ignore_eos=True)),
-        priority=5,
-    )
-    sched.add_request(high)
-    first = first_output_steps(sched)
-    waiting_lows = [f"low{i}" for i in range(1, 5)]
-    assert all(first["high"] < first[rid] for rid in waiting_lows), first
+    sched.step()  # the first request is admitted; the others wait
+    params = SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0, ignore_eos=True))
+    sched.add_request(GenerateReq("high", ps[5], params, priority=5))
+    return first_output_steps(sched)
+
+
+def test_a_high_priority_request_overtakes_the_queue():
+    first = first_steps_with_a_late_high_priority(enable_priority_scheduling=True)
+    assert all(first["high"] < first[f"low{i}"] for i in range(1, 5)), first
 
 
 def test_without_priority_scheduling_the_queue_keeps_its_order():
-    sched, _ = make(max_running=1, schedule_policy="fcfs")
-    ps = prompts(6, 12, seed=5)
-    for i in range(5):
-        submit(sched, f"low{i}", ps[i], max_new=6)
-    sched.step()
-    high = GenerateReq(
-        "high",
-        ps[5],
-        SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0, ignore_eos=True)),
-        priority=5,
-    )
-    sched.add_request(high)
-    first = first_output_steps(sched)
+    first = first_steps_with_a_late_high_priority(schedule_policy="fcfs")
     assert all(first["high"] > first[f"low{i}"] for i in range(5)), first
 
 

@@ -353,6 +353,36 @@ def test_too_long_prompt_and_bad_openai_inputs(client):
     assert client.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    "route,body,needle",
+    [
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": 10**9}},
+            "max_new_tokens: this server holds 4096 tokens",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens: this server"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+            "max_completion_tokens: this server",
+        ),
+        ("/generate", {"text": "hi", "priority": 3}, "--enable-priority-scheduling"),
+        ("/v1/completions", {"prompt": "hi", "priority": 1}, "--enable-priority-scheduling"),
+    ],
+)
+def test_lengths_beyond_the_context_and_unserved_priorities_are_400(client, route, body, needle):
+    r = client.post(route, json=body)
+    assert r.status_code == 400 and needle in r.json()["message"], r.text
+    assert wait_idle(client)["running_slots"] == 0
+
+
+def test_a_default_length_is_capped_not_refused(client):
+    r = client.post("/generate", json={"input_ids": [5] * 4000})  # default 128 > room left
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] <= 96
+
+
 def test_api_key_is_required(server):
     r = httpx.post(f"{server.url}/generate", json={"text": "hi"})
     assert r.status_code == 401 and "API key" in r.json()["message"]

@@ -185,6 +185,7 @@ def test_history_with_calls_and_results_and_tool_choice_none(client):
             "cannot be combined",
         ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [WEATHER, WEATHER]}, "is given more than once"),
     ],
 )
 def test_bad_tool_requests_are_400(client, body, needle):

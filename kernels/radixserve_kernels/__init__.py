@@ -11,6 +11,7 @@ the references.
 from __future__ import annotations
 
 import importlib
+import sys
 
 # each public Triton-side name and the module that defines it
 _TRITON_NAMES = {
@@ -32,6 +33,10 @@ def __getattr__(name: str):
     module = _TRITON_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'radixserve_kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+    importlib.import_module(f".{module}", __name__)
+    # importing a submodule binds its name on the package (decode_attention, store_kv, ...):
+    # rebind the names of every loaded submodule, so a function is never shadowed by its module
+    for public, home in _TRITON_NAMES.items():
+        if (loaded := sys.modules.get(f"{__name__}.{home}")) is not None:
+            globals()[public] = getattr(loaded, public)
+    return globals()[name]

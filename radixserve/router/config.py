@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import LOG_LEVELS, ROUTER_POLICIES, check_choices, option
+from ..config import LOG_LEVELS, ROUTER_POLICIES, check_choices, option, refuse_problems
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,7 @@ class RouterArgs:
     )
 
     def __post_init__(self) -> None:
-        problems = list(self._problems())
-        if problems:
-            raise ValueError("invalid router arguments: " + "; ".join(problems))
+        refuse_problems("router", self._problems())
 
     def _problems(self):
         yield from check_choices(self)
