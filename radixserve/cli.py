@@ -15,9 +15,6 @@ from dataclasses import fields
 from .config import EVICTION_POLICIES, ROUTER_POLICIES, EngineArgs, ServerArgs
 from .router.config import RouterArgs
 
-SERVER_ONLY = ("engine",)  # ServerArgs fields that are not flags of their own
-ROUTER_FROM_SERVER = ("worker_urls", "host", "port", "api_key", "max_request_bytes", "log_level")
-
 
 def _flag_type(cls, name: str):
     """The argparse type of a field annotated `int`, `float | None`, `tuple[str, ...]`, ..."""
@@ -27,13 +24,14 @@ def _flag_type(cls, name: str):
     return typing.get_origin(kind) or kind
 
 
-def add_flags(parser, cls, prefix: str = "", only=None, skip=()) -> None:
+def _flag_fields(cls, only=None):
+    """The fields of `cls` that are flags (those `only` keeps, when given)."""
+    return [f for f in fields(cls) if f.metadata.get("flag", True) and (only is None or only(f))]
+
+
+def add_flags(parser, cls, prefix: str = "", only=None) -> None:
     """One flag per option of the dataclass `cls` (`--<prefix><name>`)."""
-    for f in fields(cls):
-        if not f.metadata.get("flag", True) or f.name in skip:
-            continue
-        if only is not None and not only(f):
-            continue
+    for f in _flag_fields(cls, only):
         kind = _flag_type(cls, f.name)
         help_text = f.metadata["help"]
         if prefix:
@@ -54,13 +52,11 @@ def add_flags(parser, cls, prefix: str = "", only=None, skip=()) -> None:
         parser.add_argument("--" + prefix + f.name.replace("_", "-"), **kwargs)
 
 
-def args_from(ns: argparse.Namespace, cls, prefix: str = "", only=None, skip=(), **fixed):
+def args_from(ns: argparse.Namespace, cls, prefix: str = "", only=None, **fixed):
     """The dataclass from the flags `add_flags` made, plus the `fixed` fields."""
     values = {}
-    for f in fields(cls):
-        if not f.metadata.get("flag", True) or f.name in skip or f.name in fixed:
-            continue
-        if only is not None and not only(f):
+    for f in _flag_fields(cls, only):
+        if f.name in fixed:
             continue
         value = getattr(ns, prefix.replace("-", "_") + f.name)
         values[f.name] = tuple(value) if isinstance(value, list) else value
@@ -80,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="serve the HTTP API (SGLang native + OpenAI)", formatter_class=formatter
     )
-    add_flags(serve, ServerArgs, skip=SERVER_ONLY)
+    add_flags(serve, ServerArgs)
     add_flags(serve, RouterArgs, prefix="router-", only=_is_tuning)
     add_flags(serve, EngineArgs)
     router = sub.add_parser(
@@ -195,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_router(args_from(ns, RouterArgs))
         engine_args = args_from(ns, EngineArgs)
         if ns.command == "serve":
-            server_args = args_from(ns, ServerArgs, skip=SERVER_ONLY, engine=engine_args)
+            server_args = args_from(ns, ServerArgs, engine=engine_args)
             return _serve(ns, server_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
