@@ -50,8 +50,10 @@ class TPGroup:
         return packed
 
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
-        """This rank's slice of the model: its heads and its part of the MLP."""
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        """This rank's slice of the model: its heads and its part of the MLP (a latent KV is
+        shared by all heads: every rank keeps it whole)."""
+        sharded = ("num_heads", "intermediate_size") + (() if cfg.latent_kv else ("num_kv_heads",))
+        for name in sharded:
             if getattr(cfg, name) % self.size:
                 raise ValueError(
                     f"tp_size {self.size} does not divide the model's {name} ({getattr(cfg, name)})"
@@ -59,7 +61,7 @@ class TPGroup:
         return replace(
             cfg,
             num_heads=cfg.num_heads // self.size,
-            num_kv_heads=cfg.num_kv_heads // self.size,
+            num_kv_heads=cfg.num_kv_heads if cfg.latent_kv else cfg.num_kv_heads // self.size,
             intermediate_size=cfg.intermediate_size // self.size,
         )
 

@@ -23,11 +23,19 @@ def fused(cpu_ops):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """`weight_offset`: the checkpoint stores the weight minus this (Gemma's `1 + w` norms);
+    it is added once, when the weight is loaded."""
+
+    def __init__(self, size: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.weight_offset = weight_offset
         self.cpu_ops = None
+
+    @torch.no_grad()
+    def load_weight(self, tensor: torch.Tensor) -> None:
+        self.weight.copy_(tensor.float() + self.weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (ops := fused(self.cpu_ops)) is not None:
@@ -47,16 +55,49 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Rotary frequencies and the factor on cos/sin (YaRN's attention factor, else 1)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, scaling)
-    elif kind not in ("default", None):
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, theta, scaling)
+    if kind not in ("default", None):
         raise ValueError(f"unsupported rope scaling {kind!r}")
-    return inv_freq
+    return inv_freq, 1.0
+
+
+def _yarn_scaled(
+    inv_freq: torch.Tensor, dim: int, theta: float, s: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies between interpolation and extrapolation by a linear ramp over the
+    dimensions, and cos/sin scaled by the attention factor (HF's `_compute_yarn_parameters`)."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)
+    extrapolate = 1 - ramp.clamp(0, 1)
+    mixed = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    return mixed, float(attention_factor)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -76,10 +117,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, factor = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", (angles.cos() * factor).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * factor).float(), persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -126,8 +167,17 @@ class Linear(nn.Module):
     (`pack_for_cpu`), which is faster still at every row count.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        parts: tuple[int, ...] = (),
+    ):
+        """`parts`: the output widths of the checkpoint tensors fused into this one."""
         super().__init__()
+        self.parts = parts
+        self.loaded_rows: dict[str, int] = {}
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.out_features = out_features
@@ -177,26 +227,54 @@ class Linear(nn.Module):
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
         """Copy a checkpoint weight (`[out, in]`) or bias into rows `offset:` of the output."""
+        rows = tensor.shape[0]
+        in_features = self.weight_t.shape[0]
+        if name == "weight" and (tensor.dim() != 2 or tensor.shape[1] != in_features):
+            raise ValueError(f"expected [rows, {in_features}]")
+        if name not in ("weight", "bias") or (name == "bias" and self.bias is None):
+            raise ValueError(f"the layer has no {name}")
+        if offset + rows > self.out_features or (name == "bias" and tensor.dim() != 1):
+            raise ValueError(f"expected at most {self.out_features - offset} rows")
         if name == "bias":
-            self.bias.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            self.bias.narrow(0, offset, rows).copy_(tensor)
         else:
-            self.weight_t.narrow(1, offset, tensor.shape[0]).copy_(tensor.t())
+            self.weight_t.narrow(1, offset, rows).copy_(tensor.t())
+        self.loaded_rows[name] = self.loaded_rows.get(name, 0) + rows
+
+    def missing_tensors(self) -> list[str]:
+        """What loading left unfilled (a fused part never seen, a bias absent)."""
+        kinds = ["weight"] + (["bias"] if self.bias is not None else [])
+        return [k for k in kinds if self.loaded_rows.get(k, 0) < self.out_features]
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 class SwiGLU(nn.Module):
-    """Gate and up projections fused into one matmul."""
+    """Gate and up projections fused into one matmul; `act(gate) * up`, then down (SiLU:
+    SwiGLU; tanh-GELU: Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, parts=(intermediate, intermediate))
         self.down_proj = Linear(intermediate, hidden)
+        self.act_name, self.act = act, activation(act)
         self.cpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ops := fused(self.cpu_ops)) is not None:
+        if self.act_name == "silu" and (ops := fused(self.cpu_ops)) is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 def use_cpu_ops(model: nn.Module, cpu_ops) -> None:

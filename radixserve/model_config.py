@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+    """What every part of the server reads about a model: its shape, its KV layout, its stop
+    tokens. A family's own settings (experts, windows, latent ranks) are read by its module
+    from `hf_config`, the checkpoint's config.json as loaded.
+
+    `latent_kv`: the pool holds one compressed latent per token (MLA: `head_dim` wide, shared
+    by all heads) and no separate values."""
 
     vocab_size: int
     hidden_size: int
@@ -28,6 +33,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"
+    latent_kv: bool = False
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def q_size(self) -> int:
@@ -38,6 +46,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def value_dim(self) -> int:
+        """Width of a value in the KV pool (0: values are read from the latent)."""
+        return 0 if self.latent_kv else self.head_dim
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
@@ -45,6 +58,7 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
@@ -53,14 +67,19 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        latent = cfg.get("kv_lora_rank") is not None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=1 if latent else cfg.get("num_key_value_heads") or heads,
+            head_dim=(
+                cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+                if latent
+                else cfg.get("head_dim") or cfg["hidden_size"] // heads
+            ),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -70,6 +89,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            model_type=cfg.get("model_type", "llama"),
+            latent_kv=latent,
+            hf_config=cfg,
         )
 
     @classmethod

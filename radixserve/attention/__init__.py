@@ -4,23 +4,36 @@ from __future__ import annotations
 
 import importlib
 
-from .base import AttentionBackend, AttentionInputs
+from .base import PLAIN, AttentionBackend, AttentionInputs, LayerAttention
 
 _REGISTRY = {
     "torch_native": ("radixserve.attention.torch_native", "TorchNativeBackend"),
     "triton": ("radixserve.attention.triton_backend", "TritonBackend"),
     "flashinfer": ("radixserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
+# the LayerAttention features each backend implements (known before importing it)
+FEATURES = {
+    "torch_native": frozenset({"scale", "window", "softcap", "sinks", "latent"}),
+    "triton": frozenset({"scale"}),
+    "flashinfer": frozenset(),
+}
 
 
-def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` is flashinfer on CUDA when importable, else triton, else torch_native."""
+def resolve_backend_name(name: str, device_type: str, needs: frozenset[str] = frozenset()) -> str:
+    """`auto` is flashinfer on CUDA when importable, else triton, else torch_native: the first
+    of them that implements what the model's layers `needs`."""
     if name != "auto":
+        if name in FEATURES and not needs <= FEATURES[name]:
+            missing = ", ".join(sorted(needs - FEATURES[name]))
+            raise ValueError(
+                f"--attention-backend {name} does not implement this model's attention "
+                f"({missing}); use torch_native or auto"
+            )
         return name
     if device_type != "cuda":
         return "torch_native"
     for candidate in ("flashinfer", "triton"):
-        if importlib.util.find_spec(candidate) is not None:
+        if needs <= FEATURES[candidate] and importlib.util.find_spec(candidate) is not None:
             return candidate
     return "torch_native"
 
@@ -32,4 +45,11 @@ def create_backend(name: str, **kwargs) -> AttentionBackend:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-__all__ = ["AttentionBackend", "AttentionInputs", "create_backend", "resolve_backend_name"]
+__all__ = [
+    "PLAIN",
+    "AttentionBackend",
+    "AttentionInputs",
+    "LayerAttention",
+    "create_backend",
+    "resolve_backend_name",
+]

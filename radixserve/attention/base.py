@@ -32,6 +32,31 @@ class AttentionInputs:
         return self.seq_lens - self.extend_lens
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, beyond causal softmax(q k^T / sqrt(head_dim)) v over all keys.
+
+    `window`: a sliding window, the last `window` keys (the query's own included), as HF masks
+    it. `softcap`: scores become `softcap * tanh(scores / softcap)` (Gemma 2). `sinks`: one
+    learnt logit per head for a key whose value is zero (gpt-oss). `value_dim`: a latent pool
+    (MLA), whose values are the first `value_dim` channels of each stored key."""
+
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    value_dim: int | None = None
+
+    def features(self) -> set[str]:
+        """What a backend must implement to run this layer."""
+        named = {"scale": self.scale, "window": self.window, "softcap": self.softcap}
+        named |= {"sinks": self.sinks, "latent": self.value_dim}
+        return {name for name, value in named.items() if value is not None}
+
+
+PLAIN = LayerAttention()
+
+
 class AttentionBackend(Protocol):
     pool: KVPool
 
@@ -39,9 +64,14 @@ class AttentionBackend(Protocol):
         """Prepare per-step metadata once; every layer's `forward` reuses it."""
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        how: LayerAttention = PLAIN,
     ) -> torch.Tensor:
-        """Store this step's k/v into the pool, attend; q `[T, H, D]` -> `[T, H*D]`."""
+        """Store this step's k/v into the pool, attend; q `[T, H, D]` -> `[T, H*Dv]`."""
 
 
 class GraphBackend(AttentionBackend, Protocol):

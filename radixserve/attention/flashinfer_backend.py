@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..mem.kv_pool import KVPool
-from .base import AttentionInputs
+from .base import PLAIN, AttentionInputs, LayerAttention
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -106,7 +106,12 @@ class FlashInferBackend:
         return indptr.to(torch.int32), indices.to(torch.int32), last_page_len
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        how: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         self.kernels.store_kv(k, v, k_cache, v_cache, self.inputs.out_cache_loc)

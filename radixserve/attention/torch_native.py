@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
 from ..mem.kv_pool import KVPool
-from .base import AttentionInputs
+from .base import PLAIN, AttentionInputs, LayerAttention
+from .reference import ReferencePlan, plan_reference, reference_attention
 
 
 @dataclass
@@ -112,6 +113,9 @@ def _plan_paged_extend(
 
 
 class TorchNativeBackend:
+    """Layers with windows, soft-capping, sinks or a latent KV attend through
+    `reference_attention`; the others through the paged kernels on CPU, SDPA elsewhere."""
+
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
         self.pool = pool
         self.scale = head_dim**-0.5
@@ -124,6 +128,7 @@ class TorchNativeBackend:
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
+        self.reference_plan: ReferencePlan | None = None  # planned by the first layer needing it
         if self.kernels is not None and inputs.is_decode and inputs.max_extend_len == 1:
             # one new token per request: the step is the decode kernel's group as it stands
             tokens = torch.arange(len(inputs.rows), device=inputs.rows.device)
@@ -161,8 +166,21 @@ class TorchNativeBackend:
         ]
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        how: LayerAttention = PLAIN,
     ) -> torch.Tensor:
+        if how.features() - {"scale"}:
+            self.pool.store(layer, self.inputs.out_cache_loc, k, v)
+            if self.reference_plan is None:
+                self.reference_plan = plan_reference(self.inputs)
+            return reference_attention(
+                self.reference_plan, q, self.pool.k[layer], self.pool.v[layer], how
+            )
+        scale = self.scale if how.scale is None else how.scale
         if self.kernels is not None:
             self.kernels.store_kv_(
                 self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v
@@ -170,13 +188,13 @@ class TorchNativeBackend:
         else:
             self.pool.store(layer, self.inputs.out_cache_loc, k, v)
         if len(self.groups) == 1:
-            return self._attend(self.groups[0], layer, q).flatten(1)
+            return self._attend(self.groups[0], layer, q, scale).flatten(1)
         out = torch.empty_like(q)
         for group in self.groups:
-            out[group.tokens] = self._attend(group, layer, q[group.tokens])
+            out[group.tokens] = self._attend(group, layer, q[group.tokens], scale)
         return out.flatten(1)
 
-    def _attend(self, group: _Group, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _attend(self, group: _Group, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         if group.extend_lens is not None:
             return self.kernels.paged_extend_attention(
                 q,
@@ -186,7 +204,7 @@ class TorchNativeBackend:
                 group.rows,
                 group.prefix_lens,
                 group.extend_lens,
-                self.scale,
+                scale,
             )
         if group.rows is not None:
             return self.kernels.paged_decode_attention(
@@ -196,7 +214,7 @@ class TorchNativeBackend:
                 self.inputs.req_to_token,
                 group.rows,
                 group.seq_lens,
-                self.scale,
+                scale,
             )
         keys = self._gather(group, self.pool.k[layer])
         values = self._gather(group, self.pool.v[layer])
@@ -208,7 +226,7 @@ class TorchNativeBackend:
             values,
             attn_mask=mask,
             is_causal=group.causal,
-            scale=self.scale,
+            scale=scale,
             enable_gqa=True,
         ).transpose(1, 2)
         return out.squeeze(1) if group.pad_req is None else out[group.pad_req, group.pad_pos]

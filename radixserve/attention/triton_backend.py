@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..mem.kv_pool import KVPool
-from .base import AttentionInputs
+from .base import PLAIN, AttentionInputs, LayerAttention
 
 
 class TritonBackend:
@@ -53,9 +53,15 @@ class TritonBackend:
         self.num_splits = self.graph_splits
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        how: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        scale = self.scale if how.scale is None else how.scale
         self.kernels.store_kv(k, v, k_cache, v_cache, self.inputs.out_cache_loc)
         if self.inputs.is_decode:
             out = self.kernels.decode_attention(
@@ -65,7 +71,7 @@ class TritonBackend:
                 self.kv_starts,
                 self.kv_indices,
                 self.inputs.seq_lens,
-                self.scale,
+                scale,
                 num_splits=self.num_splits,
             )
         else:
@@ -79,6 +85,6 @@ class TritonBackend:
                 self.prefix_lens,
                 self.inputs.extend_lens,
                 self.inputs.max_extend_len,
-                self.scale,
+                scale,
             )
         return out.flatten(1)

@@ -12,6 +12,7 @@ from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 from ..distributed import TPGroup
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
+from .registry import model_class
 from .source import ModelSource
 
 
@@ -43,10 +44,8 @@ def build_model(
     tp: TPGroup = TPGroup(),
 ):
     """This rank's shard of the model (the whole model on one rank)."""
-    from .llama import LlamaForCausalLM
-
     with torch.device(device):
-        model = LlamaForCausalLM(source.config, max_positions, tp)
+        model = model_class(source.config)(source.config, max_positions, tp)
     if source.weights_dir is None:
         _init_dummy(model, seed)
     else:

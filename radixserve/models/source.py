@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..model_config import ModelConfig
+from .registry import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     """`None`/`"default"`: the bundled model; `dummy:<shape>`; or a local HF directory."""
     if spec in (None, "", "default", BUNDLED_NAME):
         path = bundled_model_dir()
-        return ModelSource(BUNDLED_NAME, ModelConfig.from_dir(path), path, path)
+        return ModelSource(BUNDLED_NAME, read_config(path), path, path)
     if spec.startswith("dummy:"):
         return _dummy_source(spec.removeprefix("dummy:"))
     path = Path(spec).expanduser()
@@ -102,7 +103,20 @@ def resolve_model(spec: str | None) -> ModelSource:
             f"{spec!r} is not a model directory with a config.json "
             f"(nor 'dummy:<shape>' with shape in {sorted(DUMMY_SHAPES)})"
         )
-    return ModelSource(path.name, ModelConfig.from_dir(path), path, path)
+    return ModelSource(path.name, read_config(path), path, path)
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The checkpoint's config, refused here (a ValueError naming the field) when no family
+    can run it."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        check_supported(raw)
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as exc:
+        raise ValueError(f"{path / 'config.json'}: the field {exc.args[0]!r} is missing") from None
+    except (TypeError, AttributeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path / 'config.json'} cannot be read: {exc}") from None
 
 
 def resolve_draft_model(spec: str, target: ModelSource) -> ModelSource:

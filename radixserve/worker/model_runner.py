@@ -85,7 +85,7 @@ class ModelRunner:
         )
         cfg = self.config = self.model.cfg  # this rank's heads
         per_token = KVPool.bytes_per_token(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, cfg.value_dim
         )
         num_pages = (
             layout.num_pages
@@ -100,6 +100,7 @@ class ModelRunner:
             cfg.head_dim,
             self.dtype,
             self.device,
+            cfg.value_dim,
         )
         self.req_to_token = (
             layout.req_to_token
@@ -111,7 +112,9 @@ class ModelRunner:
                 device=self.device,
             )
         )
-        backend = resolve_backend_name(args.attention_backend, self.device.type)
+        backend = resolve_backend_name(
+            args.attention_backend, self.device.type, self.model.attention_features()
+        )
         self.backend = create_backend(
             backend,
             pool=self.pool,

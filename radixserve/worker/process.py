@@ -41,7 +41,9 @@ def build_runners(
         return ModelRunner(source, args, device, tp=tp), None
     draft = resolve_draft_model(args.speculative_draft_model, source)
     cfg, dtype = draft.config, resolve_dtype(args.dtype, device or default_device())
-    reserve = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    reserve = KVPool.bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, cfg.value_dim
+    )
     target = ModelRunner(source, args, device, tp=tp, reserve_bytes_per_token=reserve)
     return target, ModelRunner(draft, args, target.device, layout=target.slot_layout())
 

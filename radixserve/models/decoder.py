@@ -1,0 +1,289 @@
+"""The parts every decoder family shares: grouped-query attention with a fused QKV projection,
+the pre-norm decoder layer, the causal LM around its layers, and loading HF-named tensors
+(fused, sharded over tensor-parallel ranks, each one checked against its place).
+
+A family module subclasses `CausalLM` and says how it differs: its layers (`make_layer`), its
+checkpoint's names (`rename`), its rotary tables, its embedding scale and logit soft-cap."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import PLAIN, AttentionBackend, LayerAttention
+from ..distributed import TPGroup
+from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ..model_config import ModelConfig
+
+# checkpoint leaf -> (our fused module, shard index)
+FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# tensor parallelism: weights split by output rows (heads, MLP columns) or by input columns
+SPLIT_BY_OUTPUT = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"}
+SPLIT_BY_INPUT = {"o_proj", "down_proj"}
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    """`cfg` is this rank's shard (its heads); o_proj's partial sums are all-reduced (its bias,
+    if any, is added by rank 0 alone). `qk_norm`: a norm over each head's q and k before the
+    rotary embedding (Qwen3, Gemma 3). `rope`: which of the model's rotary tables it uses."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        tp: TPGroup,
+        how: LayerAttention = PLAIN,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: type[RMSNorm] | None = None,
+        rope: int = 0,
+    ):
+        super().__init__()
+        self.layer, self.cfg, self.tp, self.how, self.rope = layer, cfg, tp, how, rope
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            cfg.q_size + 2 * cfg.kv_size,
+            bias=qkv_bias,
+            parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
+        )
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.cpu_ops = None
+
+    def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
+            k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = ropes[self.rope]
+        q = apply_rotary(q.contiguous(), cos, sin, self.cpu_ops)
+        k = apply_rotary(k.contiguous(), cos, sin, self.cpu_ops)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        out = self.o_proj(backend.forward(self.layer, q, k, v, self.how))
+        return self.tp.all_reduce(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). `mlp` defaults to SwiGLU."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, attention: nn.Module, mlp: nn.Module
+    ):
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, normed, ropes, backend, next_norm: RMSNorm):
+        """`normed` is `input_layernorm(x)`; returns the residual stream after this layer and
+        `next_norm` of it (each residual add is fused with the norm that follows it)."""
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(normed, ropes, backend)
+        )
+        return next_norm.add_and_norm(x, self.tp.all_reduce(self.mlp(normed)))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: RMSNorm):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM: embedding (times `embed_scale`), layers, final norm, LM head (its
+    logits soft-capped by `final_softcap`)."""
+
+    embed_scale: float | None = None
+    final_softcap: float | None = None
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.cfg = cfg = tp.shard_config(cfg)
+        self.hf = cfg.hf_config
+        layers = [self.make_layer(i) for i in range(cfg.num_layers)]
+        self.model = Model(cfg, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
+        self.rotaries = nn.ModuleList(self.make_rotaries(max_positions))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.cpu_decoder = None
+
+    # ---- what a family says -------------------------------------------------
+    def make_layer(self, i: int) -> nn.Module:
+        cfg = self.cfg
+        how = LayerAttention(window=layer_window(self.hf, i))
+        attention = Attention(cfg, i, self.tp, how, qkv_bias=cfg.qkv_bias)
+        return DecoderLayer(cfg, i, self.tp, attention, self.make_mlp(i))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg = self.cfg
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, self.hf.get("hidden_act", "silu"))
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        cfg = self.cfg
+        return [RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def rename(self, name: str) -> str | None:
+        """Our name for a checkpoint tensor (None: not used)."""
+        return name
+
+    def attention_features(self) -> frozenset[str]:
+        """What the layers need of an attention backend (LayerAttention.features)."""
+        hows = [
+            m.how for m in self.modules() if isinstance(getattr(m, "how", None), LayerAttention)
+        ]
+        return frozenset().union(*(how.features() for how in hows))
+
+    # ---- forward -----------------------------------------------------------
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[T, hidden]` of this step's tokens."""
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            x, normed = layer(x, normed, ropes, backend, self.norm_after(i))
+        return normed
+
+    def norm_after(self, i: int) -> RMSNorm:
+        """The norm of layer i's output: the next layer's input norm, or the final norm."""
+        layers = self.model.layers
+        return layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+
+    def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
+        return False
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    # ---- loading -----------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors: fused, sliced for this rank, shape-checked; a tied head copies
+        the embedding. A tensor with no place, a missing one or a wrong shape is a ValueError
+        naming it."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = self.rename(hf_name)
+            if name is None or "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            try:
+                loaded |= self._load_one(name, tensor, modules, params)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} {tuple(tensor.shape)} does not fit the "
+                    f"model: {exc}"
+                ) from None
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.load("weight", self.model.embed_tokens.weight)
+        self_checking = [(n, m) for n, m in modules.items() if hasattr(m, "missing_tensors")]
+        owned = {f"{n}.{p}" for n, m in self_checking for p, _ in m.named_parameters()}
+        missing = sorted(set(params) - loaded - owned)
+        for module_name, module in self_checking:
+            missing += [f"{module_name}.{m}" for m in module.missing_tensors()]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor, modules: dict, params: dict) -> set[str]:
+        owner = _checkpoint_owner(name, modules)
+        if owner is not None:
+            prefix, module = owner
+            module.load_checkpoint(name[len(prefix) + 1 :], tensor, self.tp)
+            return set()
+        module_name, _, kind = name.rpartition(".")
+        tensor = self.tp_slice(module_name, kind, tensor)
+        target, shard = fused_target(module_name)
+        module = modules.get(target)
+        if isinstance(module, Linear):
+            if kind == "bias" and target.endswith("o_proj") and self.tp.rank > 0:
+                tensor = torch.zeros_like(tensor)  # summed over ranks: added once
+            module.load(kind, tensor, self.shard_offset(module, shard))
+            return set()
+        if name not in params:
+            raise ValueError("it has no place in the model")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(f"expected shape {tuple(param.shape)}")
+        with torch.no_grad():
+            if isinstance(modules.get(module_name), RMSNorm):
+                modules[module_name].load_weight(tensor)
+            else:
+                param.copy_(tensor)
+        return {name}
+
+    def tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        leaf = module_name.rpartition(".")[2]
+        if leaf in SPLIT_BY_OUTPUT:
+            return self.tp.shard(tensor, 0)
+        if leaf in SPLIT_BY_INPUT and kind == "weight":
+            return self.tp.shard(tensor, 1)
+        if kind == "sinks":
+            return self.tp.shard(tensor, 0)
+        return tensor
+
+    @staticmethod
+    def shard_offset(module: Linear, shard: int | None) -> int:
+        """Where part `shard` of a fused projection starts in its output."""
+        return sum(module.parts[:shard]) if shard else 0
+
+
+def layer_window(hf: dict, i: int) -> int | None:
+    """Layer i's sliding window as HF applies it: `layer_types` where the config has them, else
+    `sliding_window` on every layer (Mistral, Mixtral, Phi-3); Qwen's only with
+    `use_sliding_window`."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if hf.get("model_type", "").startswith("qwen") and not hf.get("use_sliding_window", False):
+        return None
+    types = hf.get("layer_types")
+    if types:
+        return window if types[i] == "sliding_attention" else None
+    return window
+
+
+def fused_target(module_name: str) -> tuple[str, int | None]:
+    prefix, _, leaf = module_name.rpartition(".")
+    if leaf in FUSED_SHARDS:
+        fused, shard = FUSED_SHARDS[leaf]
+        return f"{prefix}.{fused}", shard
+    return module_name, None
+
+
+def _checkpoint_owner(name: str, modules: dict) -> tuple[str, nn.Module] | None:
+    """The closest enclosing module that loads its own tensors (`load_checkpoint`), e.g. a
+    block of experts stored as stacked tensors."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        module = modules.get(prefix)
+        if module is not None and hasattr(module, "load_checkpoint"):
+            return prefix, module
+    return None

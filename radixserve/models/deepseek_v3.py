@@ -1,0 +1,157 @@
+"""DeepSeek-V3: multi-head latent attention (MLA) over routed and shared experts.
+
+MLA keeps one compressed latent per token in the KV pool, `kv_lora_rank` normalised channels and
+`qk_rope_head_dim` rotated ones, shared by every head: the pool holds that and nothing else, so
+the radix cache, HiCache and KV events carry latents as they carry K/V. Attention runs in the
+absorbed form: each head's key up-projection is folded into its query (`q_nope @ W_UK` scores
+against the latent directly), attention reads values from the latent, and the value
+up-projection follows. The same scores as HF's expanded keys, without expanding them.
+
+The first `first_k_dense_replace` layers have dense MLPs; the others route each token to
+`num_experts_per_tok` of `n_routed_experts` (sigmoid scores with a correction bias, best groups
+first) and add the shared experts."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from ..attention import AttentionBackend, LayerAttention
+from ..distributed import TPGroup
+from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ..model_config import ModelConfig
+from .decoder import CausalLM, DecoderLayer, Rope
+from .moe import Experts, Routing, SparseMoE
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class KVUpProjection(nn.Module):
+    """kv_b_proj as `[heads, qk_nope + v, kv_lora_rank]`: the rows of this rank's heads."""
+
+    def __init__(self, heads: int, rows: int, rank: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, rows, rank))
+        self.loaded = False
+
+    @torch.no_grad()
+    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
+        if name != "weight":
+            raise ValueError("it has no place in kv_b_proj")
+        heads, rows, rank = self.weight.shape
+        if tensor.shape != (heads * tp.size * rows, rank):
+            raise ValueError(f"expected shape {(heads * tp.size * rows, rank)}")
+        self.weight.copy_(tp.shard(tensor, 0).view(heads, rows, rank))
+        self.loaded = True
+
+    def missing_tensors(self) -> list[str]:
+        return [] if self.loaded else ["weight"]
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
+        super().__init__()
+        hf = cfg.hf_config
+        self.layer, self.tp, self.heads = layer, tp, cfg.num_heads
+        self.nope, self.rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        self.v_dim, self.rank = hf["v_head_dim"], hf["kv_lora_rank"]
+        self.interleaved = hf.get("rope_interleave", True)
+        q_dim, eps, hidden = (
+            self.heads * (self.nope + self.rope_dim),
+            cfg.rms_norm_eps,
+            cfg.hidden_size,
+        )
+        self.q_lora = hf.get("q_lora_rank")
+        bias = hf.get("attention_bias", False)
+        if self.q_lora is None:
+            self.q_proj = Linear(hidden, q_dim)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora, eps)
+            self.q_b_proj = Linear(self.q_lora, q_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps)
+        self.kv_b_proj = KVUpProjection(self.heads, self.nope + self.v_dim, self.rank)
+        self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
+        self.how = LayerAttention(scale=mla_scale(hf), value_dim=self.rank)
+        self.cpu_ops = None
+
+    def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        if self.q_lora is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(-1, self.heads, self.nope + self.rope_dim).split(
+            [self.nope, self.rope_dim], dim=-1
+        )
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        cos, sin = ropes[0]
+        q_pe = apply_rotary(self._pairs_first(q_pe), cos, sin)
+        k_pe = apply_rotary(self._pairs_first(k_pe.unsqueeze(1)), cos, sin)
+        key = torch.cat([self.kv_a_layernorm(latent.contiguous()).unsqueeze(1), k_pe], dim=-1)
+        w_uk, w_uv = self.kv_b_proj.weight.split([self.nope, self.v_dim], dim=1)
+        query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
+        empty = key.new_empty(key.shape[0], 1, 0)
+        out = backend.forward(self.layer, query, key, empty, self.how)
+        out = torch.einsum("thc,hvc->thv", out.view(-1, self.heads, self.rank), w_uv)
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
+
+    def _pairs_first(self, x: torch.Tensor) -> torch.Tensor:
+        """HF rotates interleaved pairs (x0, x1), (x2, x3)...: gathered into halves, the
+        rotate-half kernel rotates the same pairs (q and k move alike; scores are unchanged)."""
+        if not self.interleaved:
+            return x.contiguous()
+        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def mla_scale(hf: dict) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale squared when the rope says `mscale_all_dim`."""
+    scale = (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    m_all = rope.get("mscale_all_dim", 0)
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and m_all:
+        factor = rope["factor"]
+        mscale = 0.1 * m_all * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def make_layer(self, i: int) -> nn.Module:
+        cfg = self.cfg
+        return DecoderLayer(cfg, i, self.tp, LatentAttention(cfg, i, self.tp), self.make_mlp(i))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, cfg, tp = self.hf, self.cfg, self.tp
+        if i < hf.get("first_k_dense_replace", 0) or not hf.get("n_routed_experts"):
+            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        routing = Routing(
+            "grouped_sigmoid",
+            hf["num_experts_per_tok"],
+            renormalize=hf.get("norm_topk_prob", True),
+            num_groups=hf.get("n_group", 1),
+            top_groups=hf.get("topk_group", 1),
+            scaling=hf.get("routed_scaling_factor", 1.0),
+        )
+        inter = hf["moe_intermediate_size"]
+        experts = Experts(hf["n_routed_experts"], cfg.hidden_size, inter, tp)
+        shared_inter = inter * hf.get("n_shared_experts", 0)
+        if shared_inter % tp.size:
+            raise ValueError(f"tp_size {tp.size} does not divide the shared experts' width")
+        shared = SwiGLU(cfg.hidden_size, shared_inter // tp.size) if shared_inter else None
+        return SparseMoE(cfg.hidden_size, experts, routing, correction_bias=True, shared=shared)
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        cfg = self.cfg
+        dim = self.hf["qk_rope_head_dim"]
+        return [RotaryEmbedding(dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def rename(self, name: str) -> str | None:
+        """The multi-token-prediction layers after the last one are not served."""
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.cfg.num_layers:
+            return None
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")

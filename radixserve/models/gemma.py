@@ -1,0 +1,108 @@
+"""Gemma 2 and Gemma 3 (text): norms around both sublayers, `(1 + w)` RMSNorm weights, tanh-GELU
+gates, embeddings scaled by sqrt(hidden), queries scaled by `query_pre_attn_scalar`, sliding
+windows on the local layers. Gemma 2 soft-caps attention scores and logits; Gemma 3 normalises
+q and k per head and gives its local layers their own rotary base."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+
+from ..attention import LayerAttention
+from ..distributed import TPGroup
+from ..layers import RMSNorm, RotaryEmbedding, SwiGLU
+from ..model_config import ModelConfig
+from .decoder import Attention, CausalLM
+
+GemmaNorm = partial(RMSNorm, weight_offset=1.0)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """x + post_attn(attn(norm(x))), then x + post_ffw(mlp(pre_ffw(x)))."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, attention: Attention, mlp: SwiGLU):
+        super().__init__()
+        self.tp = tp
+        eps, size = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = GemmaNorm(size, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = GemmaNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaNorm(size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = GemmaNorm(size, eps)
+
+    def forward(self, x, normed, ropes, backend, next_norm: RMSNorm):
+        x = x + self.post_attention_layernorm(self.self_attn(normed, ropes, backend))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        x = x + self.post_feedforward_layernorm(self.tp.all_reduce(h))
+        return x, next_norm(x)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    norm_class = GemmaNorm
+    qk_norm: type[RMSNorm] | None = None
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.embed_scale = cfg.hidden_size**0.5
+        self.final_softcap = cfg.hf_config.get("final_logit_softcapping")
+        super().__init__(cfg, max_positions, tp)
+
+    def is_sliding(self, i: int) -> bool:
+        types = self.hf.get("layer_types")
+        return types[i] == "sliding_attention" if types else i % 2 == 0
+
+    def make_layer(self, i: int) -> nn.Module:
+        cfg, hf = self.cfg, self.hf
+        sliding = self.is_sliding(i)
+        how = LayerAttention(
+            scale=hf.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
+            window=hf.get("sliding_window") if sliding else None,
+            softcap=hf.get("attn_logit_softcapping"),
+        )
+        attention = Attention(
+            cfg,
+            i,
+            self.tp,
+            how,
+            qkv_bias=hf.get("attention_bias", False),
+            qk_norm=self.qk_norm,
+            rope=int(sliding),
+        )
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        return GemmaDecoderLayer(
+            cfg, self.tp, attention, SwiGLU(cfg.hidden_size, cfg.intermediate_size, act)
+        )
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        """[global, local]: the same table for Gemma 2."""
+        table = super().make_rotaries(max_positions)[0]
+        return [table, table]
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = GemmaNorm
+
+    def is_sliding(self, i: int) -> bool:
+        types = self.hf.get("layer_types")
+        pattern = self.hf.get("sliding_window_pattern", self.hf.get("_sliding_window_pattern", 6))
+        return types[i] == "sliding_attention" if types else bool((i + 1) % pattern)
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        hf, head_dim = self.hf, self.cfg.head_dim
+        ropes = hf.get("rope_parameters") or {}
+        if "full_attention" in ropes:
+            full, local = ropes["full_attention"], ropes.get("sliding_attention", {})
+        else:  # transformers 4 layout
+            full = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
+            local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+        return [
+            _rotary(head_dim, max_positions, full, 1e6),
+            _rotary(head_dim, max_positions, local, 1e4),
+        ]
+
+
+def _rotary(head_dim: int, max_positions: int, rope: dict, theta: float) -> RotaryEmbedding:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return RotaryEmbedding(head_dim, max_positions, float(rope.get("rope_theta", theta)), scaling)

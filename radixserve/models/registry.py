@@ -1,0 +1,94 @@
+"""Which module serves a checkpoint, chosen by `config.architectures` (then `model_type`).
+Free of torch: the api process checks a model before it starts the others."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..model_config import ModelConfig
+
+# architecture -> (module under radixserve.models, class)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint no family here can run; the message is the one-line start-up error."""
+
+
+def architecture_of(hf: dict) -> str:
+    """The registered architecture that serves a config.json, or UnsupportedModel naming it."""
+    named = (hf.get("architectures") or [None])[0]
+    if named in ARCHITECTURES:
+        return named
+    if named is None and hf.get("model_type", "llama") in MODEL_TYPES:
+        return MODEL_TYPES[hf.get("model_type", "llama")]
+    raise UnsupportedModel(
+        f"unsupported model architecture {named!r} (model_type {hf.get('model_type')!r}); "
+        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def model_class(cfg: ModelConfig):
+    """The class serving `cfg` (a dummy shape, with no config.json, is a Llama)."""
+    module, cls = ARCHITECTURES[
+        architecture_of(cfg.hf_config) if cfg.hf_config else cfg.architecture
+    ]
+    return getattr(importlib.import_module(f"radixserve.models.{module}"), cls)
+
+
+ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
+
+
+def check_supported(hf: dict) -> None:
+    """Refuse, naming the field, a config.json whose family or settings are not implemented."""
+    architecture_of(hf)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModel(
+            f"config.json: quantized checkpoints (quant_method {method!r}) are not implemented "
+            "yet; serve an unquantized checkpoint (--quantization int8 quantizes at load)"
+        )
+    ropes = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    for rope in ropes.values() if "full_attention" in ropes else [ropes]:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModel(
+                f"config.json: rope type {kind!r} is not implemented; supported: "
+                f"{', '.join(sorted(ROPE_TYPES))}"
+            )
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
+    for key in ("hidden_act", "hidden_activation"):
+        if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
+            raise UnsupportedModel(
+                f"config.json: {key} {hf[key]!r} is not implemented; supported: "
+                f"{', '.join(sorted(ACTIVATIONS))}"
+            )

@@ -1,0 +1,206 @@
+"""Every supported family against HF transformers in float32: a tiny random checkpoint built
+with HF's own config and model classes, served, greedy tokens compared fresh and from the radix
+cache, with prompts longer than the sliding window and chunks that split them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as hf
+from server_utils import start_server
+
+from radixserve import Engine
+from radixserve.models.registry import ARCHITECTURES
+
+WINDOW = 16
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, {}),
+    "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, dict(head_dim=16)),
+    "qwen3_moe": (
+        hf.Qwen3MoeConfig,
+        hf.Qwen3MoeForCausalLM,
+        dict(MOE, head_dim=16, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "mixtral": (
+        hf.MixtralConfig,
+        hf.MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=WINDOW)),
+    "gemma3_text": (
+        hf.Gemma3TextConfig,
+        hf.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, dict(pad_token_id=0)),
+    "deepseek_v3": (
+        hf.DeepseekV3Config,
+        hf.DeepseekV3ForCausalLM,
+        dict(
+            MOE,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+        ),
+    ),
+    "gpt_oss": (
+        hf.GptOssConfig,
+        hf.GptOssForCausalLM,
+        dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
+PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
+NEW_TOKENS = 12
+
+
+def build_checkpoint(path, family: str):
+    """A tiny random HF model of `family`, with weights large enough that greedy choices are
+    far from ties, saved as a checkpoint."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**COMMON, **extra}))
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                tensor.uniform_(0, 0.1)
+            elif tensor.is_floating_point() and "rotary" not in name and "embed_scale" not in name:
+                tensor.normal_(0, 0.1 if "norm" in name else 0.2)
+    model.eval()
+    model.save_pretrained(path / family)
+    return model, path / family
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+
+def served_twice(path) -> list[list[list[int]]]:
+    """Greedy tokens of PROMPTS, fresh and then again from the radix cache."""
+    rounds = []
+    with Engine(
+        model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32"
+    ) as eng:
+        for _ in range(2):
+            results = eng.generate(
+                input_ids=PROMPTS,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+            )
+            rounds.append([r["output_ids"] for r in results])
+        eng.check_memory()
+    assert all(r["meta_info"]["cached_tokens"] >= 32 for r in results[1:])  # the second round
+    return rounds
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_hf(tmp_path, family):
+    model, path = build_checkpoint(tmp_path, family)
+    assert json.loads((path / "config.json").read_text())["architectures"][0] in ARCHITECTURES
+    want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    fresh, cached = served_twice(path)
+    assert fresh == want
+    assert cached == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_and_mla_tensor_parallel(tmp_path, family):
+    """Two ranks: experts sharded by their width, MLA by heads over a latent every rank keeps."""
+    model, path = build_checkpoint(tmp_path, family)
+    want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    server = start_server(
+        tmp_path,
+        "--model",
+        str(path),
+        "--tp-size",
+        "2",
+        "--chunked-prefill-size",
+        "32",
+        "--max-total-tokens",
+        "1024",
+    )
+    try:
+        with server.client() as client:
+            for _ in range(2):
+                body = {"input_ids": PROMPTS, "sampling_params": GREEDY}
+                out = client.post("/generate", json=body).json()
+                assert [r["output_ids"] for r in out] == want
+        assert out[1]["meta_info"]["cached_tokens"] >= 32
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    model_dir = tmp_path / "mamba"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "MambaForCausalLM" in lines[0] and "Qwen3ForCausalLM" in lines[0]
+
+
+def test_bad_checkpoints_name_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = build_checkpoint(tmp_path, "qwen3")
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.k_norm.weight"
+    for broken, expected in [
+        ({k: v for k, v in weights.items() if k != name}, name.replace(".weight", "")),
+        ({**weights, "model.layers.0.extra.weight": torch.zeros(3)}, "model.layers.0.extra"),
+        ({**weights, name: torch.zeros(5)}, name),
+    ]:
+        save_file(broken, str(path / "model.safetensors"))
+        with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
+            Engine(model=str(path), max_total_tokens=256, dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope type 'longrope'"):
+        Engine(model=str(path), max_total_tokens=256, dtype="float32")
