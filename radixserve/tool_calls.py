@@ -134,12 +134,15 @@ def _split_top_level(text: str, separator: str) -> list[str]:
 
 class JsonCallsParser:
     """The output of decoding constrained to the tools' schema (`tool_choice` required or named):
-    one call object, or a list of them, as JSON. Complete only at the end of the output."""
+    one call object, or a list of them, as JSON. Complete only at the end of the output; a list
+    cut short (by max_tokens) still yields the calls completed before the cut."""
 
     start = ""
 
     def parse(self, text: str) -> Parsed:
         value = _loads(text.strip())
+        if value is None and text.lstrip().startswith("["):
+            value = _complete_items(text.lstrip()[1:])
         calls = [
             _call_from(obj, "arguments") for obj in (value if isinstance(value, list) else [value])
         ]
@@ -148,9 +151,26 @@ class JsonCallsParser:
         return Parsed("", calls)
 
 
+def _complete_items(text: str) -> list:
+    """The JSON values that are complete at the start of a list's body, in order."""
+    decoder, items, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+
+
+MAX_PARALLEL_CALLS = 4  # the grammar closes a list of required calls after this many
+
+
 def calls_schema(functions: list[dict], parallel: bool) -> dict:
-    """JSON schema of a call to one of `functions` (OpenAI function dicts), or of a non-empty
-    list of calls: decoding constrained by it can only produce calls that validate."""
+    """JSON schema of a call to one of `functions` (OpenAI function dicts), or of a list of 1 to
+    MAX_PARALLEL_CALLS calls: decoding constrained by it can only produce calls that validate,
+    and a model that repeats a call cannot keep the list open until max_tokens."""
     options = [
         {
             "type": "object",
@@ -164,7 +184,9 @@ def calls_schema(functions: list[dict], parallel: bool) -> dict:
         for f in functions
     ]
     one = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"type": "array", "items": one, "minItems": 1} if parallel else one
+    if not parallel:
+        return one
+    return {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
 
 
 def calls_structural_tag(parser, functions: list[dict], parallel: bool) -> dict | None:

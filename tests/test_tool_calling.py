@@ -130,6 +130,67 @@ def test_streamed_calls_come_as_openai_deltas(client):
     assert not "".join(d["delta"].get("content") or "" for d in deltas)
 
 
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+ADD_ASK = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}]
+)
+def test_calls_close_at_temperature_zero(client, tool_choice):
+    """A model that repeats its call at temperature 0 (this one does) cannot keep the list open:
+    `required` ends after at most MAX_PARALLEL_CALLS calls, a named function after one."""
+    from radixserve.tool_calls import MAX_PARALLEL_CALLS
+
+    choice = chat(client, messages=ADD_ASK, tools=[ADD], tool_choice=tool_choice, max_tokens=96)
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert 1 <= len(calls) <= (1 if isinstance(tool_choice, dict) else MAX_PARALLEL_CALLS)
+    for call in calls:
+        assert call["function"]["name"] == "add"
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), ADD["function"]["parameters"]
+        )
+
+
+def test_streamed_required_calls_close_at_temperature_zero(client):
+    body = {"messages": ADD_ASK, "max_tokens": 96, "temperature": 0, "stream": True}
+    body |= {"tools": [ADD], "tool_choice": "required"}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        deltas = [
+            json.loads(line.removeprefix("data: "))["choices"][0]
+            for line in r.iter_lines()
+            if line and line != "data: [DONE]"
+        ]
+    parts = [d["delta"]["tool_calls"][0] for d in deltas if d["delta"].get("tool_calls")]
+    assert parts and parts[0]["function"]["name"] == "add"
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_calls_before_a_max_tokens_cut_are_returned(client):
+    """max_tokens cuts the list inside its second call: the first still comes back as a call."""
+    body = {"messages": ADD_ASK, "temperature": 0, "tools": [ADD], "tool_choice": "required"}
+    whole = client.post("/v1/chat/completions", json=body | {"max_tokens": 96}).json()
+    calls = whole["choices"][0]["message"]["tool_calls"]
+    assert len(calls) >= 2  # this model repeats its call at temperature 0
+    per_call = whole["usage"]["completion_tokens"] // len(calls)
+    cut = client.post("/v1/chat/completions", json=body | {"max_tokens": per_call * 3 // 2})
+    message = cut.json()["choices"][0]["message"]
+    assert message.get("tool_calls"), message
+    assert message["tool_calls"][0]["function"] == calls[0]["function"]
+
+
 def test_history_with_calls_and_results_and_tool_choice_none(client):
     history = ASK + [
         {

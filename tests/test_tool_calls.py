@@ -183,3 +183,14 @@ def test_mistral_auto_grammar_takes_one_call_unless_parallel(grammars):
     parser = make_parser("mistral")
     assert not accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=False), two)
     assert accepts(grammars, calls_structural_tag(parser, FUNCTIONS, parallel=True), two)
+
+
+def test_json_calls_cut_short_keep_their_complete_calls():
+    from radixserve.tool_calls import JsonCallsParser
+
+    parser = JsonCallsParser()
+    whole = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a"'
+    parsed = parser.parse(whole)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 1, "b": 2})]
+    assert parser.parse('[{"name": "add", "argu').calls == []
+    assert parser.parse('{"name": "add", "arguments": {}}').calls[0].name == "add"

@@ -93,7 +93,8 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
                     "tool_choice 'required' or a named function cannot be combined with "
                     "response_format, regex or ebnf"
                 )
-            params["json_schema"] = calls_schema(forced, body.parallel_tool_calls)
+            named = body.tool_choice != "required"  # a named function: exactly one call
+            params["json_schema"] = calls_schema(forced, body.parallel_tool_calls and not named)
         elif functions and not any(key in params for key in GRAMMAR_KEYS):
             tag = calls_structural_tag(parser, functions, body.parallel_tool_calls)
             if tag is not None:  # auto: free text, or calls that validate
