@@ -35,6 +35,7 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
     latent_kv: bool = False
+    checkpoint_dtype: str | None = None  # config.json's `dtype` (`torch_dtype` before v5)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -91,6 +92,7 @@ class ModelConfig:
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
             latent_kv=latent,
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             hf_config=cfg,
         )
 

@@ -204,3 +204,35 @@ def test_bad_checkpoints_name_the_tensor(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="rope type 'longrope'"):
         Engine(model=str(path), max_total_tokens=256, dtype="float32")
+
+
+def test_sharded_bf16_checkpoint_with_an_index(tmp_path):
+    """Several safetensors files and their index, saved in bf16, served in float32: the same
+    greedy tokens as HF loading that checkpoint in float32."""
+    model, path = build_checkpoint(tmp_path, "qwen3")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    sharded = tmp_path / "sharded"
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").is_file()
+    reference = hf.AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
+    want = [hf_greedy(reference, ids, NEW_TOKENS) for ids in PROMPTS]
+    fresh, cached = served_twice(sharded)
+    assert fresh == want and cached == want
+
+
+def test_serve_refuses_a_broken_checkpoint_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = build_checkpoint(tmp_path, "qwen3_moe")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["radixserve: checkpoint is missing tensors: model.layers.0.mlp.experts.3.up"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -16,22 +17,35 @@ from .registry import model_class
 from .source import ModelSource
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The checkpoint's tensor files: those its `model.safetensors.index.json` maps (each one
+    must exist), else every `*.safetensors` but Mistral's duplicate `consolidated*` copy, else
+    `pytorch_model*.bin`."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} maps tensors to missing files: {missing[:3]}")
+        return [path / n for n in names]
+    files = [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("consolidated")]
+    files = files or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    return files
+
+
 def iter_checkpoint(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """Tensors of a HF checkpoint directory (safetensors preferred, else .bin)."""
+    """Tensors of a HF checkpoint directory, file by file."""
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
-    for file in files:
+    for file in checkpoint_files(path):
+        if file.suffix == ".bin":
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+            continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-    if files:
-        return
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
-    for file in bins:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
 def build_model(

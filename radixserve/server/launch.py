@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -81,11 +82,24 @@ class Children:
                 proc.join(timeout=2)
 
 
+REFUSED_EXIT_CODE = 2  # a child refused its input (a checkpoint, a flag): it said why, in a line
+
+
+class StartupRefused(Exception):
+    """A child refused to start and has printed the reason."""
+
+
 def run_child(main: str, *args) -> None:
     """A spawned child's entry point, `module:function`: the child imports the model code (and
-    torch) itself, so that the api process never does; it starts the children ~2.5 s sooner."""
+    torch) itself, so that the api process never does; it starts the children ~2.5 s sooner.
+    Bad input (a ValueError or a missing file, e.g. a checkpoint's wrong tensor) ends it with one
+    line on stderr, not a traceback."""
     module, function = main.split(":")
-    getattr(importlib.import_module(module), function)(*args)
+    try:
+        getattr(importlib.import_module(module), function)(*args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixserve: {exc}", file=sys.stderr, flush=True)
+        sys.exit(REFUSED_EXIT_CODE)
 
 
 def start_children(
@@ -127,6 +141,8 @@ def wait_ready(endpoints: Endpoints, children: Children) -> SchedulerReady:
         deadline = time.time() + READY_TIMEOUT_S
         while time.time() < deadline:
             dead = children.first_dead()
+            if dead and dead[1] == REFUSED_EXIT_CODE:
+                raise StartupRefused()
             if dead:
                 raise RuntimeError(
                     f"the {dead[0]} process died during start-up (exit code {dead[1]})"
@@ -225,6 +241,8 @@ def launch_server(args: ServerArgs) -> int:
         server.run()
         if not server.started and exit_code[0] == 0:
             exit_code[0] = 1
+    except StartupRefused:
+        exit_code[0] = REFUSED_EXIT_CODE
     except Exception as exc:
         log.error("start-up failed: %s", exc)
         exit_code[0] = 1

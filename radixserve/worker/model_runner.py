@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_MAX_TOKENS = 65536
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on GPU, and on CPUs with AMX-BF16 (faster than fp32 there,
-    bench/README.md); fp32 on other CPUs, where bf16 is slower."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
-    return getattr(torch, name)
+def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
+    """`auto`: on GPU the checkpoint's half-precision dtype (bf16 for a float32 one); bf16 on
+    CPUs with AMX-BF16 (faster than fp32 there, bench/README.md); fp32 on other CPUs, where
+    bf16 is slower."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.float16 if checkpoint == "float16" else torch.bfloat16
+    return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -71,7 +74,7 @@ class ModelRunner:
         layout: SlotLayout | None = None,
     ):
         self.device = device or default_device()
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, source.config.checkpoint_dtype)
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
         self.max_context_len = (

@@ -40,7 +40,10 @@ def build_runners(
     if args.speculative_algorithm != "draft":
         return ModelRunner(source, args, device, tp=tp), None
     draft = resolve_draft_model(args.speculative_draft_model, source)
-    cfg, dtype = draft.config, resolve_dtype(args.dtype, device or default_device())
+    cfg, dtype = (
+        draft.config,
+        resolve_dtype(args.dtype, device or default_device(), draft.config.checkpoint_dtype),
+    )
     reserve = KVPool.bytes_per_token(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, cfg.value_dim
     )
