@@ -51,6 +51,17 @@ PARSERS = {
 }
 
 
+def detect_reasoning(chat_template: str | None) -> str | None:
+    """The reasoning format a chat template shows: a generation prompt that opens `<think>`
+    and leaves it open (DeepSeek-R1) starts the output inside the reasoning; a template that
+    merely knows the tags (Qwen3) reasons only when the output opens one; None without tags."""
+    template = chat_template or ""
+    if START not in template:
+        return None
+    prompt = template.rpartition("add_generation_prompt")[2]
+    return "deepseek-r1" if START in prompt and END not in prompt else "qwen3"
+
+
 def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
     if name is None:
         return None

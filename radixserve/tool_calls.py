@@ -289,14 +289,30 @@ def make_parser(name: str):
     return PARSERS[name]()
 
 
+# markers of tool formats a chat template may show that no parser here reads
+UNPARSED_FORMATS = {
+    "<｜tool▁calls▁begin｜>": "DeepSeek's",
+    "<|call|>": "gpt-oss's harmony",
+    "<start_function_call>": "Gemma's",
+}
+
+
 def detect_parser(chat_template: str | None) -> str:
-    """The parser a chat template's own tool format implies; `hermes` when it has none (the
-    default tool prompt asks for that format)."""
+    """The parser a chat template's own tool format implies (Qwen's `<tool_call>` is hermes);
+    `hermes` when it has none (the default tool prompt asks for that format). A format no
+    parser reads is a ValueError naming it."""
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3"
+    for marker, name in UNPARSED_FORMATS.items():
+        if marker in template and "<tool_call>" not in template:
+            raise ValueError(
+                f"this model's chat template writes tool calls in {name} format, which no "
+                f"tool-call parser here reads; choose one with --tool-call-parser "
+                f"({', '.join(sorted(PARSERS))}) or use tool_choice 'required' or a named function"
+            )
     return "hermes"
 
 

@@ -194,3 +194,24 @@ def test_json_calls_cut_short_keep_their_complete_calls():
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 1, "b": 2})]
     assert parser.parse('[{"name": "add", "argu').calls == []
     assert parser.parse('{"name": "add", "arguments": {}}').calls[0].name == "add"
+
+
+QWEN3_TEMPLATE = (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is "
+    "false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}<tool_call>"
+)
+R1_TEMPLATE = (
+    "{{ content.split('</think>')[-1] }}{% if add_generation_prompt %}"
+    "{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+)
+
+
+def test_formats_are_chosen_from_the_chat_template():
+    from radixserve.reasoning import detect_reasoning
+
+    assert detect_parser(QWEN3_TEMPLATE) == "hermes"
+    assert detect_reasoning(QWEN3_TEMPLATE) == "qwen3"
+    assert detect_reasoning(R1_TEMPLATE) == "deepseek-r1"
+    assert detect_reasoning("{{ messages }}") is None
+    with pytest.raises(ValueError, match="harmony format"):
+        detect_parser("{{ '<|start|>assistant<|channel|>commentary<|call|>' }}")

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
-from ..reasoning import make_reasoning_parser
+from ..reasoning import detect_reasoning, make_reasoning_parser
 from ..tool_calls import (
     JsonCallsParser,
     calls_schema,
@@ -67,10 +67,14 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
         return json_response(adapter.response(states))
 
-    tool_parser = args.tool_call_parser or detect_parser(
-        getattr(tm.tokenizer, "chat_template", None)
-    )
-    reasoning_parser = make_reasoning_parser(args.reasoning_parser)
+    template = getattr(tm.tokenizer, "chat_template", None)
+    tool_parser, unparsed_tools = args.tool_call_parser, None
+    if tool_parser is None:
+        try:
+            tool_parser = detect_parser(template)
+        except ValueError as exc:  # constrained calls still work; free ones are refused
+            unparsed_tools = str(exc)
+    reasoning_parser = make_reasoning_parser(args.reasoning_parser or detect_reasoning(template))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -86,6 +90,8 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
             body.max_tokens, length_field = body.max_completion_tokens, "max_completion_tokens"
         params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
         forced = body.forced_functions()
+        if functions and not forced and tool_parser is None:
+            raise RequestError(unparsed_tools)
         parser = (JsonCallsParser() if forced else make_parser(tool_parser)) if functions else None
         if forced:
             if any(key in params for key in GRAMMAR_KEYS):
