@@ -177,7 +177,7 @@ class Linear(nn.Module):
         """`parts`: the output widths of the checkpoint tensors fused into this one."""
         super().__init__()
         self.parts = parts
-        self.loaded_rows: dict[str, int] = {}
+        self.loaded: set[tuple[str, int]] = set()  # (kind, offset) of each tensor loaded
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.out_features = out_features
@@ -239,12 +239,19 @@ class Linear(nn.Module):
             self.bias.narrow(0, offset, rows).copy_(tensor)
         else:
             self.weight_t.narrow(1, offset, rows).copy_(tensor.t())
-        self.loaded_rows[name] = self.loaded_rows.get(name, 0) + rows
+        self.loaded.add((name, offset))
 
-    def missing_tensors(self) -> list[str]:
-        """What loading left unfilled (a fused part never seen, a bias absent)."""
+    def missing_tensors(self) -> list[tuple[str, int]]:
+        """(kind, part) of each fused part loading left unfilled (a bias the layer has but
+        the checkpoint lacked, or one of q/k/v never seen)."""
+        starts = [sum(self.parts[:i]) for i in range(len(self.parts))] or [0]
         kinds = ["weight"] + (["bias"] if self.bias is not None else [])
-        return [k for k in kinds if self.loaded_rows.get(k, 0) < self.out_features]
+        return [
+            (kind, i)
+            for kind in kinds
+            for i, at in enumerate(starts)
+            if (kind, at) not in self.loaded
+        ]
 
 
 ACTIVATIONS = {
@@ -263,10 +270,12 @@ class SwiGLU(nn.Module):
     """Gate and up projections fused into one matmul; `act(gate) * up`, then down (SiLU:
     SwiGLU; tanh-GELU: Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, parts=(intermediate, intermediate))
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_up_proj = Linear(
+            hidden, 2 * intermediate, bias=bias, parts=(intermediate, intermediate)
+        )
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act_name, self.act = act, activation(act)
         self.cpu_ops = None
 
@@ -274,7 +283,10 @@ class SwiGLU(nn.Module):
         if self.act_name == "silu" and (ops := fused(self.cpu_ops)) is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.gated(gate, up))
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
 
 
 def use_cpu_ops(model: nn.Module, cpu_ops) -> None:

@@ -207,7 +207,7 @@ class CausalLM(nn.Module):
         owned = {f"{n}.{p}" for n, m in self_checking for p, _ in m.named_parameters()}
         missing = sorted(set(params) - loaded - owned)
         for module_name, module in self_checking:
-            missing += [f"{module_name}.{m}" for m in module.missing_tensors()]
+            missing += [checkpoint_name(module_name, m) for m in module.missing_tensors()]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
 
@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
         target, shard = fused_target(module_name)
         module = modules.get(target)
         if isinstance(module, Linear):
-            if kind == "bias" and target.endswith("o_proj") and self.tp.rank > 0:
+            if kind == "bias" and target.rpartition(".")[2] in SPLIT_BY_INPUT and self.tp.rank:
                 tensor = torch.zeros_like(tensor)  # summed over ranks: added once
             module.load(kind, tensor, self.shard_offset(module, shard))
             return set()
@@ -267,6 +267,17 @@ def layer_window(hf: dict, i: int) -> int | None:
     if types:
         return window if types[i] == "sliding_attention" else None
     return window
+
+
+def checkpoint_name(module_name: str, missing) -> str:
+    """The checkpoint's name for a part a module still misses: (kind, part) of a Linear, as
+    `...q_proj.weight` when fused, or a module's own name for it."""
+    if isinstance(missing, str):
+        return f"{module_name}.{missing}"
+    kind, part = missing
+    prefix, _, leaf = module_name.rpartition(".")
+    unfused = {(fused, i): name for name, (fused, i) in FUSED_SHARDS.items()}
+    return f"{prefix}.{unfused.get((leaf, part), leaf)}.{kind}"
 
 
 def fused_target(module_name: str) -> tuple[str, int | None]:

@@ -6,12 +6,15 @@ logits."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..attention import LayerAttention
 from ..distributed import TPGroup
+from ..layers import SwiGLU
 from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
 from .moe import Experts, Routing, SparseMoE
@@ -24,30 +27,39 @@ class SinkAttention(Attention):
         self.how = replace(how, sinks=self.sinks)
 
 
-def clamped_swiglu(alpha: float, limit: float):
-    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+class ClampedSwiGLU(SwiGLU):
+    """`(up + 1) * gate * sigmoid(alpha * gate)`, gate clamped above and up on both sides."""
 
-    return gated
+    def __init__(self, hidden, inter, act, bias, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__(hidden, inter, act, bias)
+        self.act_name, self.alpha, self.limit = "clamped_swiglu", alpha, limit
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 
-class StackedExperts(Experts):
-    """Loads `gate_up_proj [E, hidden, 2 * inter]` (gate and up interleaved), `down_proj
-    [E, inter, hidden]` and their biases."""
-
-    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        if name not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            raise ValueError("it has no place in the experts")
-        if tensor.shape[0] != self.num_experts:
-            raise ValueError(f"expected {self.num_experts} experts")
-        suffix = "_bias" if name.endswith("_bias") else ""
-        for e in range(self.num_experts):
-            if name.startswith("gate_up"):
-                self.load_part(e, "gate" + suffix, tensor[e][..., ::2], tp)
-                self.load_part(e, "up" + suffix, tensor[e][..., 1::2], tp)
+def per_expert(weights: Iterable[tuple[str, torch.Tensor]]):
+    """The checkpoint's stacked experts (`gate_up_proj [E, hidden, 2 * inter]`, gate and up
+    interleaved, `down_proj [E, inter, hidden]`, their biases) as each expert's tensors in
+    nn.Linear's layout, named like a per-expert checkpoint's."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".experts"):
+            yield name, tensor
+            continue
+        bias = leaf.endswith("_bias")
+        for e, one in enumerate(tensor):
+            at = f"{prefix}.{e}"
+            if leaf.startswith("gate_up_proj"):
+                gate, up = (one[::2], one[1::2]) if bias else (one[:, ::2].t(), one[:, 1::2].t())
+                yield f"{at}.gate_proj.{'bias' if bias else 'weight'}", gate
+                yield f"{at}.up_proj.{'bias' if bias else 'weight'}", up
+            elif leaf.startswith("down_proj"):
+                yield f"{at}.down_proj.{'bias' if bias else 'weight'}", one if bias else one.t()
             else:
-                self.load_part(e, "down" + suffix, tensor[e], tp)
+                yield name, tensor
+                break
 
 
 class GptOssForCausalLM(CausalLM):
@@ -55,16 +67,23 @@ class GptOssForCausalLM(CausalLM):
         cfg, hf = self.cfg, self.hf
         attention = SinkAttention(cfg, i, self.tp, LayerAttention(window=layer_window(hf, i)))
         routing = Routing("topk_softmax", hf["num_experts_per_tok"])
-        experts = StackedExperts(
+        experts = Experts(
             hf["num_local_experts"],
             cfg.hidden_size,
             hf["intermediate_size"],
             self.tp,
             bias=True,
-            gated=clamped_swiglu(hf.get("swiglu_alpha", 1.702), hf.get("swiglu_limit", 7.0)),
+            expert=partial(
+                ClampedSwiGLU,
+                alpha=hf.get("swiglu_alpha", 1.702),
+                limit=hf.get("swiglu_limit", 7.0),
+            ),
         )
         mlp = SparseMoE(cfg.hidden_size, experts, routing, router_bias=True)
         return DecoderLayer(cfg, i, self.tp, attention, mlp)
 
     def rename(self, name: str) -> str | None:
         return name.replace(".mlp.router.", ".mlp.gate.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(per_expert(weights))

@@ -6,7 +6,9 @@ from __future__ import annotations
 from torch import nn
 
 from .decoder import CausalLM
-from .moe import MIXTRAL_PARTS, Experts, Routing, SparseMoE
+from .moe import Experts, Routing, SparseMoE
+
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class MixtralForCausalLM(CausalLM):
@@ -19,9 +21,14 @@ class MixtralForCausalLM(CausalLM):
             hf["intermediate_size"],
             self.tp,
             hf.get("hidden_act", "silu"),
-            parts=MIXTRAL_PARTS,
         )
         return SparseMoE(cfg.hidden_size, experts, routing)
 
     def rename(self, name: str) -> str | None:
-        return name.replace(".block_sparse_moe.", ".mlp.")
+        """`block_sparse_moe.experts.{e}.w1` is our `mlp.experts.{e}.gate_proj` (w3: up, w2:
+        down)."""
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".experts." not in name:
+            return name
+        prefix, part, leaf = name.rsplit(".", 2)
+        return f"{prefix}.{EXPERT_NAMES.get(part, part)}.{leaf}"

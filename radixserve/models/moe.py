@@ -1,14 +1,12 @@
 """Mixture-of-experts blocks: a router picks `top_k` experts per token, and only those run.
 
-Experts are stored stacked (`w13 [E, hidden, 2 * inter]`, `w2 [E, inter, hidden]`, transposed
-for `x @ w`); each forward groups the step's tokens by expert and runs one matmul pair per expert
-that any token chose. Tensor parallelism shards every expert's intermediate dimension (like a
-dense MLP: gate/up by output, down by input, one all-reduce), so each rank holds a slice of all
-experts and the routing is the same on every rank."""
+Each expert is a gated MLP of its own linear layers; each forward groups the step's tokens by
+expert and runs only the experts some token chose. Tensor parallelism shards every expert's
+intermediate dimension (like a dense MLP: gate/up by output, down by input, one all-reduce),
+so each rank holds a slice of all experts and the routing is the same on every rank."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPGroup
-from ..layers import activation
+from ..layers import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -66,15 +64,11 @@ def _grouped_sigmoid(logits: torch.Tensor, routing: Routing, correction: torch.T
     return weights * routing.scaling, experts
 
 
-# a checkpoint's per-expert tensor names -> our part: gate/up land in w13, down in w2
-EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-MIXTRAL_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
-_PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.weight")
-
-
-class Experts(nn.Module):
-    """`num_experts` gated MLPs of this rank's `inter` width; `act(gate) * up` by default,
-    `gated` replaces that (gpt-oss). `bias`: each expert's projections have biases."""
+class Experts(nn.ModuleList):
+    """`num_experts` gated MLPs (`SwiGLU`, or the `expert` class given), each over this rank's
+    slice of their width. Their tensors load by the checkpoint's per-expert names
+    (`experts.{e}.gate_proj`...), so each expert is linear layers like a dense MLP's: packed
+    for the CPU kernels, int8 under --quantization, sharded by the same rules."""
 
     def __init__(
         self,
@@ -84,87 +78,32 @@ class Experts(nn.Module):
         tp: TPGroup,
         act: str = "silu",
         bias: bool = False,
-        parts: dict[str, str] = EXPERT_PARTS,
-        gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        expert: Callable[..., SwiGLU] = SwiGLU,
     ):
-        super().__init__()
         if inter % tp.size:
             raise ValueError(f"tp_size {tp.size} does not divide the experts' width ({inter})")
-        self.num_experts, self.inter, self.tp, self.parts = num_experts, inter // tp.size, tp, parts
-        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * self.inter))
-        self.w2 = nn.Parameter(torch.empty(num_experts, self.inter, hidden))
-        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * self.inter)) if bias else None
-        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
-        self.act = activation(act)
-        self.gated = gated
-        self.loaded: set[tuple[int, str]] = set()
+        super().__init__(expert(hidden, inter // tp.size, act, bias) for _ in range(num_experts))
+        self.num_experts = num_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
-        """x `[T, hidden]`; each token's `experts [T, k]` and their `weights [T, k]`."""
-        out = torch.zeros_like(x)
+        """x `[T, hidden]`; each token's `experts [T, k]` and their `weights [T, k]`. The
+        (token, choice) pairs are sorted by expert, each chosen expert runs once over its
+        tokens, and the outputs go back to their pairs to be summed with the weights (an
+        index_add_ per expert is far slower on CPU, bench/README.md)."""
+        tokens, k = experts.shape
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // experts.shape[1]
-        weight_of = weights.flatten()[order].to(x.dtype)
+        rows = order // k
+        sorted_out = x.new_empty(tokens * k, x.shape[1])
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            y = self._expert(expert, x.index_select(0, rows))
-            out.index_add_(0, rows, y * weight_of[start : start + count, None])
-            start += count
-        return out
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.w13[e]
-        if self.b13 is not None:
-            gate_up = gate_up + self.b13[e]
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.gated(gate, up) if self.gated is not None else self.act(gate) * up
-        y = h @ self.w2[e]
-        return y + self.b2[e] if self.b2 is not None else y
-
-    # ---- loading -----------------------------------------------------------
-    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        """One expert's `{e}.{part}.weight` (`[out, in]`, as nn.Linear stores it)."""
-        match = _PER_EXPERT.fullmatch(name)
-        if match is None or match.group(2) not in self.parts:
-            raise ValueError("it has no place in the experts")
-        expert, part = int(match.group(1)), self.parts[match.group(2)]
-        if expert >= self.num_experts:
-            raise ValueError(f"there are {self.num_experts} experts")
-        self.load_part(expert, part, tensor.t(), tp)
-
-    @torch.no_grad()
-    def load_part(self, e: int, part: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        """`tensor` `[in, out]` (or a bias `[out]`) of one expert, unsharded."""
-        is_bias = part.endswith("_bias")
-        base = part.removesuffix("_bias")
-        if base == "down":
-            target = self.b2[e] if is_bias else self.w2[e]
-            if is_bias and tp.rank > 0:
-                tensor = torch.zeros_like(tensor)  # summed over ranks: added once
-            elif not is_bias:
-                tensor = tp.shard(tensor, 0)
-        else:
-            tensor = tp.shard(tensor, -1)
-            offset = 0 if base == "gate" else self.inter
-            whole = self.b13[e] if is_bias else self.w13[e]
-            target = whole.narrow(-1, offset, self.inter)
-        if target.shape != tensor.shape:
-            raise ValueError(f"expected shape {tuple(target.shape)} for this rank")
-        target.copy_(tensor)
-        self.loaded.add((e, part))
-
-    def missing_tensors(self) -> list[str]:
-        parts = ["gate", "up", "down"]
-        if self.b13 is not None:
-            parts += ["gate_bias", "up_bias", "down_bias"]
-        return [
-            f"{e}.{p}" for e in range(self.num_experts) for p in parts if (e, p) not in self.loaded
-        ]
+            if count:
+                end = start + count
+                sorted_out[start:end] = self[expert](x.index_select(0, rows[start:end]))
+                start = end
+        pairs = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        return (pairs.view(tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
