@@ -149,3 +149,38 @@ def test_triton_backend_matches_torch_native_on_the_real_model(tokenizer):
             again = eng.generate(prompts[0] + " Paris", params)  # a cached prefix plus new tokens
             outputs[backend] = [r["output_ids"] for r in first] + [again["output_ids"]]
     assert outputs["triton"] == outputs["torch_native"]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 8, 2), (33, 6, 3)])
+def test_fused_moe_matches_reference(tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter = 48, 40
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
+    weights, chosen = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    got = K.fused_moe(x, w13, w2, weights, chosen)
+    torch.testing.assert_close(
+        got, K.fused_moe_ref(x, w13, w2, weights, chosen), atol=2e-4, rtol=2e-4
+    )
+    pair_ids, block_experts = K.align_pairs(chosen, experts, 16)
+    assert len(pair_ids) == 16 * len(block_experts)
+    assert sorted(p for p in pair_ids.tolist() if p < tokens * top_k) == list(range(tokens * top_k))
+
+
+def test_experts_stacked_for_the_fused_kernel_give_the_same_output():
+    """The GPU wiring of a MoE layer (stacked weights, the Triton kernel) against its CPU path."""
+    from radixserve.distributed import TPGroup
+    from radixserve.models.moe import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(6, 32, 48, TPGroup())
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(9, 32)
+    weights, chosen = torch.softmax(torch.randn(9, 6), -1).topk(2, dim=-1)
+    want = experts(x, weights, chosen)
+    assert experts.stack_for_gpu()
+    torch.testing.assert_close(experts(x, weights, chosen), want, atol=2e-4, rtol=2e-4)

@@ -13,6 +13,7 @@ from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 from ..distributed import TPGroup
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
+from .moe import Experts
 from .registry import model_class
 from .source import ModelSource
 
@@ -65,6 +66,10 @@ def build_model(
     else:
         model.load_weights(iter_checkpoint(source.weights_dir))
     model = model.to(dtype=dtype).eval().requires_grad_(False)
+    if device.type == "cuda":
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.stack_for_gpu()
     from ..layers import Linear, use_cpu_ops
 
     cpu_ops = None

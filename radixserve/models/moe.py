@@ -84,12 +84,33 @@ class Experts(nn.ModuleList):
             raise ValueError(f"tp_size {tp.size} does not divide the experts' width ({inter})")
         super().__init__(expert(hidden, inter // tp.size, act, bias) for _ in range(num_experts))
         self.num_experts = num_experts
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see stack_for_gpu
+
+    @torch.no_grad()
+    def stack_for_gpu(self) -> bool:
+        """Stack the experts' weights as the Triton fused-MoE kernel reads them (`w13 [E,
+        2 * inter, hidden]`, `w2 [E, hidden, inter]`), each expert's layers then viewing into
+        them; only for SiLU experts without biases."""
+        first = self[0]
+        if first.act_name != "silu" or first.down_proj.bias is not None:
+            return False
+        w13 = torch.stack([e.gate_up_proj.weight_t.t() for e in self])
+        w2 = torch.stack([e.down_proj.weight_t.t() for e in self])
+        for e, expert in enumerate(self):
+            expert.gate_up_proj.weight_t = nn.Parameter(w13[e].t(), requires_grad=False)
+            expert.down_proj.weight_t = nn.Parameter(w2[e].t(), requires_grad=False)
+        self.stacked = (w13, w2)
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
         """x `[T, hidden]`; each token's `experts [T, k]` and their `weights [T, k]`. The
         (token, choice) pairs are sorted by expert, each chosen expert runs once over its
         tokens, and the outputs go back to their pairs to be summed with the weights (an
         index_add_ per expert is far slower on CPU, bench/README.md)."""
+        if self.stacked is not None:
+            from radixserve_kernels import fused_moe
+
+            return fused_moe(x, *self.stacked, weights, experts)
         tokens, k = experts.shape
         flat = experts.flatten()
         order = flat.argsort(stable=True)
