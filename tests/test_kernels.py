@@ -179,8 +179,9 @@ def test_experts_stacked_for_the_fused_kernel_give_the_same_output():
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.2)
-    x = torch.randn(9, 32)
-    weights, chosen = torch.softmax(torch.randn(9, 6), -1).topk(2, dim=-1)
+    experts = experts.to(DEVICE)
+    x = torch.randn(9, 32, device=DEVICE)
+    weights, chosen = torch.softmax(torch.randn(9, 6, device=DEVICE), -1).topk(2, dim=-1)
     want = experts(x, weights, chosen)
     assert experts.stack_for_gpu()
     torch.testing.assert_close(experts(x, weights, chosen), want, atol=2e-4, rtol=2e-4)
