@@ -237,3 +237,26 @@ def test_serve_refuses_a_broken_checkpoint_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     missing = "model.layers.0.mlp.experts.3.up_proj.weight"
     assert lines == [f"radixserve: checkpoint is missing tensors: {missing}"]
+
+
+def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
+    """MLA's pool holds latents (no values): HiCache backs them up, writes them to its files and
+    loads them back after the device cache is flushed, with the same greedy tokens."""
+    model, path = build_checkpoint(tmp_path, "deepseek_v3")
+    prompt = list(range(100, 180))
+    with Engine(
+        model=str(path),
+        max_total_tokens=256,
+        chunked_prefill_size=32,
+        dtype="float32",
+        page_size=16,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "store"),
+    ) as eng:
+        first = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert eng.flush_cache()
+        again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        eng.check_memory()
+    assert first["output_ids"] == again["output_ids"] == hf_greedy(model, prompt, NEW_TOKENS)
+    assert again["meta_info"]["cached_tokens"] >= 64

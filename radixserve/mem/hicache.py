@@ -49,15 +49,18 @@ class HostStore:
 
     def __init__(self, capacity: int, block: int, pool: KVPool):
         self.block, self.capacity = block, capacity
-        shape = (capacity * block, *pool.k[0].shape[1:])
         pin = pool.k[0].device.type == "cuda"
-        make = (
-            (lambda: torch.zeros(shape, dtype=pool.k[0].dtype, pin_memory=True))
-            if pin
-            else (lambda: _zeros(shape, pool.k[0].dtype, torch.device("cpu")))
-        )
-        self.k = [make() for _ in pool.k]
-        self.v = [make() for _ in pool.v]
+        dtype = pool.k[0].dtype
+
+        def make(like: torch.Tensor) -> torch.Tensor:
+            """Host rows shaped like the pool's (a latent pool's values are 0 wide)."""
+            shape = (capacity * block, *like.shape[1:])
+            if pin:
+                return torch.zeros(shape, dtype=dtype, pin_memory=True)
+            return _zeros(shape, dtype, torch.device("cpu"))
+
+        self.k = [make(t) for t in pool.k]
+        self.v = [make(t) for t in pool.v]
         self.index: OrderedDict[int, int] = OrderedDict()  # hash -> block number
         self.free: list[int] = list(range(capacity - 1, -1, -1))
 
@@ -132,8 +135,8 @@ class HiCache:
 
     @property
     def block_bytes(self) -> int:
-        k = self.host.k[0]
-        return 2 * len(self.host.k) * self.block * k[0].numel() * k.element_size()
+        tensors = (*self.host.k, *self.host.v)
+        return sum(self.block * t[0].numel() * t.element_size() for t in tensors)
 
     def backup(self, tokens: list[int], slots: list[int]) -> None:
         """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks, all in
@@ -241,18 +244,17 @@ class HiCache:
 
     def _payload(self, number: int) -> bytes:
         rows = self.host.rows(number)
-        parts = [t.index_select(0, rows) for t in (*self.host.k, *self.host.v)]
-        return torch.stack(parts).view(torch.uint8).numpy().tobytes()
+        parts = [t.index_select(0, rows).flatten() for t in (*self.host.k, *self.host.v)]
+        return torch.cat(parts).view(torch.uint8).numpy().tobytes()
 
     def _unpack(self, number: int, payload: bytes) -> None:
-        k0 = self.host.k[0]
-        layers = len(self.host.k)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(k0.dtype)
-        data = data.view(2 * layers, self.block, *k0.shape[1:])
+        """A block's K then V of every layer, as `_payload` wrote them."""
+        tensors = (*self.host.k, *self.host.v)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(tensors[0].dtype)
+        sizes = [self.block * t[0].numel() for t in tensors]
         rows = self.host.rows(number)
-        for layer in range(layers):
-            self.host.k[layer].index_copy_(0, rows, data[layer])
-            self.host.v[layer].index_copy_(0, rows, data[layers + layer])
+        for tensor, part in zip(tensors, data.split(sizes)):
+            tensor.index_copy_(0, rows, part.view(self.block, *tensor.shape[1:]))
 
     def tiers_of(self, tokens: list[int]) -> list[str]:
         """The tiers below the device holding every whole block of `tokens`."""
