@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..attention import AttentionBackend, AttentionInputs
+from ..attention import PLAIN, AttentionBackend, AttentionInputs, LayerAttention
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,12 @@ class OpaqueAttention:
         _BACKENDS[self.key] = backend
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        how: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         return _attention(q, k, v, layer, self.key)
 
@@ -62,6 +67,11 @@ class CompiledForward:
     """`model(input_ids, positions, backend)` through torch.compile, warmed up at start-up."""
 
     def __init__(self, model, backend: AttentionBackend, req_to_token: torch.Tensor):
+        if model.attention_features():
+            raise ValueError(
+                "--enable-torch-compile runs plain attention only; this model's layers need "
+                f"{', '.join(sorted(model.attention_features()))}"
+            )
         self.opaque = OpaqueAttention(backend)
         self.compiled = torch.compile(model.forward, dynamic=True)
         start = time.perf_counter()
