@@ -104,41 +104,68 @@ def bench_server(
     system: str, workloads: list[str], args, log_dir: Path, model_dir: Path, gguf: Path
 ) -> list[dict]:
     try:
-        running = start(
-            system, log_dir, args.concurrency, args.kv_tokens, model_dir, gguf, args.baseline_tree
-        )
+        running = start_system(system, args, log_dir, model_dir, gguf)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
         print(f"  {system}: skipped ({exc})")
         return [{"system": system, "skipped": str(exc)}]
-    rows = []
     try:
-        print(f"  {running.target.name}: cold start {running.cold_start:.1f} s")
-        for name in workloads:
-            before = servers.hit_rate_counters(running.target)
-            summary = asyncio.run(
-                run_workload(running.target, scaled(name, args.scale, args.seed), args.concurrency)
-            )
-            after = servers.hit_rate_counters(running.target)
-            hit = None
-            if before and after and after[1] > before[1]:
-                hit = (after[0] - before[0]) / (after[1] - before[1])
-            rows.append(
-                {
-                    "system": running.target.name,
-                    "workload": name,
-                    "cold_start": running.cold_start,
-                    "hit_rate": hit,
-                    **summary,
-                }
-            )
-            print(
-                f"    {name:14s} {summary['output_tok_per_s']:7.1f} out tok/s  "
-                f"TTFT p95 {summary['ttft']['p95'] or 0:6.2f} s  errors {summary['errors']}"
-                + (f"  hit {100 * hit:.0f}%" if hit is not None else "")
-            )
+        return [run_one(running, name, args) for name in workloads]
     finally:
         running.stop()
+
+
+def bench_interleaved(
+    systems: list[str], workloads: list[str], args, log_dir: Path, model_dir: Path, gguf: Path
+) -> list[dict]:
+    """Every system's server up at once, the workloads run on each in turn, the order
+    reversed every other workload (A B, B A, ...): a machine's drift through the run then
+    falls on both sides alike instead of on whichever system runs later."""
+    started, rows = [], []
+    try:
+        for system in systems:
+            try:
+                started.append(start_system(system, args, log_dir, model_dir, gguf))
+            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+                print(f"  {system}: skipped ({exc})")
+                rows.append({"system": system, "skipped": str(exc)})
+        for i, name in enumerate(workloads):
+            for running in started if i % 2 == 0 else started[::-1]:
+                rows.append(run_one(running, name, args))
+    finally:
+        for running in started:
+            running.stop()
     return rows
+
+
+def start_system(system: str, args, log_dir: Path, model_dir: Path, gguf: Path):
+    running = start(
+        system, log_dir, args.concurrency, args.kv_tokens, model_dir, gguf, args.baseline_tree
+    )
+    print(f"  {running.target.name}: cold start {running.cold_start:.1f} s")
+    return running
+
+
+def run_one(running, name: str, args) -> dict:
+    before = servers.hit_rate_counters(running.target)
+    summary = asyncio.run(
+        run_workload(running.target, scaled(name, args.scale, args.seed), args.concurrency)
+    )
+    after = servers.hit_rate_counters(running.target)
+    hit = None
+    if before and after and after[1] > before[1]:
+        hit = (after[0] - before[0]) / (after[1] - before[1])
+    print(
+        f"    {running.target.name:22s} {name:14s} {summary['output_tok_per_s']:7.1f} out tok/s  "
+        f"TTFT p95 {summary['ttft']['p95'] or 0:6.2f} s  errors {summary['errors']}"
+        + (f"  hit {100 * hit:.0f}%" if hit is not None else "")
+    )
+    return {
+        "system": running.target.name,
+        "workload": name,
+        "cold_start": running.cold_start,
+        "hit_rate": hit,
+        **summary,
+    }
 
 
 def bench_hf(workloads: list[str], args, model_dir: Path) -> list[dict]:
@@ -346,6 +373,12 @@ def main() -> None:
         "--tag", default="", help="suffix of the result files (keeps earlier runs of the day)"
     )
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="servers up together, each workload run on every system in turn (order reversed "
+        "every other workload); HF is not served this way",
+    )
+    ap.add_argument(
         "--baseline-tree",
         default=None,
         help="source tree of an earlier radixserve (`git worktree add DIR <commit>`), run as the "
@@ -358,7 +391,12 @@ def main() -> None:
     workloads = args.workloads.split(",")
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-"))
     rows: list[dict] = []
-    for system in args.systems.split(","):
+    systems = args.systems.split(",")
+    if args.interleave:
+        served = [system for system in systems if system != "hf"]
+        rows += bench_interleaved(served, workloads, args, log_dir, model_dir, gguf)
+        systems = [system for system in systems if system == "hf"]
+    for system in systems:
         print(f"== {system}")
         rows += (
             bench_hf(workloads, args, model_dir)

@@ -140,7 +140,7 @@ def test_family_matches_hf(tmp_path, family):
     assert cached == want
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_moe_and_mla_tensor_parallel(tmp_path, family):
     """Two ranks: experts sharded by their width, MLA by heads over a latent every rank keeps."""
     model, path = build_checkpoint(tmp_path, family)

@@ -148,34 +148,39 @@ ADD_ASK = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}]
 )
-def test_calls_close_at_temperature_zero(client, tool_choice):
-    """A model that repeats its call at temperature 0 (this one does) cannot keep the list open:
-    `required` ends after at most MAX_PARALLEL_CALLS calls, a named function after one."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_sdk_calls_close_at_temperature_zero(server, tool_choice, stream):
+    """Through the OpenAI SDK, as agent frameworks call: a model that repeats its call at
+    temperature 0 (this one does) cannot keep the list open: `required` ends after at most
+    MAX_PARALLEL_CALLS calls, a named function after one, both with finish_reason tool_calls."""
     from radixserve.tool_calls import MAX_PARALLEL_CALLS
 
-    choice = chat(client, messages=ADD_ASK, tools=[ADD], tool_choice=tool_choice, max_tokens=96)
-    assert choice["finish_reason"] == "tool_calls", choice
-    calls = choice["message"]["tool_calls"]
+    sdk = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    kwargs = dict(
+        model=sdk.models.list().data[0].id,
+        messages=ADD_ASK,
+        tools=[ADD],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=96,
+    )
+    if stream:
+        message, finish, _ = streamed_message(
+            sdk.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+    else:
+        reply = sdk.chat.completions.create(**kwargs)
+        message = reply.choices[0].message.model_dump(exclude_none=True)
+        finish = reply.choices[0].finish_reason
+    assert finish == "tool_calls", message
+    calls = message["tool_calls"]
     assert 1 <= len(calls) <= (1 if isinstance(tool_choice, dict) else MAX_PARALLEL_CALLS)
     for call in calls:
-        assert call["function"]["name"] == "add"
-        jsonschema.validate(
-            json.loads(call["function"]["arguments"]), ADD["function"]["parameters"]
-        )
-
-
-def test_streamed_required_calls_close_at_temperature_zero(client):
-    body = {"messages": ADD_ASK, "max_tokens": 96, "temperature": 0, "stream": True}
-    body |= {"tools": [ADD], "tool_choice": "required"}
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        deltas = [
-            json.loads(line.removeprefix("data: "))["choices"][0]
-            for line in r.iter_lines()
-            if line and line != "data: [DONE]"
-        ]
-    parts = [d["delta"]["tool_calls"][0] for d in deltas if d["delta"].get("tool_calls")]
-    assert parts and parts[0]["function"]["name"] == "add"
-    assert deltas[-1]["finish_reason"] == "tool_calls"
+        assert call["id"].startswith("call_") and call["function"]["name"] == "add"
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, ADD["function"]["parameters"])
 
 
 def test_calls_before_a_max_tokens_cut_are_returned(client):
