@@ -24,9 +24,17 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
-    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, {}),
+    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, dict(head_dim=16)),
     "qwen3_moe": (
