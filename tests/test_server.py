@@ -455,3 +455,21 @@ def test_the_detokenizer_process_decodes_as_the_hf_tokenizer_does(tokenizer):
         )
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False)
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_streamed_completion_starts_with_its_first_token(client):
+    """No empty chunk ahead of the first token: a client timing its first token (vLLM's bench
+    serve) times the model."""
+    body = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0}
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [
+            json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"
+        ]
+    assert chunks[0]["choices"][0]["text"]
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+
+
+def test_models_carry_root_parent_and_length(client):
+    entry = client.get("/v1/models").json()["data"][0]
+    assert entry["root"] and entry["parent"] is None and entry["max_model_len"] > 0

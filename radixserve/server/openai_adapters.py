@@ -66,7 +66,9 @@ class _Adapter:
         finals: dict[int, RequestState] = {}
         tasks = [asyncio.create_task(self._pump(i, r, queue)) for i, r in enumerate(reqs)]
         try:
-            yield self.first_chunk(len(reqs))
+            first = self.first_chunk(len(reqs))
+            if first is not None:
+                yield first
             while len(finals) < len(reqs):
                 i, state = await queue.get()
                 if isinstance(state, Exception):
@@ -175,11 +177,10 @@ class CompletionAdapter(_Adapter):
             chunks[0]["choices"][0]["text"] = self.echoed[i] + chunks[0]["choices"][0]["text"]
         return chunks
 
-    def first_chunk(self, n: int) -> dict:
-        return self.envelope(
-            [{"index": i, "text": "", "logprobs": None, "finish_reason": None} for i in range(n)],
-            self.chunk_object,
-        )
+    def first_chunk(self, n: int) -> dict | None:
+        """None: a completion's first chunk carries its first token (a client timing the first
+        token must not see an empty chunk sent before any was computed)."""
+        return None
 
     def delta_chunk(self, i: int, delta: str, state: RequestState) -> dict:
         return self.envelope(

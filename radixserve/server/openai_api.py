@@ -38,6 +38,8 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "radixserve",
+                    "root": tm.model_name,  # what was loaded (vLLM's field)
+                    "parent": None,  # a base model's own entry (an adapter names its base)
                     "max_model_len": tm.info.max_context_len,
                 }
             ],
