@@ -148,9 +148,12 @@ def test_family_matches_hf(tmp_path, family):
     assert cached == want
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
-def test_moe_and_mla_tensor_parallel(tmp_path, family):
-    """Two ranks: experts sharded by their width, MLA by heads over a latent every rank keeps."""
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "phi3", "gemma3_text"]
+)
+def test_tensor_parallel_matches_hf(tmp_path, family):
+    """Two ranks: experts sharded by their width, MLA by heads over a latent every rank keeps,
+    Phi-3's fused tensors split before they are sliced, windows and sinks by heads."""
     model, path = build_checkpoint(tmp_path, family)
     want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     server = start_server(
