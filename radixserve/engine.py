@@ -22,7 +22,7 @@ from .responses import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
 from .tokenizer import encode_prompt, eos_ids, load_tokenizer_or_none
-from .validation import check_generate
+from .validation import check_cache_salt, check_generate
 from .worker.process import build_runners
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,18 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        cache_salt: str | None = None,
     ) -> dict | list[dict]:
         """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in
         place)."""
         reqs, single = self._make_requests(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            cache_salt,
         )
         streams = [self._submit(r) for r in reqs]
         results = [
@@ -97,10 +104,17 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        cache_salt: str | None = None,
     ) -> Iterator[dict]:
         """Yields the cumulative result after every step that produced text."""
         reqs, _ = self._make_requests(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            cache_salt,
         )
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt with n=1")
@@ -155,9 +169,11 @@ class Engine:
         return_logprob,
         logprob_start_len,
         top_logprobs_num,
+        cache_salt: str | None = None,
     ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
+        check_cache_salt(cache_salt)
         single = isinstance(prompt, str) or (
             input_ids is not None and input_ids and isinstance(input_ids[0], int)
         )
@@ -186,6 +202,7 @@ class Engine:
                     return_logprob,
                     logprob_start_len,
                     top_logprobs_num,
+                    cache_salt=cache_salt,
                 )
                 check_generate(req, self.runner.info)
                 reqs.append(req)

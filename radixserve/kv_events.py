@@ -59,6 +59,21 @@ def block_hash(parent: int | None, tokens: list[int]) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def salt_hash(salt: str) -> int:
+    """The hash a salted run's first block chains to (vLLM and SGLang mix the salt into the
+    first block's hash; a chain from it never meets an unsalted one)."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"cachesalt")
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def salted_parent(parent: int | None, salt: str | None) -> int | None:
+    """The parent a chain of `salt` starts from, in place of `parent` (the hierarchical
+    cache's seed)."""
+    if salt is None:
+        return parent
+    return block_hash((parent or 0) ^ salt_hash(salt), [])
+
+
 def chain_hashes(tokens: list[int], block: int, parent: int | None = None) -> list[int]:
     """The chained hashes of the whole blocks of `tokens`, the first chained to `parent`."""
     hashes = []

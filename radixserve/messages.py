@@ -160,6 +160,7 @@ class GenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     priority: int = 0  # higher runs first, with --enable-priority-scheduling
+    cache_salt: str | None = None  # requests of different salts never share cached KV
 
 
 @dataclass

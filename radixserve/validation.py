@@ -46,6 +46,18 @@ def check_output_room(prompt_len: int, max_new_tokens: int, info: WorkerInfo, fi
         )
 
 
+CACHE_SALT_MAX = 256  # characters
+
+
+def check_cache_salt(salt: str | None) -> None:
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > CACHE_SALT_MAX:
+        raise ValueError(
+            f"cache_salt must be a non-empty string of at most {CACHE_SALT_MAX} characters"
+        )
+
+
 def check_priority(priority: int | None, enabled: bool) -> None:
     if priority is None:
         return

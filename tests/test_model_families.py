@@ -271,3 +271,28 @@ def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
         eng.check_memory()
     assert first["output_ids"] == again["output_ids"] == hf_greedy(model, prompt, NEW_TOKENS)
     assert again["meta_info"]["cached_tokens"] >= 64
+
+
+def test_salted_latents_reload_for_their_salt_only(tmp_path):
+    """A salt keys its blocks in the host and file tiers too: after a flush, the same salt loads
+    its prefix back, another salt computes it anew."""
+    model, path = build_checkpoint(tmp_path, "deepseek_v3")
+    prompt = list(range(100, 180))
+    with Engine(
+        model=str(path),
+        max_total_tokens=256,
+        chunked_prefill_size=32,
+        dtype="float32",
+        page_size=16,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "store"),
+    ) as eng:
+        eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="a")
+        assert eng.flush_cache()
+        other = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="b")
+        same = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="a")
+        eng.check_memory()
+    assert other["meta_info"]["cached_tokens"] == 0
+    assert same["meta_info"]["cached_tokens"] >= 64
+    assert other["output_ids"] == same["output_ids"] == hf_greedy(model, prompt, NEW_TOKENS)

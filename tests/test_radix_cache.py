@@ -205,3 +205,24 @@ def test_match_length_agrees_with_match_prefix_without_changing_the_tree(inserte
     length, _ = cache.match_length(probe)
     assert cache.num_nodes() == nodes_before
     assert length == len(cache.match_prefix(probe)[0])
+
+
+def test_salts_keep_runs_apart_and_their_hashes_too():
+    from radixserve.mem.radix_cache import RadixCache
+
+    freed = []
+    cache = RadixCache(page_size=2, free_slots=freed.extend, record_events=True)
+    key = [1, 2, 3, 4]
+    assert cache.insert(key, [10, 11, 12, 13]) == 0
+    assert cache.insert(key, [20, 21, 22, 23], salt="a") == 0  # not shared with the unsalted
+    assert cache.insert(key, [30, 31, 32, 33], salt="b") == 0
+    assert cache.match_prefix(key)[0] == [10, 11, 12, 13]
+    assert cache.match_prefix(key, "a")[0] == [20, 21, 22, 23]
+    assert cache.match_prefix(key, "zzz")[0] == []
+    assert cache.match_length(key, "b")[0] == 4 and cache.match_length(key, "zzz")[0] == 0
+    stored = [e for e in cache.take_events() if type(e).__name__ == "BlockStored"]
+    assert len({tuple(e.block_hashes) for e in stored}) == 3  # the salt heads each chain
+    assert cache.total_size() == 12
+    cache.evict(12)
+    assert cache.total_size() == 0 and cache.num_nodes() == 1  # emptied namespaces go too
+    assert sorted(freed) == sorted([10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33])

@@ -473,3 +473,29 @@ def test_streamed_completion_starts_with_its_first_token(client):
 def test_models_carry_root_parent_and_length(client):
     entry = client.get("/v1/models").json()["data"][0]
     assert entry["root"] and entry["parent"] is None and entry["max_model_len"] > 0
+
+
+def test_cache_salts_never_share_a_prefix(client):
+    """The same prompt under two salts (and none) is computed once per salt; the tokens agree."""
+    prompt = "Tenant isolation check: " + LONG[:400]
+
+    def run(salt=None, route="/generate"):
+        if route == "/generate":
+            body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+            out = client.post(route, json=body | ({"cache_salt": salt} if salt else {})).json()
+            return out["meta_info"]["cached_tokens"], out["text"]
+        body = {"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        out = client.post(route, json=body | ({"cache_salt": salt} if salt else {})).json()
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["text"]
+
+    first_a, text = run("tenant-a")
+    again_a, text_a = run("tenant-a")
+    first_b, text_b = run("tenant-b", "/v1/completions")
+    unsalted, plain = run()
+    assert first_a == 0 and again_a > 50
+    assert first_b == 0 and unsalted == 0
+    assert text == text_a == text_b == plain
+    assert run("tenant-b", "/v1/completions")[0] > 50
+    for bad in ["", "x" * 300, 7]:
+        r = client.post("/generate", json={"text": "hi", "cache_salt": bad})
+        assert r.status_code in (400, 422) and "cache_salt" in r.text, r.text

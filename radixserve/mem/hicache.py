@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..kv_events import chain_hashes
+from ..kv_events import chain_hashes, salted_parent
 from .hicache_storage import FileStore, TierStats
 from .kv_pool import KVPool, _zeros
 
@@ -138,11 +138,11 @@ class HiCache:
         tensors = (*self.host.k, *self.host.v)
         return sum(self.block * t[0].numel() * t.element_size() for t in tensors)
 
-    def backup(self, tokens: list[int], slots: list[int]) -> None:
+    def backup(self, tokens: list[int], slots: list[int], salt: str | None = None) -> None:
         """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks, all in
-        one gather per layer."""
+        one gather per layer. A `salt` keys its blocks apart from everyone else's."""
         new: list[tuple[int, int, int]] = []  # (block index, hash, host block number)
-        for i, h in enumerate(chain_hashes(tokens, self.block, self.seed)):
+        for i, h in enumerate(self.hashes(tokens, salt)):
             if h in self.host.index:
                 self.host.index.move_to_end(h)
                 continue
@@ -176,12 +176,16 @@ class HiCache:
                     )
 
     def load(
-        self, tokens: list[int], cached: int, alloc: Callable[[int], list[int] | None]
+        self,
+        tokens: list[int],
+        cached: int,
+        alloc: Callable[[int], list[int] | None],
+        salt: str | None = None,
     ) -> list[int]:
         """Device slots holding `tokens[cached:cached + n]`, loaded from L2/L3 for the longest
         run of consecutive blocks found there (n = 0 when none is)."""
         started = time.monotonic()
-        hashes = chain_hashes(tokens, self.block, self.seed)
+        hashes = self.hashes(tokens, salt)
         found: list[tuple[int, int]] = []  # (block index, host block number), consecutive
         for i in range(cached // self.block, len(hashes)):
             if len(found) >= self.host.capacity:  # a longer run would evict its own first blocks
@@ -256,9 +260,13 @@ class HiCache:
         for tensor, part in zip(tensors, data.split(sizes)):
             tensor.index_copy_(0, rows, part.view(self.block, *tensor.shape[1:]))
 
-    def tiers_of(self, tokens: list[int]) -> list[str]:
+    def hashes(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        """The chained block hashes the tiers key `tokens` by (a salt heads the chain)."""
+        return chain_hashes(tokens, self.block, salted_parent(self.seed, salt))
+
+    def tiers_of(self, tokens: list[int], salt: str | None = None) -> list[str]:
         """The tiers below the device holding every whole block of `tokens`."""
-        hashes = chain_hashes(tokens, self.block, self.seed)
+        hashes = self.hashes(tokens, salt)
         if not hashes:
             return []
         tiers = ["host"] if all(h in self.host.index for h in hashes) else []

@@ -8,6 +8,10 @@ Contract: the slots returned by `match_prefix` stay valid only while the returne
 node is locked (`inc_lock_ref`); an unlocked leaf may be evicted at any time and
 its slots handed back to the allocator through `free_slots`.
 
+A `salt` (a request's `cache_salt`) puts a run in its own namespace: an empty node under the
+root, so runs of different salts never share a node, and the salt's hash heads their chained
+block hashes (KV events).
+
 Eviction policies (names as in SGLang) order the unlocked leaves to evict first:
 `lru` the least recently used; `lfu` the fewest hits, then least recent; `slru` (segmented
 LRU) the leaves never hit since they were inserted, least recent first, before any leaf hit
@@ -22,7 +26,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, chain_hashes
+from ..kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    chain_hashes,
+    salt_hash,
+)
 
 
 @dataclass(eq=False)
@@ -35,6 +46,7 @@ class TreeNode:
     last_access: float = 0.0
     hit_count: int = 0
     block_hashes: list[int] = field(default_factory=list)  # one per page, with KV events on
+    salt: str | None = None  # set on a namespace node only (see RadixCache)
 
 
 EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
@@ -106,12 +118,13 @@ class RadixCache:
     def num_nodes(self) -> int:
         return self._num_nodes
 
-    def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, key: list[int], salt: str | None = None) -> tuple[list[int], TreeNode]:
         """Longest cached, page-aligned prefix of `key`: (its slots, its last node)."""
-        if self.disable:
+        start = self._start(salt)
+        if self.disable or start is None:
             return [], self.root
         key = key[: len(key) - len(key) % self.page_size]
-        node, slots = self.root, []
+        node, slots = start, []
         self._touch(node)
         while key:
             child = node.children.get(self._edge(key))
@@ -125,12 +138,13 @@ class RadixCache:
             node, key = child, key[n:]
         return slots, node
 
-    def match_length(self, key: list[int]) -> tuple[int, TreeNode]:
+    def match_length(self, key: list[int], salt: str | None = None) -> tuple[int, TreeNode]:
         """Length of the cached prefix of `key` and the deepest node it reaches, without
         splitting nodes or touching their LRU clocks (for ordering the queue)."""
-        if self.disable:
+        start = self._start(salt)
+        if self.disable or start is None:
             return 0, self.root
-        node, matched = self.root, 0
+        node, matched = start, 0
         while matched < len(key):
             child = node.children.get(self._edge(key[matched:]))
             if child is None:
@@ -143,7 +157,7 @@ class RadixCache:
         return matched - matched % self.page_size, node
 
     # ---- updates -------------------------------------------------------
-    def insert(self, key: list[int], value: list[int]) -> int:
+    def insert(self, key: list[int], value: list[int], salt: str | None = None) -> int:
         """Insert a page-aligned run; returns how many leading tokens were already cached.
 
         The caller owns `value[:returned]` still (they duplicate cached slots) and
@@ -152,7 +166,7 @@ class RadixCache:
         if self.disable:
             return len(key)
         assert len(key) == len(value) and len(key) % self.page_size == 0
-        node, done = self.root, 0
+        node, done = self._start(salt, create=bool(key)), 0
         self._touch(node)
         while done < len(key):
             rest = key[done:]
@@ -202,14 +216,24 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)[2]
-            if self.on_evict is not None:
+            if self.on_evict is not None and leaf.salt is None:
                 self.on_evict(leaf)
             self.free_slots(leaf.value)
             freed += len(leaf.key)
             parent = self._remove_leaf(leaf)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent is self.root or parent.children or parent.lock_ref:
+                continue
+            if parent.salt is not None:
+                self._remove_leaf(parent)  # an emptied namespace holds nothing: gone at once
+            else:
                 heapq.heappush(leaves, (self.priority(parent), next(order), parent))
         return freed
+
+    def salt_of(self, node: TreeNode) -> str | None:
+        """The namespace `node` lies in (None: the shared one)."""
+        while node.parent is not None and node.parent is not self.root:
+            node = node.parent
+        return node.salt
 
     def path_of(self, node: TreeNode) -> tuple[list[int], list[int]]:
         """The tokens and slots from the root down to `node`."""
@@ -224,7 +248,7 @@ class RadixCache:
         """Cached paths that earned the most (hits x length), then the biggest leaves."""
         paths, now = [], self.clock()
         for node in self._nodes():
-            if node is self.root or (node.children and not node.hit_count):
+            if node is self.root or node.salt is not None or (node.children and not node.hit_count):
                 continue
             tokens, up = [], node
             while up is not self.root:
@@ -239,6 +263,19 @@ class RadixCache:
         return paths[:limit]
 
     # ---- internals -----------------------------------------------------
+    def _start(self, salt: str | None, create: bool = False) -> TreeNode | None:
+        """Where a run of `salt` starts: the root, or the salt's namespace node (None when it
+        has none and `create` is off)."""
+        if salt is None:
+            return self.root
+        edge = ("salt", salt)
+        node = self.root.children.get(edge)
+        if node is None and create:
+            node = TreeNode(parent=self.root, salt=salt, block_hashes=[salt_hash(salt)])
+            self.root.children[edge] = node
+            self._num_nodes += 1
+        return node
+
     def _touch(self, node: TreeNode) -> None:
         node.last_access = self.clock()
 
@@ -283,18 +320,24 @@ class RadixCache:
         self._num_nodes += 1
 
     def _record_stored(self, leaf: TreeNode) -> None:
-        parent_hash = leaf.parent.block_hashes[-1] if leaf.parent.block_hashes else None
-        leaf.block_hashes.extend(
-            chain_hashes(leaf.key, self.page_size, parent_hash)
-        )  # keys are whole pages
+        """A salted run's first blocks chain from the salt's hash, published without a parent
+        (no block of that hash was ever stored), as vLLM publishes a salted first block."""
+        parent = leaf.parent
+        chain_from = parent.block_hashes[-1] if parent.block_hashes else None
+        leaf.block_hashes.extend(chain_hashes(leaf.key, self.page_size, chain_from))
+        published = None if parent.salt is not None else chain_from
         self.events.append(
-            BlockStored(list(leaf.block_hashes), parent_hash, list(leaf.key), self.page_size)
+            BlockStored(list(leaf.block_hashes), published, list(leaf.key), self.page_size)
         )
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+        parent = leaf.parent
+        if leaf.salt is not None:  # an emptied namespace: it stored no block
+            del parent.children[("salt", leaf.salt)]
+            self._num_nodes -= 1
+            return parent
         if self.events is not None:
             self.events.append(BlockRemoved(list(leaf.block_hashes)))
-        parent = leaf.parent
         del parent.children[self._edge(leaf.key)]
         self._evictable -= len(leaf.key)
         self._num_nodes -= 1

@@ -87,7 +87,7 @@ class Admission:
             return
         shared = RadixCache(self.kv.page_size)  # prompt parts computed now: later sharers wait
         for req in prefilling:
-            self._mark_shared(shared, req.fill_ids[req.cached_len :])
+            self._mark_shared(shared, req, req.fill_ids[req.cached_len :])
         reserved = self.retraction.reserved_decode_slots()
         ratio = self.retraction.new_token_ratio
         admitted = (
@@ -98,7 +98,7 @@ class Admission:
                 break
             slots, node = self.kv.match(req)
             uncached = req.fill_ids[len(slots) :]
-            if self._share_later(shared, uncached, batch_started):
+            if self._share_later(shared, req, uncached, batch_started):
                 continue
             n = min(len(uncached), self.args.chunked_prefill_size, budget)
             if admitted and admitted + n > self.admit_limit:
@@ -115,7 +115,7 @@ class Admission:
                     raise OutOfMemory(req, self.kv.allocator.available())
                 self.retraction.retract(req)
                 break
-            self._mark_shared(shared, uncached)
+            self._mark_shared(shared, req, uncached)
             reserved += growth
             budget -= n
             admitted += n
@@ -131,15 +131,17 @@ class Admission:
             self.metrics.admitted(req, len(slots))
         self.running.append(req)
 
-    def _mark_shared(self, shared: RadixCache, tokens: list[int]) -> None:
+    def _mark_shared(self, shared: RadixCache, req: Req, tokens: list[int]) -> None:
         aligned = len(tokens) - len(tokens) % self.kv.page_size
-        shared.insert(tokens[:aligned], [0] * aligned)
+        shared.insert(tokens[:aligned], [0] * aligned, req.cache_salt)
 
-    def _share_later(self, shared: RadixCache, uncached: list[int], batch_started: bool) -> bool:
+    def _share_later(
+        self, shared: RadixCache, req: Req, uncached: list[int], batch_started: bool
+    ) -> bool:
         """Defer a request whose uncached part starts like one being computed (admitted in this
         batch, or a chunked prompt still in progress): once that is cached, it finds the prefix
         there instead of computing it twice."""
         if self.kv.cache.disable or not batch_started:
             return False
-        matched = len(shared.match_prefix(uncached)[0])
+        matched = len(shared.match_prefix(uncached, req.cache_salt)[0])
         return matched >= min(IN_BATCH_SHARE_MIN, len(uncached) - 1) and matched > 0

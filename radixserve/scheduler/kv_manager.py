@@ -53,31 +53,31 @@ class KVManager:
     def match(self, req: Req) -> tuple[list[int], TreeNode]:
         """The request's longest cached prefix, extended from the tiers when they hold more."""
         prefix = req.fill_ids[: req.max_prefix_len()]
-        slots, node = self.cache.match_prefix(prefix)
+        slots, node = self.cache.match_prefix(prefix, req.cache_salt)
         if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
-            slots, node = self._load_from_tiers(prefix, slots, node)
+            slots, node = self._load_from_tiers(prefix, slots, node, req.cache_salt)
         return slots, node
 
     def match_length(self, req: Req) -> tuple[int, TreeNode]:
         """(cached prefix length, deepest node) without changing the tree."""
-        return self.cache.match_length(req.fill_ids[: req.max_prefix_len()])
+        return self.cache.match_length(req.fill_ids[: req.max_prefix_len()], req.cache_salt)
 
     def _load_from_tiers(
-        self, prefix: list[int], slots: list[int], node: TreeNode
+        self, prefix: list[int], slots: list[int], node: TreeNode, salt: str | None
     ) -> tuple[list[int], TreeNode]:
         """Extend a device match with blocks from the host and storage tiers: they get device
         slots (the match stays locked meanwhile) and join the tree like computed KV."""
         self.cache.inc_lock_ref(node)
         try:
-            loaded = self.hicache.load(prefix, len(slots), self._alloc_for_load)
+            loaded = self.hicache.load(prefix, len(slots), self._alloc_for_load, salt)
         finally:
             self.cache.dec_lock_ref(node)
         if not loaded:
             return slots, node
         key = prefix[: len(slots) + len(loaded)]
-        already = self.cache.insert(key, slots + loaded)
+        already = self.cache.insert(key, slots + loaded, salt)
         self.allocator.free(loaded[: max(already - len(slots), 0)])
-        return self.cache.match_prefix(key)
+        return self.cache.match_prefix(key, salt)
 
     def _alloc_for_load(self, n: int) -> list[int] | None:
         pages = self.allocator.pages_needed(0, n)
@@ -87,16 +87,18 @@ class KVManager:
 
     def _back_up_leaf(self, leaf: TreeNode) -> None:
         tokens, slots = self.cache.path_of(leaf)
-        self.hicache.backup(tokens, slots)
+        self.hicache.backup(tokens, slots, self.cache.salt_of(leaf))
 
-    def _back_up_prefix(self, tokens: list[int], slots: list[int], node: TreeNode) -> None:
+    def _back_up_prefix(
+        self, tokens: list[int], slots: list[int], node: TreeNode, salt: str | None
+    ) -> None:
         """write_through backs up every cached prefix; write_through_selective only those hit
         more than once."""
         policy = self.write_policy
         if policy == "write_through" or (
             policy == "write_through_selective" and node.hit_count >= 2
         ):
-            self.hicache.backup(tokens, slots)
+            self.hicache.backup(tokens, slots, salt)
 
     # ---- a request's memory --------------------------------------------------
     def attach(self, req: Req, slots: list[int], node: TreeNode) -> None:
@@ -107,7 +109,7 @@ class KVManager:
             req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
         self.cache.record_hit(node)
         if self.hicache is not None and slots:
-            self._back_up_prefix(req.fill_ids[: len(slots)], slots, node)
+            self._back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
 
     def make_room(self, pages: int) -> bool:
         """Evict cached prefixes until `pages` more pages can be allocated, if possible."""
@@ -143,17 +145,17 @@ class KVManager:
         if self.cache.disable or aligned <= req.cached_len:
             return
         key = req.fill_ids[:aligned]
-        already = self.cache.insert(key, req.kv_slots[:aligned])
+        already = self.cache.insert(key, req.kv_slots[:aligned], req.cache_salt)
         if already > req.cached_len:
             self.allocator.free(req.kv_slots[req.cached_len : already])
             req.synced = min(req.synced, req.cached_len)
-        slots, node = self.cache.match_prefix(key)
+        slots, node = self.cache.match_prefix(key, req.cache_salt)
         self.cache.inc_lock_ref(node)
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
         if self.hicache is not None:
-            self._back_up_prefix(key, slots, node)
+            self._back_up_prefix(key, slots, node, req.cache_salt)
 
     def release(self, req: Req) -> None:
         """Give back all the request holds: KV to the tree or allocator, its lock, its row."""

@@ -23,6 +23,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # higher is admitted first and retracted last (priority scheduling)
+    cache_salt: str | None = None  # its KV is shared only with requests of the same salt
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.

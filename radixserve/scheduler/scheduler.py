@@ -94,6 +94,7 @@ class Scheduler:
             msg.logprob_start_len,
             msg.top_logprobs_num,
             priority=msg.priority,
+            cache_salt=msg.cache_salt,
         )
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None or self.model_drafter is not None:

@@ -154,6 +154,7 @@ async def build_generate(
             tops[i],
             priority=body.priority,
             max_tokens_field="max_new_tokens" if explicit else None,
+            cache_salt=body.cache_salt,
         )
         reqs += tm.expand_n(req)
     return reqs, single and len(reqs) == 1

@@ -170,6 +170,7 @@ def _requests(
             top_logprobs_num=logprobs or 0,
             priority=body.priority,
             max_tokens_field=length_field if explicit else None,
+            cache_salt=body.cache_salt,
         )
         reqs += tm.expand_n(req)
     return reqs

@@ -76,6 +76,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | None = None  # with --enable-priority-scheduling: higher runs first
+    cache_salt: str | None = None  # requests of different salts never share cached KV
 
 
 class AbortRequest(BaseModel):
@@ -135,6 +136,7 @@ class _OpenAIBase(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
     priority: int | None = None  # with --enable-priority-scheduling: higher runs first
+    cache_salt: str | None = None  # requests of different salts never share cached KV
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

@@ -16,7 +16,7 @@ from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
-from ..validation import check_generate, check_output_room, check_priority
+from ..validation import check_cache_salt, check_generate, check_output_room, check_priority
 from .http import RequestError
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class TokenizerManager:
         top_logprobs_num: int = 0,
         priority: int | None = None,
         max_tokens_field: str | None = None,
+        cache_salt: str | None = None,
     ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input. `max_tokens_field` names
         the field when the output length was given explicitly (then it must fit the context)."""
@@ -109,9 +110,11 @@ class TokenizerManager:
             logprob_start_len,
             top_logprobs_num,
             priority=priority or 0,
+            cache_salt=cache_salt,
         )
         try:
             check_priority(priority, self.priority_scheduling)
+            check_cache_salt(cache_salt)
             check_generate(req, self.info)
             if max_tokens_field is not None:
                 check_output_room(len(input_ids), sp.max_new_tokens, self.info, max_tokens_field)
