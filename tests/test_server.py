@@ -499,3 +499,10 @@ def test_cache_salts_never_share_a_prefix(client):
     for bad in ["", "x" * 300, 7]:
         r = client.post("/generate", json={"text": "hi", "cache_salt": bad})
         assert r.status_code in (400, 422) and "cache_salt" in r.text, r.text
+
+
+def test_server_info_lists_the_routes(client):
+    routes = client.get("/get_server_info").json()["routes"]
+    for route in ["POST /generate", "POST /v1/chat/completions", "GET /v1/models"]:
+        assert route in routes
+    assert not [r for r in routes if r.endswith("/docs")]  # documentation pages are not routes

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import ServerArgs
@@ -208,7 +209,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
         }
 
     @app.get("/get_server_info")
-    async def server_info():
+    async def server_info(request: Request):
         stats = await tm.control("stats")
         return json_response(
             {
@@ -218,6 +219,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
                 "stats": stats,
                 "uptime_s": time.time() - health.started,
                 "processes": health.processes,
+                "routes": served_routes(request.app),
             }
         )
 
@@ -285,3 +287,13 @@ def server_args_dict(args: ServerArgs) -> dict:
     data = {k: v for k, v in vars(args).items() if k not in ("engine", "api_key")}
     data.update(vars(args.engine))
     return data
+
+
+def served_routes(app: FastAPI) -> list[str]:
+    """`METHOD /path` of every route this server answers (the docs' routes left out)."""
+    return sorted(
+        f"{method} {route.path}"
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.include_in_schema
+        for method in route.methods
+    )
