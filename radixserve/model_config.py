@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 
+def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """A rope entry's scaling (its settings but the base), None for plain rope."""
+    if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What every part of the server reads about a model: its shape, its KV layout, its stop
@@ -61,10 +68,7 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type not in (None, "default"):
-            scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
+        scaling = rope_scaling_of(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
@@ -83,7 +87,7 @@ class ModelConfig:
             ),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=scaling,
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", False) or cfg.get("model_type") == "qwen2",

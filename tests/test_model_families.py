@@ -250,12 +250,9 @@ def test_serve_refuses_a_broken_checkpoint_in_one_line(tmp_path):
     assert lines == [f"radixserve: checkpoint is missing tensors: {missing}"]
 
 
-def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
-    """MLA's pool holds latents (no values): HiCache backs them up, writes them to its files and
-    loads them back after the device cache is flushed, with the same greedy tokens."""
-    model, path = build_checkpoint(tmp_path, "deepseek_v3")
-    prompt = list(range(100, 180))
-    with Engine(
+def tiered_engine(path, store) -> Engine:
+    """A small pool over the host tier and a file tier in `store`."""
+    return Engine(
         model=str(path),
         max_total_tokens=256,
         chunked_prefill_size=32,
@@ -263,8 +260,16 @@ def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
         page_size=16,
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
-        hicache_storage_dir=str(tmp_path / "store"),
-    ) as eng:
+        hicache_storage_dir=str(store),
+    )
+
+
+def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
+    """MLA's pool holds latents (no values): HiCache backs them up, writes them to its files and
+    loads them back after the device cache is flushed, with the same greedy tokens."""
+    model, path = build_checkpoint(tmp_path, "deepseek_v3")
+    prompt = list(range(100, 180))
+    with tiered_engine(path, tmp_path / "store") as eng:
         first = eng.generate(input_ids=prompt, sampling_params=GREEDY)
         assert eng.flush_cache()
         again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -278,16 +283,7 @@ def test_salted_latents_reload_for_their_salt_only(tmp_path):
     its prefix back, another salt computes it anew."""
     model, path = build_checkpoint(tmp_path, "deepseek_v3")
     prompt = list(range(100, 180))
-    with Engine(
-        model=str(path),
-        max_total_tokens=256,
-        chunked_prefill_size=32,
-        dtype="float32",
-        page_size=16,
-        enable_hierarchical_cache=True,
-        hicache_storage_backend="file",
-        hicache_storage_dir=str(tmp_path / "store"),
-    ) as eng:
+    with tiered_engine(path, tmp_path / "store") as eng:
         eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="a")
         assert eng.flush_cache()
         other = eng.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt="b")

@@ -69,8 +69,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
             k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = ropes[self.rope]
-        q = apply_rotary(q.contiguous(), cos, sin, self.cpu_ops)
-        k = apply_rotary(k.contiguous(), cos, sin, self.cpu_ops)
+        q = apply_rotary(q, cos, sin, self.cpu_ops)
+        k = apply_rotary(k, cos, sin, self.cpu_ops)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = self.o_proj(backend.forward(self.layer, q, k, v, self.how))
         return self.tp.all_reduce(out)

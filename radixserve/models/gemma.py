@@ -12,7 +12,7 @@ from torch import nn
 from ..attention import LayerAttention
 from ..distributed import TPGroup
 from ..layers import RMSNorm, RotaryEmbedding, SwiGLU
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, rope_scaling_of
 from .decoder import Attention, CausalLM
 
 GemmaNorm = partial(RMSNorm, weight_offset=1.0)
@@ -103,6 +103,5 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 def _rotary(head_dim: int, max_positions: int, rope: dict, theta: float) -> RotaryEmbedding:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return RotaryEmbedding(head_dim, max_positions, float(rope.get("rope_theta", theta)), scaling)
+    theta = float(rope.get("rope_theta", theta))
+    return RotaryEmbedding(head_dim, max_positions, theta, rope_scaling_of(rope))

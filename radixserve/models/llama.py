@@ -88,10 +88,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().load_weights(self._split_fused(weights))
 
     def _split_fused(self, weights):
-        cfg = self._qkv_rows()
+        rows = self._qkv_rows()
         for name, tensor in weights:
             if name.endswith("qkv_proj.weight"):
-                for part, piece in zip(("q", "k", "v"), tensor.split(cfg, dim=0)):
+                for part, piece in zip(("q", "k", "v"), tensor.split(rows, dim=0)):
                     yield name.replace("qkv_proj", f"{part}_proj"), piece
             elif name.endswith("gate_up_proj.weight"):
                 gate, up = tensor.chunk(2, dim=0)
@@ -101,12 +101,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
     def _qkv_rows(self) -> list[int]:
-        """q, k and v rows of the unsharded checkpoint."""
-        hf = self.hf
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        kv = hf.get("num_key_value_heads") or heads
-        return [heads * head_dim, kv * head_dim, kv * head_dim]
+        """q, k and v rows of the unsharded checkpoint (`cfg` is this rank's share)."""
+        cfg, ranks = self.cfg, self.tp.size
+        return [cfg.q_size * ranks, cfg.kv_size * ranks, cfg.kv_size * ranks]
 
 
 class Qwen3ForCausalLM(CausalLM):
