@@ -18,6 +18,7 @@ from ..config import ServerArgs
 from ..ipc import Heartbeat
 from ..messages import GenerateReq
 from ..tokenizer import chat_roles
+from .anthropic_api import anthropic_routes
 from .http import (
     RequestError,
     auth_dependency,
@@ -29,8 +30,9 @@ from .http import (
     sse,
 )
 from .metrics import Metrics
-from .openai_api import openai_routes, served_name
+from .openai_api import ChatSetup, openai_routes, served_name
 from .protocol import AbortRequest, GenerateRequest
+from .responses_api import responses_routes
 from .tokenizer_manager import TokenizerManager
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
@@ -70,7 +72,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     app.state.tm, app.state.args, app.state.health = tm, server_args, health
     install_error_handlers(app)
     _native_routes(app, tm, server_args, health)
-    openai_routes(app, tm, server_args)
+    setup = ChatSetup.of(tm, server_args)
+    openai_routes(app, tm, server_args, setup)
+    responses_routes(app, tm, setup)
+    anthropic_routes(app, tm, setup)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
     _docs_routes(app)

@@ -3,7 +3,7 @@ JSON and server-sent-event responses, the API key and origin check."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import orjson
@@ -108,6 +108,28 @@ def sse(chunks: AsyncIterator[Any]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def sse_events(
+    events: AsyncIterator[dict], error_event: Callable[[str, int], dict]
+) -> StreamingResponse:
+    """Server-sent events named by each event's `type` (the Responses and Anthropic streams,
+    which end without `[DONE]`); a request that fails mid-stream ends with `error_event`'s."""
+
+    async def body():
+        try:
+            async for event in events:
+                yield _named_event(event)
+        except RequestError as exc:
+            yield _named_event(error_event(str(exc), exc.status))
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _named_event(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError):
@@ -134,7 +156,10 @@ def auth_dependency(api_key: str | None):
             raise RequestError(f"cross-origin requests are refused (Origin {origin!r})", 403)
         if not api_key or request.url.path in OPEN_PATHS or request.method == "OPTIONS":
             return
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+        bearer = request.headers.get("authorization", "") == f"Bearer {api_key}"
+        if not bearer and request.headers.get("x-api-key") != api_key:  # Anthropic's header
+            raise RequestError(
+                "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key')", 401
+            )
 
     return check_key

@@ -296,7 +296,7 @@ class ChatAdapter(_Adapter):
             )
         if state.finished:
             finish = "tool_calls" if i in self.called else _finish_reason(state)
-            chunks.append(self.delta_chunk_of(i, {}, finish))
+            chunks.append(self.delta_chunk_of(i, {}, finish, _matched_stop(state)))
         return chunks
 
     def chat_logprobs(self, state: RequestState) -> dict | None:
@@ -340,13 +340,17 @@ class ChatAdapter(_Adapter):
             i,
             {"content": delta} if delta else {},
             _finish_reason(state) if state.finished else None,
+            _matched_stop(state),
         )
 
-    def delta_chunk_of(self, i: int, delta: dict, finish: str | None = None) -> dict:
-        return self.envelope(
-            [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            self.chunk_object,
-        )
+    def delta_chunk_of(
+        self, i: int, delta: dict, finish: str | None = None, matched: int | str | None = None
+    ) -> dict:
+        """A chunk of choice `i`; the last (with `finish`) also names the stop it matched."""
+        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["matched_stop"] = matched
+        return self.envelope([choice], self.chunk_object)
 
 
 def _tool_call_json(call: ToolCall) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,7 +12,7 @@ from fastapi import FastAPI, Request
 from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
-from ..reasoning import detect_reasoning, make_reasoning_parser
+from ..reasoning import ReasoningParser, detect_reasoning, make_reasoning_parser
 from ..tool_calls import (
     JsonCallsParser,
     calls_schema,
@@ -27,7 +28,7 @@ from .tokenizer_manager import TokenizerManager
 DEFAULT_COMPLETION_TOKENS = 16
 
 
-def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
+def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, setup: "ChatSetup") -> None:
     @app.get("/v1/models")
     async def models():
         return {
@@ -69,58 +70,82 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
         return json_response(adapter.response(states))
 
-    template = getattr(tm.tokenizer, "chat_template", None)
-    tool_parser, unparsed_tools = args.tool_call_parser, None
-    if tool_parser is None:
-        try:
-            tool_parser = detect_parser(template)
-        except ValueError as exc:  # constrained calls still work; free ones are refused
-            unparsed_tools = str(exc)
-    reasoning_parser = make_reasoning_parser(args.reasoning_parser or detect_reasoning(template))
-
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
-        functions = body.offered_functions()
-        prompt = tm.chat_prompt(
-            [m.template_dict() for m in body.messages],
-            body.template_functions() or None,
-            **body.template_options(),
-        )
-        length_field = "max_tokens"
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens, length_field = body.max_completion_tokens, "max_completion_tokens"
-        params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
-        forced = body.forced_functions()
-        if functions and not forced and tool_parser is None:
-            raise RequestError(unparsed_tools)
-        parser = (JsonCallsParser() if forced else make_parser(tool_parser)) if functions else None
-        if forced:
-            if any(key in params for key in GRAMMAR_KEYS):
-                raise RequestError(
-                    "tool_choice 'required' or a named function cannot be combined with "
-                    "response_format, regex or ebnf"
-                )
-            named = body.tool_choice != "required"  # a named function: exactly one call
-            params["json_schema"] = calls_schema(forced, body.parallel_tool_calls and not named)
-        elif functions and not any(key in params for key in GRAMMAR_KEYS):
-            tag = calls_structural_tag(parser, functions, body.parallel_tool_calls)
-            if tag is not None:  # auto: free text, or calls that validate
-                params["structural_tag"] = tag
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_ids = [await tm.tokenize_async(prompt)]
-        reqs = _requests(tm, prompt_ids, params, body, logprobs=top, length_field=length_field)
-        adapter = ChatAdapter(
-            tm,
-            served_name(tm, args),
-            body,
-            parser,
-            reasoning_parser if body.separate_reasoning else None,
-        )
+        reqs, adapter = await start_chat(tm, setup, body)
         if body.stream:
             return sse(adapter.stream(reqs))
         states = await asyncio.gather(*[tm.run_to_end(r, request.is_disconnected) for r in reqs])
         return json_response(adapter.response(states))
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """What every chat-shaped route (chat completions, Responses, Anthropic Messages) shares:
+    the served name and the tool-call and reasoning parsers the chat template picks."""
+
+    model: str
+    tool_parser: str | None
+    unparsed_tools: str | None  # why free tool calls are refused (no parser for the template)
+    reasoning_parser: ReasoningParser | None
+
+    @classmethod
+    def of(cls, tm: TokenizerManager, args: ServerArgs) -> "ChatSetup":
+        template = getattr(tm.tokenizer, "chat_template", None)
+        tool_parser, unparsed = args.tool_call_parser, None
+        if tool_parser is None:
+            try:
+                tool_parser = detect_parser(template)
+            except ValueError as exc:  # constrained calls still work; free ones are refused
+                unparsed = str(exc)
+        reasoning = make_reasoning_parser(args.reasoning_parser or detect_reasoning(template))
+        return cls(served_name(tm, args), tool_parser, unparsed, reasoning)
+
+
+async def start_chat(
+    tm: TokenizerManager, setup: ChatSetup, body: ChatCompletionRequest
+) -> tuple[list[GenerateReq], ChatAdapter]:
+    """The scheduler requests of a chat body and the adapter that turns their states into
+    chat completions: the prompt from the template, tools constrained or parsed."""
+    functions = body.offered_functions()
+    prompt_ids = await chat_prompt_ids(tm, body)
+    length_field = "max_tokens"
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens, length_field = body.max_completion_tokens, "max_completion_tokens"
+    params = body.sampling_params(default_max_tokens=tm.info.max_context_len)
+    forced = body.forced_functions()
+    if functions and not forced and setup.tool_parser is None:
+        raise RequestError(setup.unparsed_tools)
+    parser = (
+        (JsonCallsParser() if forced else make_parser(setup.tool_parser)) if functions else None
+    )
+    if forced:
+        if any(key in params for key in GRAMMAR_KEYS):
+            raise RequestError(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format, regex or ebnf"
+            )
+        named = body.tool_choice != "required"  # a named function: exactly one call
+        params["json_schema"] = calls_schema(forced, body.parallel_tool_calls and not named)
+    elif functions and not any(key in params for key in GRAMMAR_KEYS):
+        tag = calls_structural_tag(parser, functions, body.parallel_tool_calls)
+        if tag is not None:  # auto: free text, or calls that validate
+            params["structural_tag"] = tag
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    reqs = _requests(tm, [prompt_ids], params, body, logprobs=top, length_field=length_field)
+    reasoning = setup.reasoning_parser if body.separate_reasoning else None
+    return reqs, ChatAdapter(tm, setup.model, body, parser, reasoning)
+
+
+async def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest) -> list[int]:
+    """The prompt a chat body renders to, through the model's chat template."""
+    prompt = tm.chat_prompt(
+        [m.template_dict() for m in body.messages],
+        body.template_functions() or None,
+        **body.template_options(),
+    )
+    return await tm.tokenize_async(prompt)
 
 
 async def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
