@@ -135,6 +135,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call("flush")
 
+    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> int:
+        """Serve the checkpoint at `model_path` from the next step on (Scheduler.update_weights);
+        returns how many in-flight requests were ended or retracted."""
+        return self._call("update_weights", model_path, abort_all_requests)
+
     def get_stats(self):
         return self._call("stats")
 
@@ -319,6 +324,8 @@ class Engine:
             return self.scheduler.snapshot()
         if kind == "check":
             return self.scheduler.check_memory()
+        if kind == "update_weights":
+            return self.scheduler.update_weights(*args)
         raise ValueError(kind)
 
     def _deliver(self, outputs: list[ReqOutput]) -> None:

@@ -272,6 +272,7 @@ class ControlReq:
     kind: str
     token: str
     arg: int = 0
+    text: str = ""  # a path or a mode, for the controls that take one
 
 
 @dataclass

@@ -34,6 +34,10 @@ class ReplicaCache:
         return len(slots)
 
     def finish(self, key, units: tuple[int, ...]) -> None:
+        """A request admitted before this cache was made (before a weight update's flush) is
+        not known here and changes nothing."""
+        if key not in self.locked:
+            return
         self._store(key, units)
         self.cache.dec_lock_ref(self.locked.pop(key))
 

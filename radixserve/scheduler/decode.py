@@ -63,7 +63,7 @@ class Retraction:
             key=lambda r: (r.priority, len(r.kv_slots) - r.cached_len, -len(r.input_ids)),
         )
 
-    def retract(self, req: Req) -> None:
+    def retract(self, req: Req, reason: str = "for lack of KV memory") -> None:
         """Send a running request back to the queue; its computed KV stays cached (evictable)."""
         self.kv.release(req)
         self.running.remove(req)
@@ -75,7 +75,7 @@ class Retraction:
         self.waiting.insert(0, req)
         self.stats.retractions_total += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP)
-        log.info("retracted %s (%d tokens) for lack of KV memory", req.rid, len(req.fill_ids))
+        log.info("retracted %s (%d tokens) %s", req.rid, len(req.fill_ids), reason)
 
 
 class DecodePlanner:

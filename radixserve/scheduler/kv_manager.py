@@ -7,6 +7,7 @@ rest are its own pages. Invariant (`check_memory`): free + cached + held by runn
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Protocol
 
 from ..config import EngineArgs
@@ -29,10 +30,14 @@ class Executor(Protocol):
 
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
+    def update_weights(self, model_path: str) -> None: ...
+
 
 class KVManager:
     def __init__(self, args: EngineArgs, executor: Executor):
         info = executor.info
+        self.args, self.executor = args, executor
+        self.weight_updates = 0  # weight updates since start: the tiers' blocks name them
         self.page_size = info.page_size
         self.evicted_tokens = 0  # evicted from the tree to make room, over the server's life
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
@@ -178,6 +183,15 @@ class KVManager:
         if self.hicache is not None:
             self.hicache.host.clear()
 
+    def renew(self, model_path: str) -> None:
+        """New weights: drop every cached prefix and start the tiers below afresh, their blocks
+        named for the new weights (a checkpoint rewritten in place gets new names too)."""
+        self.flush()
+        if self.hicache is not None:
+            self.weight_updates += 1
+            args = replace(self.args, model=model_path)
+            self.hicache = make_hicache(args, self.executor, self.weight_updates)
+
     def held_slots(self, running: list[Req]) -> int:
         return sum(self.allocator.held_slots(len(r.kv_slots) - r.cached_len) for r in running)
 
@@ -199,9 +213,9 @@ class KVManager:
             self.hicache.host.check()
 
 
-def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
+def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) -> HiCache:
     """The tiers under the radix tree, sized from the device pool; blocks are named for this
-    model, dtype, block size and TP layout."""
+    model (and how many times its weights were updated), dtype, block size and TP layout."""
     info, pool = executor.info, executor.pool
     if args.hicache_size > 0:
         host_tokens = int(args.hicache_size * 2**30 // info.bytes_per_token)
@@ -217,6 +231,7 @@ def make_hicache(args: EngineArgs, executor: Executor) -> HiCache:
         tuple(pool.k[0].shape[1:]),
         len(pool.k),
         args.tp_size,
+        *([weight_updates] if weight_updates else []),
     )
     storage = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
     hicache = HiCache.create(pool, info.page_size, host_tokens, identity, storage)

@@ -172,4 +172,15 @@ class SchedulerLoop:
                 return {"ok": True}
             except AssertionError as exc:
                 return {"ok": False, "error": str(exc)}
+        if msg.kind == "pause":
+            return {"success": True, "num_paused_requests": self.scheduler.pause(msg.text)}
+        if msg.kind == "resume":
+            self.scheduler.resume()
+            return {"success": True}
+        if msg.kind == "update_weights":
+            try:
+                touched = self.scheduler.update_weights(msg.text, abort_all=bool(msg.arg))
+            except (ValueError, OSError) as exc:
+                return {"success": False, "message": str(exc)}
+            return {"success": True, "message": "weights updated", "num_paused_requests": touched}
         return {"error": f"unknown control {msg.kind!r}"}

@@ -70,6 +70,7 @@ class Scheduler:
             args, info.device, self.kv, self.retraction, self.metrics, self.waiting, self.running
         )
         self.results = ResultProcessor(args, self.kv, self.metrics, eos_ids, decode_tail, grammars)
+        self.paused = False  # /pause_generation: no step runs until /continue_generation
 
     @property
     def cache(self):
@@ -126,14 +127,14 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_aborts)
+        return bool(self.pending_aborts) or (not self.paused and bool(self.waiting or self.running))
 
     def poll_timeout_s(self, idle_s: float) -> float:
         """How long the loop may block on its inbox before the next step: 0 with a step to
         run, the batching window's remainder while admission waits, `idle_s` with no work."""
         if not self.has_work():
             return idle_s
-        if self.running or self.pending_aborts:
+        if self.pending_aborts or self.running:
             return 0.0
         return self.admission.window_wait_s()
 
@@ -141,7 +142,7 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Run one forward step (if there is work) and return the outputs it produced."""
         self._apply_aborts()
-        step = self._next_step()
+        step = None if self.paused else self._next_step()
         if step is not None:
             try:
                 self._run(step)
@@ -219,6 +220,53 @@ class Scheduler:
             self.stats.aborted_total += 1
             self.results.emit(req)
         self.pending_aborts.clear()
+
+    # ---- weights and pausing (RL rollouts) ---------------------------------
+    def pause(self, mode: str) -> int:
+        """Stop running steps until `resume`. `abort` ends every request, `retract` sends the
+        running ones back to the queue (to recompute later), `in_place` leaves them as they
+        are. Returns how many requests it ended or retracted."""
+        touched = 0
+        if mode == "abort":
+            touched = self._end_all("aborted: generation was paused")
+        elif mode == "retract":
+            touched = self._retract_all()
+        self.paused = True
+        return touched
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def update_weights(self, model_path: str, abort_all: bool) -> int:
+        """Serve `model_path`'s weights from the next step on; raises ValueError (and changes
+        nothing) when they cannot replace the served ones. In-flight requests are ended
+        (`abort_all`) or retracted, to recompute their prompt and output so far with the new
+        weights; every cached prefix, on every tier, is dropped, so no KV computed with the
+        old weights is read again. Returns how many requests it ended or retracted."""
+        self.executor.update_weights(model_path)
+        touched = self._end_all("aborted: the weights were updated") if abort_all else 0
+        touched += self._retract_all()
+        self.kv.renew(model_path)
+        self.metrics.reset_cache_figures()
+        return touched
+
+    def _retract_all(self) -> int:
+        running = list(self.running)
+        for req in running:
+            self.retraction.retract(req, reason="to recompute it")
+        return len(running)
+
+    def _end_all(self, message: str) -> int:
+        reqs = self.waiting + self.running
+        for req in reqs:
+            req.finish_reason = FinishReason("abort", message=message)
+            if req in self.running:
+                self.kv.release(req)
+            self.stats.aborted_total += 1
+            self.results.emit(req)
+        self.waiting.clear()
+        self.running.clear()
+        return len(reqs)
 
     # ---- figures ---------------------------------------------------------
     def snapshot(self) -> SchedulerStats:

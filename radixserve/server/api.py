@@ -33,6 +33,7 @@ from .metrics import Metrics
 from .openai_api import ChatSetup, openai_routes, served_name
 from .protocol import AbortRequest, GenerateRequest
 from .responses_api import responses_routes
+from .rollout_api import rollout_routes
 from .tokenizer_manager import TokenizerManager
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
@@ -76,6 +77,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     openai_routes(app, tm, server_args, setup)
     responses_routes(app, tm, setup)
     anthropic_routes(app, tm, setup)
+    rollout_routes(app, tm)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
     _docs_routes(app)
@@ -171,6 +173,7 @@ def generate_result(tm: TokenizerManager, state, body: GenerateRequest, with_log
     if with_logprob:
         lps = [e[0] for e in result["meta_info"]["input_token_logprobs"] if e[0] is not None]
         result["meta_info"]["normalized_prompt_logprob"] = sum(lps) / len(lps) if lps else 0.0
+    result["meta_info"]["weight_version"] = tm.weight_version
     return result
 
 
@@ -211,6 +214,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
             "tokenizer_path": args.engine.model,
             "is_generation": True,
             "served_model_name": served_name(tm, args),
+            "weight_version": tm.weight_version,
         }
 
     @app.get("/get_server_info")

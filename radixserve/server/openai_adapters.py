@@ -59,7 +59,9 @@ class _Adapter:
 
     def response(self, states: list[RequestState]) -> dict:
         choices = [self.choice(i, s) for i, s in enumerate(states)]
-        return self.envelope(choices, self.object_name, _usage(states))
+        reply = self.envelope(choices, self.object_name, _usage(states))
+        reply["metadata"] = {"weight_version": self.tm.weight_version}  # SGLang's field
+        return reply
 
     async def stream(self, reqs: list[GenerateReq]):
         queue: asyncio.Queue = asyncio.Queue()

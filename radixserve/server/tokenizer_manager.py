@@ -52,6 +52,7 @@ class TokenizerManager:
         self.pending: dict[str, _Pending] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.observers: list[Callable[[RequestState], None]] = []
+        self.weight_version = "default"  # named by /update_weights_from_disk; in every reply
 
     async def start(self, inbox: zmq.Socket | None = None) -> None:
         """Bind sockets and start reading outputs (call inside the server's event loop)."""
@@ -206,10 +207,10 @@ class TokenizerManager:
                 RequestError(f"the server cannot finish this request: {reason}", 503)
             )
 
-    async def control(self, kind: str, arg: int = 0, timeout: float = 10.0) -> dict:
+    async def control(self, kind: str, arg: int = 0, timeout: float = 10.0, text: str = "") -> dict:
         token = uuid.uuid4().hex
         future = self.replies[token] = asyncio.get_running_loop().create_future()
-        await self.outbox.send(encode(ControlReq(kind, token, arg)))
+        await self.outbox.send(encode(ControlReq(kind, token, arg, text)))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:

@@ -15,7 +15,7 @@ from ..distributed import TPGroup
 from ..mem.kv_pool import KVPool
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from ..models.loader import build_model, with_max_context
-from ..models.source import ModelSource
+from ..models.source import ModelSource, resolve_model
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample, verify
 from .step_inputs import StepInputs
@@ -24,6 +24,19 @@ from .torch_compile import CompiledForward
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_MAX_TOKENS = 65536
+# a checkpoint that replaces the served weights must agree on these (the pool and the step
+# buffers are sized by them)
+WEIGHT_SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "latent_kv",
+)
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
@@ -126,21 +139,8 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             device=self.device,
         )
-        if (
-            self.device.type == "cpu"
-            and not args.enable_torch_compile
-            and self.model.fuse_cpu_layers(self.backend)
-        ):
-            log.info(
-                "CPU forward: the decoder layers run in one C++ call "
-                "(radixserve_kernels/cpu_decoder.cpp)"
-            )
-        self.graphs = self._capture_graphs(args, graph_cls)
-        self.compiled = (
-            CompiledForward(self.model, self.backend, self.req_to_token)
-            if args.enable_torch_compile
-            else None
-        )
+        self.args, self.graph_cls = args, graph_cls
+        self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
             ps,
@@ -153,6 +153,51 @@ class ModelRunner:
             backend,
             per_token,
         )
+
+    def _prepare_forward(self) -> None:
+        """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
+        args = self.args
+        if (
+            self.device.type == "cpu"
+            and not args.enable_torch_compile
+            and self.model.fuse_cpu_layers(self.backend)
+        ):
+            log.info(
+                "CPU forward: the decoder layers run in one C++ call "
+                "(radixserve_kernels/cpu_decoder.cpp)"
+            )
+        self.graphs = self._capture_graphs(args, self.graph_cls)
+        self.compiled = (
+            CompiledForward(self.model, self.backend, self.req_to_token)
+            if args.enable_torch_compile
+            else None
+        )
+
+    def update_weights(self, model_path: str) -> None:
+        """Serve the weights of the checkpoint at `model_path` instead. The new model is built
+        beside the old one and swapped in once it loaded: a checkpoint that fails leaves the
+        old weights serving. Raises ValueError (or FileNotFoundError) when it cannot be loaded
+        or its shape differs (the KV pool is sized for the served one)."""
+        if self.tp.size > 1:
+            raise ValueError("updating weights with --tp-size > 1 is not supported")
+        source = resolve_model(model_path)
+        for name in WEIGHT_SHAPE_FIELDS:
+            old, new = getattr(self.model.cfg, name), getattr(source.config, name)
+            if old != new:
+                raise ValueError(
+                    f"the new checkpoint's {name} is {new}; the served model's is {old}"
+                )
+        model = build_model(
+            source,
+            self.dtype,
+            self.device,
+            self.max_context_len,
+            self.args.seed,
+            self.args.quantization,
+            self.tp,
+        )
+        self.model, self.graphs, self.compiled = model, None, None
+        self._prepare_forward()
 
     def slot_layout(self) -> SlotLayout:
         return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
