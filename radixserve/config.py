@@ -361,6 +361,12 @@ class ServerArgs:
         "<think>)",
         _names("reasoning"),
     )
+    is_embedding: bool = option(
+        False,
+        "also serve /v1/embeddings: the prompt's final hidden states pooled as the checkpoint's "
+        "sentence-transformers config says (1_Pooling: last token or mean; last by default), "
+        "L2-normalized",
+    )
     dp_size: int = option(
         1,
         "data-parallel replicas, each a whole server with its share of the CPU cores (or its own "

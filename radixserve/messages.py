@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from .sampling_params import SamplingParams
 
@@ -94,6 +95,8 @@ class ForwardBatch:
     logprobs: list[LogprobRequest | None]
     # speculative decoding: request b's last draft_lens[b] tokens are drafts to verify
     draft_lens: list[int] | None = None
+    # embedding requests: how request b's hidden states are pooled (None: it generates)
+    pooling: list[str | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -115,6 +118,9 @@ class ForwardResult:
     output_logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None]
     accepted_drafts: list[list[int]] | None = None
+    # with `ForwardBatch.pooling`: per pooling request, the sum ("mean") or the last ("last")
+    # of this step's final-normed hidden states, float32
+    pooled: list[Any] | None = None
 
 
 @dataclass
@@ -161,6 +167,7 @@ class GenerateReq:
     stream: bool = False
     priority: int = 0  # higher runs first, with --enable-priority-scheduling
     cache_salt: str | None = None  # requests of different salts never share cached KV
+    pooling: str | None = None  # an embedding request: its prompt pooled ("last", "mean")
 
 
 @dataclass
@@ -216,6 +223,7 @@ class ReqOutput:
     skip_special_tokens: bool = True
     spec_verify_ct: int = 0  # steps that verified drafts for this request (SGLang's meta_info name)
     spec_accepted_tokens: int = 0  # drafts accepted in them
+    embedding: list[float] | None = None  # an embedding request's normalized vector, at the end
 
 
 @dataclass

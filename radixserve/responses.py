@@ -31,6 +31,7 @@ class RequestState:
     error: str | None = None
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None
 
     def update(self, out: ReqOutput) -> None:
         if out.new_token_ids:
@@ -41,6 +42,8 @@ class RequestState:
         self.finished, self.finish_reason = out.finished, out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.spec_verify_ct, self.spec_accepted_tokens = (
             out.spec_verify_ct,
             out.spec_accepted_tokens,

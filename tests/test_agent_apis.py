@@ -281,3 +281,8 @@ def test_the_api_key_is_checked_in_either_header(server):
     ]:
         r = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=60)
         assert r.status_code == status, (headers, r.text)
+
+
+def test_a_generation_server_refuses_embeddings_naming_the_flag(client):
+    r = client.post("/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400 and "--is-embedding" in r.text, r.text

@@ -62,6 +62,7 @@ def build_batch(
         seq_lens.append(end)
         logprobs.append(logprob_request(req, start, end - len(req.drafts)))
     draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
+    pooling = [r.pooling for r in reqs] if any(r.pooling for r in reqs) else None
     return ForwardBatch(
         mode,
         ids,
@@ -74,6 +75,7 @@ def build_batch(
         sampling_batch(reqs, ctx),
         logprobs,
         draft_lens,
+        pooling,
     )
 
 

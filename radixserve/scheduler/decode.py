@@ -68,6 +68,7 @@ class Retraction:
         self.kv.release(req)
         self.running.remove(req)
         req.kv_slots, req.cached_len, req.node, req.row, req.synced = [], 0, None, None, 0
+        req.pooled = None  # an embedding request pools its prompt again from the start
         if req.spec is not None:
             req.spec.drafts = []
         if not req.prompt_logprobs_done:

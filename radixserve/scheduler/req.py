@@ -24,6 +24,9 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # higher is admitted first and retracted last (priority scheduling)
     cache_salt: str | None = None  # its KV is shared only with requests of the same salt
+    pooling: str | None = None  # an embedding request: "last" or "mean" pooling of its prompt
+    pooled: Any = None  # the running sum (mean) or the last hidden state so far
+    embedding: list[float] | None = None
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.
@@ -86,8 +89,10 @@ class Req:
 
     def max_prefix_len(self) -> int:
         """Cached prefix we may reuse: leave one token to compute, and the prompt positions whose
-        logprobs are wanted."""
+        logprobs (or hidden states, to mean-pool) are wanted."""
         limit = len(self.fill_ids) - 1
+        if self.pooling == "mean":  # every position's hidden state is pooled
+            return 0
         if self.wants_prompt_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..config import EngineArgs
 from ..constrained import GrammarBackend
 from ..messages import FinishReason, ForwardResult, ReqOutput, TokenLogprobs
@@ -38,10 +40,23 @@ class ResultProcessor:
     def take(self, req: Req, result: ForwardResult, b: int) -> int:
         """Apply row `b` of the result to the request; returns the tokens it generated."""
         self._take_prompt_logprobs(req, result, b)
+        if req.pooling is not None:
+            return self._take_pooled(req, result, b)
         if req.drafts:
             return self._take_verified(req, result, b)
         if req.pending == 0:
             return self._take_token(req, result, b)
+        return 0
+
+    def _take_pooled(self, req: Req, result: ForwardResult, b: int) -> int:
+        """Add this chunk's hidden states to the request's pool; once the whole prompt ran,
+        its embedding is the mean (or the last), L2-normalized, and the request ends."""
+        got = result.pooled[b]
+        req.pooled = got if req.pooled is None or req.pooling == "last" else req.pooled + got
+        if req.pending == 0:
+            vector = req.pooled / len(req.input_ids) if req.pooling == "mean" else req.pooled
+            req.embedding = torch.nn.functional.normalize(vector, dim=0).tolist()
+            req.finish_reason = FinishReason("length", length=0)
         return 0
 
     def _take_prompt_logprobs(self, req: Req, result: ForwardResult, b: int) -> None:
@@ -166,6 +181,8 @@ class ResultProcessor:
             stop=req.params.stop if first else None,
             skip_special_tokens=req.params.skip_special_tokens,
         )
+        if req.finished:
+            out.embedding = req.embedding
         if req.spec is not None:
             out.spec_verify_ct = req.spec.verify_steps
             out.spec_accepted_tokens = req.spec.accepted_total

@@ -96,6 +96,7 @@ class Scheduler:
             msg.top_logprobs_num,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            pooling=msg.pooling,
         )
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None or self.model_drafter is not None:

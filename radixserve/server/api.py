@@ -19,6 +19,7 @@ from ..ipc import Heartbeat
 from ..messages import GenerateReq
 from ..tokenizer import chat_roles
 from .anthropic_api import anthropic_routes
+from .embeddings_api import EmbeddingSetup, embeddings_routes
 from .http import (
     RequestError,
     auth_dependency,
@@ -60,7 +61,12 @@ class Health:
         return None
 
 
-def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) -> FastAPI:
+def create_app(
+    tm: TokenizerManager,
+    server_args: ServerArgs,
+    health: Health,
+    embedding: EmbeddingSetup | None = None,
+) -> FastAPI:
     # FastAPI's own docs routes skip app dependencies: they are added below, behind the key
     app = FastAPI(
         title="radixserve",
@@ -78,6 +84,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, health: Health) ->
     responses_routes(app, tm, setup)
     anthropic_routes(app, tm, setup)
     rollout_routes(app, tm)
+    embeddings_routes(app, tm, setup.model, embedding)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)
     _docs_routes(app)

@@ -26,6 +26,7 @@ from ..messages import SchedulerReady
 from ..models.source import resolve_draft_model, resolve_model
 from ..tokenizer import load_tokenizer_or_none
 from .api import Health, create_app
+from .embeddings_api import EmbeddingSetup
 from .tokenizer_manager import TokenizerManager, api_inbox
 
 log = logging.getLogger("radixserve")
@@ -189,6 +190,7 @@ def launch_server(args: ServerArgs) -> int:
         return run_node_ranks(args.engine)
     started = time.time()
     source = resolve_model(args.engine.model)
+    embedding = EmbeddingSetup.of(source) if args.is_embedding else None  # refused here
     if args.engine.speculative_draft_model is not None:
         resolve_draft_model(
             args.engine.speculative_draft_model, source
@@ -212,7 +214,7 @@ def launch_server(args: ServerArgs) -> int:
             heartbeat=heartbeat,
             stall_limit=min(HEALTH_STALL_S, args.engine.watchdog_timeout),
         )
-        app = create_app(tm, args, health)
+        app = create_app(tm, args, health, embedding)
         on_death: list[Callable[[str], None]] = [
             lambda reason: None
         ]  # set once the event loop runs

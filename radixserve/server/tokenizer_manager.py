@@ -96,6 +96,7 @@ class TokenizerManager:
         priority: int | None = None,
         max_tokens_field: str | None = None,
         cache_salt: str | None = None,
+        pooling: str | None = None,
     ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input. `max_tokens_field` names
         the field when the output length was given explicitly (then it must fit the context)."""
@@ -112,6 +113,7 @@ class TokenizerManager:
             top_logprobs_num,
             priority=priority or 0,
             cache_salt=cache_salt,
+            pooling=pooling,
         )
         try:
             check_priority(priority, self.priority_scheduling)

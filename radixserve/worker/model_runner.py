@@ -258,6 +258,7 @@ class ModelRunner:
             self._output_logprobs(logits, next_ids, accepted, rows, fb),
             prompt_logprobs,
             accepted,
+            None if fb.pooling is None else _pooled(hidden, fb),
         )
 
     @staticmethod
@@ -353,6 +354,17 @@ class ModelRunner:
             targets = torch.tensor(lp.prompt_targets, device=logprobs.device)
             out[b] = _token_logprobs(logprobs, targets, lp.top_k)
         return out
+
+
+def _pooled(hidden: torch.Tensor, fb: ForwardBatch) -> list[torch.Tensor | None]:
+    """Per embedding request, the sum or the last of its tokens' hidden states in this step."""
+    out: list[torch.Tensor | None] = []
+    first = 0
+    for n, pooling in zip(fb.extend_lens, fb.pooling):
+        states = hidden[first : first + n].float()
+        out.append(None if pooling is None else states.sum(0) if pooling == "mean" else states[-1])
+        first += n
+    return out
 
 
 def _token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, top_k: int) -> TokenLogprobs:
