@@ -3,6 +3,7 @@ Phi-3 (fused checkpoint tensors), Qwen3 (q/k norms per head)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from ..attention import AttentionBackend, LayerAttention
 from ..layers import Linear, RMSNorm, fused
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
+from .registry import num_labels
 
 
 class LlamaForCausalLM(CausalLM):
@@ -114,3 +116,24 @@ class Qwen3ForCausalLM(CausalLM):
         how = LayerAttention(window=layer_window(self.hf, i))
         attention = Attention(cfg, i, self.tp, how, qkv_bias=cfg.qkv_bias, qk_norm=RMSNorm)
         return DecoderLayer(cfg, i, self.tp, attention, self.make_mlp(i))
+
+
+class ScoreHead:
+    """A cross-encoder (HF's `*ForSequenceClassification`): the checkpoint's `score` layer,
+    `num_labels` wide and never tied, takes the LM head's place; `compute_logits` of the last
+    token's hidden state is the pair's score."""
+
+    def __init__(self, cfg, max_positions: int, tp):
+        super().__init__(replace(cfg, tie_word_embeddings=False), max_positions, tp)
+        self.lm_head = Linear(self.cfg.hidden_size, num_labels(self.hf))
+
+    def rename(self, name: str) -> str | None:
+        return "lm_head.weight" if name == "score.weight" else super().rename(name)
+
+
+class LlamaForSequenceClassification(ScoreHead, LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForSequenceClassification(ScoreHead, Qwen3ForCausalLM):
+    pass

@@ -22,6 +22,11 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("llama", "Qwen3ForSequenceClassification"),
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -53,6 +58,16 @@ def architecture_of(hf: dict) -> str:
         f"unsupported model architecture {named!r} (model_type {hf.get('model_type')!r}); "
         f"supported: {', '.join(sorted(ARCHITECTURES))}"
     )
+
+
+def is_classifier(hf: dict) -> bool:
+    """A sequence-classification checkpoint: a `score` head over the last token, no LM head."""
+    return architecture_of(hf).endswith("ForSequenceClassification")
+
+
+def num_labels(hf: dict) -> int:
+    """A classifier's outputs, as HF counts them (`id2label`, else `num_labels`, else 2)."""
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
 
 
 def model_class(cfg: ModelConfig):

@@ -50,12 +50,18 @@ class ResultProcessor:
 
     def _take_pooled(self, req: Req, result: ForwardResult, b: int) -> int:
         """Add this chunk's hidden states to the request's pool; once the whole prompt ran,
-        its embedding is the mean (or the last), L2-normalized, and the request ends."""
+        its embedding is the mean (or the last), L2-normalized, or a classifier's logits, and
+        the request ends."""
         got = result.pooled[b]
-        req.pooled = got if req.pooled is None or req.pooling == "last" else req.pooled + got
+        summed = req.pooling == "mean" and req.pooled is not None
+        req.pooled = req.pooled + got if summed else got
         if req.pending == 0:
-            vector = req.pooled / len(req.input_ids) if req.pooling == "mean" else req.pooled
-            req.embedding = torch.nn.functional.normalize(vector, dim=0).tolist()
+            if req.pooling == "score":  # a classifier's logits, as they are
+                req.embedding = req.pooled.tolist()
+            else:
+                mean = req.pooling == "mean"
+                vector = req.pooled / len(req.input_ids) if mean else req.pooled
+                req.embedding = torch.nn.functional.normalize(vector, dim=0).tolist()
             req.finish_reason = FinishReason("length", length=0)
         return 0
 

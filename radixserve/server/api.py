@@ -209,7 +209,8 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
             return error_response(f"unhealthy: {problem}", 503)
         req = tm.make_request(
             [tm.info.eos_token_ids[0] if tm.info.eos_token_ids else 0],
-            {"max_new_tokens": 1, "temperature": 0},
+            {"max_new_tokens": 0 if tm.only_pooling else 1, "temperature": 0},
+            pooling=tm.only_pooling,
         )
         await asyncio.wait_for(tm.run_to_end(req), timeout=60)
         return Response(status_code=200)

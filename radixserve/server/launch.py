@@ -23,6 +23,7 @@ from ..config import EngineArgs, ServerArgs
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
+from ..models.registry import is_classifier
 from ..models.source import resolve_draft_model, resolve_model
 from ..tokenizer import load_tokenizer_or_none
 from .api import Health, create_app
@@ -191,6 +192,11 @@ def launch_server(args: ServerArgs) -> int:
     started = time.time()
     source = resolve_model(args.engine.model)
     embedding = EmbeddingSetup.of(source) if args.is_embedding else None  # refused here
+    if embedding is None and source.config.hf_config and is_classifier(source.config.hf_config):
+        raise ValueError(
+            f"{source.name} is a sequence classifier: serve it with --is-embedding "
+            f"(for /v1/rerank and /v1/score)"
+        )
     if args.engine.speculative_draft_model is not None:
         resolve_draft_model(
             args.engine.speculative_draft_model, source
@@ -209,6 +215,8 @@ def launch_server(args: ServerArgs) -> int:
             args.max_queued_requests,
             args.engine.enable_priority_scheduling,
         )
+        if embedding is not None and embedding.pooling == "score":
+            tm.only_pooling = "score"
         health = Health(
             processes={name: p.pid for name, p in children.procs.items()},
             heartbeat=heartbeat,

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 THREADED_TOKENIZE_CHARS = 20000  # longer texts are tokenized off the event loop
 RETRY_AFTER_S = 1
+CLASSIFIER_ONLY = (
+    "this model is a sequence classifier (a cross-encoder): it serves /v1/rerank and /v1/score"
+)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class TokenizerManager:
         self.replies: dict[str, asyncio.Future] = {}
         self.observers: list[Callable[[RequestState], None]] = []
         self.weight_version = "default"  # named by /update_weights_from_disk; in every reply
+        self.only_pooling: str | None = None  # a classifier serves pooling requests only
 
     async def start(self, inbox: zmq.Socket | None = None) -> None:
         """Bind sockets and start reading outputs (call inside the server's event loop)."""
@@ -66,6 +70,12 @@ class TokenizerManager:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer; send input_ids")
         return encode_prompt(self.tokenizer, text)
+
+    def tokenize_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, the way HF's tokenizer pairs them (for cross-encoders)."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer")
+        return self.tokenizer(first, second)["input_ids"]
 
     async def tokenize_async(self, text: str) -> list[int]:
         """`tokenize`, in a thread for long texts (5 MB take ~6 s; the event loop keeps serving)."""
@@ -115,6 +125,8 @@ class TokenizerManager:
             cache_salt=cache_salt,
             pooling=pooling,
         )
+        if self.only_pooling is not None and pooling != self.only_pooling:
+            raise RequestError(CLASSIFIER_ONLY)
         try:
             check_priority(priority, self.priority_scheduling)
             check_cache_salt(cache_salt)

@@ -244,7 +244,9 @@ class ModelRunner:
             self.tp.send_step(inputs.pack())
         logits, hidden = self.run_model(inputs)
         accepted = None
-        if fb.draft_lens is None:
+        if fb.pooling is not None and None not in fb.pooling:  # nothing to sample
+            next_ids, rows = [0] * fb.batch_size, range(fb.batch_size)
+        elif fb.draft_lens is None:
             next_ids, rows = sample(logits, fb.sampling).tolist(), range(fb.batch_size)
         else:
             next_ids, accepted, rows = verify(logits, fb.sampling, self._drafts(fb))
@@ -258,7 +260,7 @@ class ModelRunner:
             self._output_logprobs(logits, next_ids, accepted, rows, fb),
             prompt_logprobs,
             accepted,
-            None if fb.pooling is None else _pooled(hidden, fb),
+            None if fb.pooling is None else self._pooled(hidden, fb),
         )
 
     @staticmethod
@@ -338,6 +340,25 @@ class ModelRunner:
             first += len(tokens)
         return out
 
+    def _pooled(self, hidden: torch.Tensor, fb: ForwardBatch) -> list[torch.Tensor | None]:
+        """Per pooling request, from its tokens' hidden states in this step: their sum
+        (`mean`), the last one (`last`), or the classifier head's logits of the last one
+        (`score`)."""
+        out: list[torch.Tensor | None] = []
+        first = 0
+        for n, pooling in zip(fb.extend_lens, fb.pooling):
+            states = hidden[first : first + n]
+            if pooling == "mean":
+                out.append(states.float().sum(0))
+            elif pooling == "last":
+                out.append(states[-1].float())
+            elif pooling == "score":
+                out.append(self.model.compute_logits(states[-1:])[0])
+            else:
+                out.append(None)
+            first += n
+        return out
+
     def _prompt_logprobs(
         self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch
     ) -> list[TokenLogprobs | None]:
@@ -354,17 +375,6 @@ class ModelRunner:
             targets = torch.tensor(lp.prompt_targets, device=logprobs.device)
             out[b] = _token_logprobs(logprobs, targets, lp.top_k)
         return out
-
-
-def _pooled(hidden: torch.Tensor, fb: ForwardBatch) -> list[torch.Tensor | None]:
-    """Per embedding request, the sum or the last of its tokens' hidden states in this step."""
-    out: list[torch.Tensor | None] = []
-    first = 0
-    for n, pooling in zip(fb.extend_lens, fb.pooling):
-        states = hidden[first : first + n].float()
-        out.append(None if pooling is None else states.sum(0) if pooling == "mean" else states[-1])
-        first += n
-    return out
 
 
 def _token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, top_k: int) -> TokenLogprobs:
