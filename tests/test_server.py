@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -471,8 +472,10 @@ def test_streamed_completion_starts_with_its_first_token(client):
 
 
 def test_models_carry_root_parent_and_length(client):
+    """`root` is the checkpoint's folder: vLLM's benchmark client loads the tokenizer from it."""
     entry = client.get("/v1/models").json()["data"][0]
-    assert entry["root"] and entry["parent"] is None and entry["max_model_len"] > 0
+    assert (Path(entry["root"]) / "tokenizer.json").is_file(), entry
+    assert entry["parent"] is None and entry["max_model_len"] > 0
 
 
 def test_cache_salts_never_share_a_prefix(client):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
 from ..messages import GenerateReq
+from ..models.source import BUNDLED_NAME, bundled_model_dir
 from ..reasoning import ReasoningParser, detect_reasoning, make_reasoning_parser
 from ..tool_calls import (
     JsonCallsParser,
@@ -39,7 +41,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, setup: "
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "radixserve",
-                    "root": tm.model_name,  # what was loaded (vLLM's field)
+                    "root": model_root(args),  # where it was loaded from (vLLM's field)
                     "parent": None,  # a base model's own entry (an adapter names its base)
                     "max_model_len": tm.info.max_context_len,
                 }
@@ -199,6 +201,15 @@ def _requests(
         )
         reqs += tm.expand_n(req)
     return reqs
+
+
+def model_root(args: ServerArgs) -> str:
+    """The served checkpoint's folder (or `dummy:` spec): vLLM's clients load the tokenizer
+    from it."""
+    spec = args.engine.model
+    if spec in (None, "", "default", BUNDLED_NAME):
+        return str(bundled_model_dir())
+    return spec if spec.startswith("dummy:") else str(Path(spec).expanduser().resolve())
 
 
 def served_name(tm: TokenizerManager, args: ServerArgs) -> str:
