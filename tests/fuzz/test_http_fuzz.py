@@ -1,7 +1,8 @@
 """Property-based HTTP fuzzing of a real server (hypothesis): 1,020 generated requests
-to /generate, /v1/completions and /v1/chat/completions, mixing plausible values with arbitrary
-JSON in every field. Each answer must be a 2xx or a 4xx with a message (never a 5xx, never a
-hang); afterwards a greedy request answers as before and the KV invariant holds.
+to /generate, /v1/completions and /v1/chat/completions and 240 to /v1/responses and
+/v1/messages, mixing plausible values with arbitrary JSON in every field. Each answer must
+be a 2xx or a 4xx with a message (never a 5xx, never a hang); afterwards a greedy request
+answers as before and the KV invariant holds.
 
 Deterministic (derandomized) so CI runs the same requests every time; generated tokens are
 kept few (small max_new_tokens, a 96-token context) so the suite stays quick.
@@ -154,6 +155,89 @@ chat_bodies = st.fixed_dictionaries(
     optional={k: either(v) for k, v in OPENAI.items() if k not in ("best_of", "max_tokens")},
 )
 
+FUNCTION_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+response_items = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": either(st.sampled_from(["user", "assistant"]))},
+            optional={"content": either(prompt_text)},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "x"])},
+            optional={
+                "call_id": either(st.text(max_size=4)),
+                "name": either(st.just("f")),
+                "arguments": either(st.just("{}")),
+                "output": either(prompt_text),
+            },
+        ),
+    ),
+    max_size=3,
+)
+RESPONSES = {
+    "instructions": prompt_text,
+    "tools": st.sampled_from([[], [FUNCTION_TOOL], [{"type": "web_search"}]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "temperature": st.floats(0, 2),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": st.text(max_size=6),
+    "text": st.sampled_from(
+        [{"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}}]
+    ),
+}
+responses_bodies = st.fixed_dictionaries(
+    {
+        "input": either(st.one_of(prompt_text, response_items)),
+        "max_output_tokens": either(st.integers(0, 8)),
+    },
+    optional={k: either(v) for k, v in RESPONSES.items()},
+)
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "tool_use", "tool_result", "image"])},
+        optional={
+            "text": either(prompt_text),
+            "id": either(st.just("t")),
+            "name": either(st.just("f")),
+            "input": either(st.just({})),
+            "tool_use_id": either(st.just("t")),
+            "content": either(prompt_text),
+        },
+    ),
+    max_size=2,
+)
+anthropic_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": either(st.sampled_from(["user", "assistant"])),
+            "content": either(st.one_of(prompt_text, blocks)),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
+MESSAGES = {
+    "system": prompt_text,
+    "tools": st.sampled_from(
+        [
+            [],
+            [{"name": "f", "input_schema": {"type": "object"}}],
+            [{"type": "bash_20250124", "name": "bash"}],
+        ]
+    ),
+    "tool_choice": st.sampled_from(
+        [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "f"}, {"type": "none"}]
+    ),
+    "stop_sequences": st.lists(st.text(max_size=3), max_size=2),
+    "temperature": st.floats(0, 1),
+    "stream": st.booleans(),
+}
+messages_bodies = st.fixed_dictionaries(
+    {"messages": either(anthropic_messages), "max_tokens": either(st.integers(0, 8))},
+    optional={k: either(v) for k, v in MESSAGES.items()},
+)
+
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -241,6 +325,39 @@ def test_fuzz_completions(client, before, body):
 @given(body=chat_bodies)
 def test_fuzz_chat(client, before, body):
     check(client, "/v1/chat/completions", body)
+
+
+def check_events(client, route: str, body: dict, last_events: tuple[str, ...]) -> None:
+    """A 2xx whose named-event stream ends with one of `last_events` (or an error event), or a
+    4xx whose JSON names the problem."""
+    if body.get("stream") is not True:
+        return check(client, route, body)
+    with client.stream("POST", route, json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+        status = r.status_code
+    if status != 200:
+        message = json.loads("".join(lines)).get("message")
+        assert 400 <= status < 500 and message, f"{route} {body!r} -> {status} {message!r}"
+        return
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")
+    ]
+    assert events and events[-1]["type"] in last_events + ("error",), events[-2:]
+
+
+EVENT_FUZZ = settings(FUZZ, max_examples=EXAMPLES // 3)
+
+
+@EVENT_FUZZ
+@given(body=responses_bodies)
+def test_fuzz_responses(client, before, body):
+    check_events(client, "/v1/responses", body, ("response.completed", "response.incomplete"))
+
+
+@EVENT_FUZZ
+@given(body=messages_bodies)
+def test_fuzz_messages(client, before, body):
+    check_events(client, "/v1/messages", body, ("message_stop",))
 
 
 def test_after_fuzzing_the_server_answers_as_before_and_holds_no_kv(client, before, server):
