@@ -27,14 +27,29 @@ import heapq
 import itertools
 from dataclasses import dataclass, replace
 
-from .kv_events import chain_hashes
+from .kv_events import block_hash, chain_hashes
 from .mem.shadow import ReplicaCache
 from .request_log import RequestRecord
 from .router.config import RouterArgs
-from .router.keys import ids_key
+from .router.keys import MAX_CODE_POINT, ids_key
 from .router.policies import CacheAware, make_policy
 from .router.tree import PrefixTree
 from .router.workers import CircuitBreaker, Worker
+
+SALT_UNITS = 0x100000  # salt units lie above every vocabulary, below the last code point
+
+
+def salt_unit(salt: int) -> int:
+    """The unit a salted request's units start with (`RequestRecord.salt` folded)."""
+    return SALT_UNITS + salt % (MAX_CODE_POINT - SALT_UNITS)
+
+
+def _block_hashes(units: tuple[int, ...], block: int) -> list[int]:
+    """Chained hashes of a full trace's whole token blocks; a leading salt unit starts the
+    chain instead of taking a token's place."""
+    if units and units[0] >= SALT_UNITS:
+        return chain_hashes(list(units[1:]), block, block_hash(None, [units[0]]))
+    return chain_hashes(list(units), block)
 
 
 @dataclass(frozen=True)
@@ -67,8 +82,10 @@ class Trace:
             if (
                 full
             ):  # the cache holds prompt + output but the newest token (its KV is not computed)
-                units = tuple(r.prompt_ids + r.output_ids[:-1])
-                prompt_units, lookup = r.prompt_tokens, r.prompt_tokens - 1
+                # a salt leads as a unit no token id reaches: salts never share a prefix
+                salt = () if r.salt is None else (salt_unit(r.salt),)
+                units = salt + tuple(r.prompt_ids + r.output_ids[:-1])
+                prompt_units, lookup = len(salt) + r.prompt_tokens, len(salt) + r.prompt_tokens - 1
             else:
                 units = tuple(names.setdefault(h, len(names)) for h in r.block_hashes)
                 prompt_units, lookup = (
@@ -104,9 +121,7 @@ class Trace:
         requests = [
             replace(
                 r,
-                units=tuple(
-                    names.setdefault(h, len(names)) for h in chain_hashes(list(r.units), block)
-                ),
+                units=tuple(names.setdefault(h, len(names)) for h in _block_hashes(r.units, block)),
                 prompt_units=r.prompt_tokens // block,
                 lookup_units=(r.prompt_tokens - 1) // block,
             )

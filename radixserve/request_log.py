@@ -8,7 +8,9 @@ replica logs into `DIR/replica-<i>`.
 
 Level `full` stores prompt and output token ids. Level `hashes` stores only a chain of block
 hashes over the request's tokens (each 16-token block's hash covers every token before it, as
-KV-event block hashes do): prefixes can be compared, no text can be recovered.
+KV-event block hashes do): prefixes can be compared, no text can be recovered. A salted
+request's chain starts from its salt (as in KV events), and its record names the salt's hash,
+so a replay never lets two salts share a prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .kv_events import chain_hashes
+from .kv_events import chain_hashes, salt_hash, salted_parent
 
 if TYPE_CHECKING:
     from .scheduler.req import Req
@@ -57,6 +59,7 @@ class RequestRecord(msgspec.Struct, frozen=True):
     prompt_ids: list[int] | None = None  # level full
     output_ids: list[int] | None = None  # level full
     block_hashes: list[int] | None = None  # level hashes: over prompt + output, whole blocks only
+    salt: int | None = None  # a salted request's `kv_events.salt_hash` (never the salt itself)
 
 
 class RequestLog:
@@ -90,7 +93,12 @@ class RequestLog:
             finish_reason,
             prompt_ids=list(req.input_ids) if full else None,
             output_ids=list(req.output_ids) if full else None,
-            block_hashes=None if full else chain_hashes(req.input_ids + req.output_ids, HASH_BLOCK),
+            block_hashes=None
+            if full
+            else chain_hashes(
+                req.input_ids + req.output_ids, HASH_BLOCK, salted_parent(None, req.cache_salt)
+            ),
+            salt=None if req.cache_salt is None else salt_hash(req.cache_salt),
         )
         self.handler.emit(logging.makeLogRecord({"msg": msgspec.json.encode(record).decode()}))
 

@@ -14,7 +14,7 @@ from server_utils import start_server
 
 from radixserve.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
 from radixserve.config import EVICTION_POLICIES
-from radixserve.kv_events import chain_hashes
+from radixserve.kv_events import chain_hashes, salted_parent
 from radixserve.mem.shadow import LiveEstimates, ReplicaCache
 from radixserve.replay import synthetic_trace
 from radixserve.request_log import HASH_BLOCK, read_log
@@ -303,3 +303,37 @@ def test_replica_logs_merge_and_replay_with_the_servers_replica_count(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "1000 KV tokens x 2, slru" in out.stdout and "measured hit rate 53.3%" in out.stdout
+
+
+def test_salted_requests_replay_apart_at_both_log_levels(logged_server):
+    """The same prompt under salt a, a again, then salt b: the server reads the cache for the
+    second only, and so does the replay of the log, from token ids and from salted hash chains."""
+    from msgspec.structs import replace
+
+    server, log = logged_server
+    start = time.time()
+    prompt = "Salted prefixes stay apart. " * 20
+    with server.client() as client:
+        for salt in ("a", "a", "b"):
+            body = {"text": prompt, "sampling_params": {"max_new_tokens": 2}, "cache_salt": salt}
+            assert client.post("/generate", json=body).status_code == 200
+    own, records = records_since(log, start)
+    assert [r.cached_tokens > 0 for r in records] == [False, True, False]
+    assert records[0].salt == records[1].salt != records[2].salt is not None
+    hashed = [
+        replace(
+            r,
+            prompt_ids=None,
+            output_ids=None,
+            block_hashes=chain_hashes(
+                r.prompt_ids + r.output_ids, HASH_BLOCK, salted_parent(None, "ab"[i // 2])
+            ),
+        )
+        for i, r in enumerate(records)
+    ]
+    setting = Setting(own.cache_tokens * 4)
+    full = Trace.from_log(records, own.hash_block)
+    assert replay(full, setting) == pytest.approx(full.measured_hit_rate(), abs=0.02)
+    blocks = replay(Trace.from_log(hashed, own.hash_block), setting)
+    assert 0 < blocks <= replay(full, setting)
+    assert replay(full.in_blocks(16), setting) == pytest.approx(blocks, abs=0.01)

@@ -81,6 +81,27 @@ def test_generate_and_chat_through_the_router_equal_a_direct_call(cluster):
         assert c.get("/v1/models").json()["data"][0]["id"]
 
 
+def test_responses_follow_ups_reach_the_replica_that_stored_them(cluster):
+    """Each replica keeps its own stored responses: a body naming `previous_response_id`, and
+    GET or DELETE of a response, go to the one holding it; the agent routes pass through."""
+    router, _ = cluster
+    with router.client() as client:
+        body = {"input": "Name a color.", "max_output_tokens": 4, "temperature": 0}
+        first = client.post("/v1/responses", json=body)
+        assert first.status_code == 200, first.text
+        owner, previous = worker_of(first), first.json()["id"]
+        for question in ("Another?", "And one more, in a longer question than before?"):
+            follow = {**body, "input": question, "previous_response_id": previous}
+            reply = client.post("/v1/responses", json=follow)
+            assert reply.status_code == 200 and worker_of(reply) == owner, reply.text
+            previous = reply.json()["id"]
+        assert client.get(f"/v1/responses/{previous}").json()["id"] == previous
+        assert client.delete(f"/v1/responses/{previous}").status_code == 200
+        assert client.get(f"/v1/responses/{previous}").status_code == 404
+        message = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/messages", json=message).json()["type"] == "message"
+
+
 def test_a_stream_is_passed_through_chunk_by_chunk(cluster):
     """The first chunk reaches the client while the worker is still generating."""
     router, _ = cluster

@@ -194,6 +194,15 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
         ("/generate", b"not json", ""),
         ("/generate", b'{"input_ids": [-1]}', ""),
         ("/v1/completions", b"[1]", ""),
+        ("/generate", b'{"text": "hello", "cache_salt": "t1"}', "\x00salt\x00t1\x00salt\x00hello"),
+        ("/v1/responses", b'{"input": "q", "instructions": "be brief"}', "be brief<user>q"),
+        (
+            "/v1/messages",
+            b'{"system": "s", "messages": [{"role": "user", "content": "q"}]}',
+            "s<user>q",
+        ),
+        ("/v1/embeddings", b'{"input": ["x", "y"]}', "x"),
+        ("/v1/rerank", b'{"query": "q", "documents": ["d"]}', "q"),
     ],
 )
 def test_routing_keys(path, body, key):

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..server.http import (
+    RequestError,
     auth_dependency,
     error_response,
     install_error_handlers,
@@ -20,7 +21,17 @@ from ..server.http import (
 )
 from .proxy import WORKER_HEADER, Answer, Router, Stream, forwarded_headers
 
-ROUTED_POSTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+ROUTED_POSTS = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+)
+RESPONSES = "/v1/responses"  # a follow-up goes to the replica that stored its predecessor
 ANY_WORKER_GETS = ("/v1/models", "/get_model_info", "/get_chat_template")
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 P = "radixserve_router:"
@@ -40,6 +51,7 @@ def create_router_app(router: Router) -> FastAPI:
         app.add_api_route(path, _proxy(router, "POST", path), methods=["POST"])
     for path in ANY_WORKER_GETS:
         app.add_api_route(path, _proxy(router, "GET", path), methods=["GET"])
+    _responses_routes(app, router)
     _management_routes(app, router)
     _observability_routes(app, router)
     return app
@@ -49,18 +61,48 @@ def _proxy(router: Router, method: str, path: str):
     async def route(request: Request):
         body = await read_body(request, router.args.max_request_bytes) if method == "POST" else b""
         outcome = await router.open(method, path, body, forwarded_headers(request.headers))
-        if isinstance(outcome, Stream):
-            return StreamingResponse(
-                router.relay(outcome),
-                status_code=outcome.response.status,
-                headers={"content-type": "text/event-stream", WORKER_HEADER: outcome.worker.url},
-            )
-        headers = dict(
-            outcome.headers, **({WORKER_HEADER: outcome.worker.url} if outcome.worker else {})
-        )
-        return Response(outcome.body, status_code=outcome.status, headers=headers)
+        return _answer(router, outcome)
 
     return route
+
+
+def _responses_routes(app: FastAPI, router: Router) -> None:
+    """The Responses API: a body naming `previous_response_id`, and GET or DELETE of a stored
+    response, go to the replica holding it."""
+
+    @app.post(RESPONSES)
+    async def create(request: Request):
+        body = await read_body(request, router.args.max_request_bytes)
+        headers = forwarded_headers(request.headers)
+        try:
+            previous = orjson.loads(body).get("previous_response_id")
+        except (orjson.JSONDecodeError, AttributeError):
+            previous = None
+        owner = await router.owner_of(previous, headers) if isinstance(previous, str) else None
+        return _answer(router, await router.open("POST", RESPONSES, body, headers, owner))
+
+    async def stored(request: Request, response_id: str):
+        headers = forwarded_headers(request.headers)
+        owner = await router.owner_of(response_id, headers)
+        if owner is None:
+            raise RequestError(f"no worker holds a stored response with id {response_id!r}", 404)
+        path = f"{RESPONSES}/{response_id}"
+        return _answer(router, await router.open(request.method, path, b"", headers, owner))
+
+    app.add_api_route(RESPONSES + "/{response_id}", stored, methods=["GET", "DELETE"])
+
+
+def _answer(router: Router, outcome: Answer | Stream) -> Response:
+    if isinstance(outcome, Stream):
+        return StreamingResponse(
+            router.relay(outcome),
+            status_code=outcome.response.status,
+            headers={"content-type": "text/event-stream", WORKER_HEADER: outcome.worker.url},
+        )
+    headers = dict(
+        outcome.headers, **({WORKER_HEADER: outcome.worker.url} if outcome.worker else {})
+    )
+    return Response(outcome.body, status_code=outcome.status, headers=headers)
 
 
 def _management_routes(app: FastAPI, router: Router) -> None:

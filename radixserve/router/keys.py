@@ -56,15 +56,25 @@ def _chat_key(body: dict) -> str:
     return "".join(parts)
 
 
+SALT_MARK = "\x00salt\x00"  # a salted key starts here: it never shares a prefix with others
+
+
 def routing_key(path: str, body: bytes) -> str:
     """The key the cache-aware policy matches; empty when the body has none (malformed
-    bodies are forwarded anyway: the worker names what is wrong with them)."""
+    bodies are forwarded anyway: the worker names what is wrong with them). A `cache_salt`
+    leads the key, as it leads the worker's radix tree."""
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
         return ""
     if not isinstance(data, dict):
         return ""
+    key = _unsalted_key(path, data)
+    salt = data.get("cache_salt")
+    return f"{SALT_MARK}{salt}{SALT_MARK}{key}" if isinstance(salt, str) and key else key
+
+
+def _unsalted_key(path: str, data: dict) -> str:
     if path == "/generate":
         return (
             _prompt_key(data["text"])
@@ -75,17 +85,28 @@ def routing_key(path: str, body: bytes) -> str:
         return _prompt_key(data.get("prompt"))
     if path == "/v1/chat/completions":
         return _chat_key(data)
+    if path == "/v1/messages":
+        return _content_text(data.get("system")) + _chat_key(data)
+    if path == "/v1/responses":
+        given = data.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        return str(data.get("instructions") or "") + _chat_key({**data, "messages": items})
+    if path in ("/v1/embeddings", "/v1/rerank", "/v1/score"):
+        return _prompt_key(data.get("input", data.get("query", data.get("text_1"))))
     return ""
 
 
 def token_key(path: str, body: bytes, tokenizer: Any) -> str:
     """The prompt's token ids as the worker will compute them (`ids_key`), for the KV-event
     index; chat requests are rendered through the same request model and template code as
-    the worker's. Empty when the body is not a valid request."""
+    the worker's. Empty when the body is not a valid request (or a route this does not
+    render: those are keyed by `routing_key`)."""
+    if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        return routing_key(path, body)
     try:
         data = orjson.loads(body) if body else None
-        if not isinstance(data, dict):
-            return ""
+        if not isinstance(data, dict) or isinstance(data.get("cache_salt"), str):
+            return routing_key(path, body)  # a salted prefix matches no unsalted KV event
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(data)
             text = apply_chat_template(

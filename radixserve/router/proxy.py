@@ -243,16 +243,35 @@ class Router:
 
     # -- forwarding ------------------------------------------------------------------------
 
+    async def owner_of(self, response_id: str, headers: dict[str, str]) -> Worker | None:
+        """The worker that stored a Responses-API response (each replica keeps its own),
+        asked in turn."""
+        for worker in self.available(set()):
+            try:
+                url = f"{worker.url}/v1/responses/{response_id}"
+                async with self.session.get(url, headers=headers) as response:
+                    if response.status == 200:
+                        return worker
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return None
+
     async def open(
-        self, method: str, path: str, body: bytes, headers: dict[str, str]
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        pinned: Worker | None = None,
     ) -> Answer | Stream:
-        """Send the request to a worker the policy picks, retrying elsewhere on failures before
-        the first byte; the last failure when every try failed."""
+        """Send the request to a worker the policy picks (or to `pinned`, the only one that can
+        serve it), retrying elsewhere on failures before the first byte; the last failure when
+        every try failed."""
         key = self.key_of(method, path, body)
         tried: set[str] = set()
         failure: Answer | None = None
         for attempt in range(1 + self.args.retry_max_retries):
-            candidates = self.available(tried)
+            candidates = self.available(tried) if pinned is None else [pinned][: not tried]
             if not candidates:
                 break
             if attempt:
