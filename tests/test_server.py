@@ -471,6 +471,21 @@ def test_streamed_completion_starts_with_its_first_token(client):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
 
 
+def test_tokenize_and_detokenize_round_trip(client, tokenizer):
+    """vLLM's /tokenize and /detokenize (its benchmark client aligns prompts with them)."""
+    text = "The capital of France is"
+    r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert tokens == tokenizer.encode(text, add_special_tokens=False)
+    assert r.json()["count"] == len(tokens) and r.json()["max_model_len"] > 0
+    assert client.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": text}
+    bad = client.post("/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and "tokens" in bad.text
+    bad = client.post("/tokenize", json={"messages": []})
+    assert bad.status_code == 400 and "prompt" in bad.text
+
+
 def test_models_carry_root_parent_and_length(client):
     """`root` is the checkpoint's folder: vLLM's benchmark client loads the tokenizer from it."""
     entry = client.get("/v1/models").json()["data"][0]

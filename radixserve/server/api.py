@@ -32,7 +32,7 @@ from .http import (
 )
 from .metrics import Metrics
 from .openai_api import ChatSetup, openai_routes, served_name
-from .protocol import AbortRequest, GenerateRequest
+from .protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from .responses_api import responses_routes
 from .rollout_api import rollout_routes
 from .tokenizer_manager import TokenizerManager
@@ -250,6 +250,27 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
         if not reply.get("success"):
             return error_response("cannot flush the cache while requests are running", 400)
         return Response("Cache flushed.", status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse_body(request, TokenizeRequest)
+        if tm.tokenizer is None:
+            raise RequestError("this model has no tokenizer")
+        if body.add_special_tokens:
+            tokens = await tm.tokenize_async(body.prompt)
+        else:
+            tokens = tm.tokenizer.encode(body.prompt, add_special_tokens=False)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": tm.info.max_context_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse_body(request, DetokenizeRequest)
+        if tm.tokenizer is None:
+            raise RequestError("this model has no tokenizer")
+        vocab = tm.info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"tokens: every token id must be in [0, {vocab})")
+        return {"prompt": tm.text_of(body.tokens)}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

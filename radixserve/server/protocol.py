@@ -79,6 +79,23 @@ class GenerateRequest(BaseModel):
     cache_salt: str | None = None  # requests of different salts never share cached KV
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's (and SGLang's) /tokenize body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens: list[int]
+    model: str | None = None
+
+
 class AbortRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 

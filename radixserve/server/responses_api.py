@@ -207,6 +207,8 @@ class ResponseDraft:
     ) -> dict:
         """The final response object; kept in `store` when the body asked to store it."""
         status = "incomplete" if finish_reason == "length" else "completed"
+        if status == "incomplete" and items and items[-1]["type"] == "message":
+            items[-1]["status"] = "incomplete"  # the text the cut ended
         thought = "".join(
             part["text"]
             for item in items
