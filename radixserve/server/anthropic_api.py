@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .http import json_response, parse_body, sse_events
 from .openai_api import ChatSetup, chat_prompt_ids, start_chat
-from .protocol import ChatCompletionRequest
+from .protocol import chat_request_of
 from .tokenizer_manager import TokenizerManager
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -49,9 +49,7 @@ def anthropic_routes(app: FastAPI, tm: TokenizerManager, setup: ChatSetup) -> No
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         body = await parse_body(request, CountTokensRequest)
-        chat = ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.chat_fields().items() if v is not None}
-        )
+        chat = chat_request_of(body.chat_fields())
         return {"input_tokens": len(await chat_prompt_ids(tm, chat))}
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .http import RequestError
-from .protocol import ChatCompletionRequest, StreamOptions
+from .protocol import ChatCompletionRequest, chat_request_of
 
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # earlier turns' reasoning: templates drop it
 
@@ -121,17 +121,7 @@ class MessagesRequest(CountTokensRequest):
             "cache_salt": self.cache_salt,
             "stream": self.stream,
         }
-        try:
-            chat = ChatCompletionRequest.model_validate(
-                {k: v for k, v in data.items() if v is not None}
-            )
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise RequestError(f"invalid request: {where}: {err.get('msg')}") from exc
-        if self.stream:
-            chat.stream_options = StreamOptions(include_usage=True)
-        return chat
+        return chat_request_of(data)
 
 
 def _system_text(system: str | list[dict[str, Any]] | None) -> str:

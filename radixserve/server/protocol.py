@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .http import RequestError
 
 # OpenAI request fields with no implementation here: refused when set to anything but these
 # values (a client that sends the default loses nothing).
@@ -407,3 +416,20 @@ class ChatCompletionRequest(_OpenAIBase):
         if isinstance(self.tool_choice, NamedToolChoice):
             return [f for f in offered if f["name"] == self.tool_choice.function.name]
         return offered if self.tool_choice == "required" else []
+
+
+def chat_request_of(data: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body converts to (Responses, Anthropic): fields left
+    None are left out; one the conversion made badly is a 400 naming it; a stream reports its
+    usage at the end."""
+    try:
+        chat = ChatCompletionRequest.model_validate(
+            {k: v for k, v in data.items() if v is not None}
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise RequestError(f"invalid request: {where}: {err.get('msg')}") from exc
+    if chat.stream:
+        chat.stream_options = StreamOptions(include_usage=True)
+    return chat

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .http import RequestError
-from .protocol import ChatCompletionRequest, StreamOptions
+from .protocol import ChatCompletionRequest, chat_request_of
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 SKIPPED_ITEMS = ("reasoning",)  # the chat template drops earlier reasoning; so do we
@@ -128,15 +128,7 @@ class ResponsesRequest(_Strict):
             "stream": self.stream,
             "response_format": self._response_format(),
         }
-        try:
-            chat = ChatCompletionRequest.model_validate(
-                {k: v for k, v in data.items() if v is not None}
-            )
-        except ValidationError as exc:
-            raise RequestError(f"invalid request: {_first_error(exc)}") from exc
-        if self.stream:
-            chat.stream_options = StreamOptions(include_usage=True)
-        return chat
+        return chat_request_of(data)
 
     def _response_format(self) -> dict[str, Any] | None:
         fmt = self.text.format if self.text is not None else None
@@ -205,8 +197,3 @@ def _string(item: dict, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise RequestError(f"{where}.{key} must be a string")
     return value
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    return f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}"
