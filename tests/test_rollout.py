@@ -193,3 +193,35 @@ def test_an_update_retracts_in_flight_requests_which_then_finish(server, client,
     assert box["reply"].get("meta_info", {}).get("finish_reason", {}).get("type") == "length", box
     assert len(box["reply"]["output_ids"]) == 1500
     wait_idle(client)
+
+
+def test_released_memory_holds_requests_until_resumed_from_the_checkpoint(
+    server, client, checkpoints
+):
+    """Releasing the KV cache and the weights (an RL trainer uses the memory meanwhile) holds
+    new requests; resuming reloads the weights from their checkpoint and the held request gets
+    the same greedy tokens as before, from no cache."""
+    root, _, new = checkpoints
+    assert update(client, root / "new").status_code == 200
+    expected = generate(client)["output_ids"]
+    assert expected == hf_greedy(new, PROMPT, NEW_TOKENS)
+    thread, _ = held_while_running(server, client)
+    refused = client.post("/release_memory_occupation", json={})
+    assert refused.status_code == 400 and "pause" in refused.text, refused.text
+    client.post("/pause_generation", json={"mode": "abort"})
+    thread.join(60)
+    assert client.post("/continue_generation").status_code == 200
+    assert client.post("/release_memory_occupation", json={"tags": ["weights", "kv_cache"]}).json()[
+        "success"
+    ]
+    with server.client() as other:
+        held, box = run_in_thread(other)
+        time.sleep(1.5)
+        assert held.is_alive()  # held: no step runs without weights and KV
+        assert client.post("/resume_memory_occupation").json()["success"]
+        held.join(60)
+    assert box["reply"]["output_ids"] == expected
+    assert box["reply"]["meta_info"]["cached_tokens"] == 0
+    bad = client.post("/release_memory_occupation", json={"tags": ["gpu"]})
+    assert bad.status_code == 400 and "tags" in bad.text
+    wait_idle(client)

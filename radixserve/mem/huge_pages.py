@@ -7,6 +7,7 @@ the memory is ordinary pages and nothing else changes."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -46,3 +47,16 @@ def _mapping(nbytes: int) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return memory
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Give the whole pages under a CPU tensor back to the OS, keeping its addresses (every
+    pointer to it stays valid): they read as zeros until written again (MADV_DONTNEED)."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    first = -(-start // page) * page
+    last = (start + tensor.numel() * tensor.element_size()) // page * page
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")

@@ -32,6 +32,10 @@ class Executor(Protocol):
 
     def update_weights(self, model_path: str) -> None: ...
 
+    def release_memory(self, tags: frozenset[str]) -> None: ...
+
+    def resume_memory(self, tags: frozenset[str]) -> None: ...
+
 
 class KVManager:
     def __init__(self, args: EngineArgs, executor: Executor):

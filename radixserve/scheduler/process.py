@@ -183,4 +183,11 @@ class SchedulerLoop:
             except (ValueError, OSError) as exc:
                 return {"success": False, "message": str(exc)}
             return {"success": True, "message": "weights updated", "num_paused_requests": touched}
+        if msg.kind in ("release_memory", "resume_memory"):
+            tags = frozenset(msg.text.split(","))
+            try:
+                getattr(self.scheduler, msg.kind)(tags)
+            except (ValueError, OSError) as exc:
+                return {"success": False, "message": str(exc)}
+            return {"success": True}
         return {"error": f"unknown control {msg.kind!r}"}

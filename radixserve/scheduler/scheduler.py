@@ -71,6 +71,7 @@ class Scheduler:
         )
         self.results = ResultProcessor(args, self.kv, self.metrics, eos_ids, decode_tail, grammars)
         self.paused = False  # /pause_generation: no step runs until /continue_generation
+        self.released: frozenset[str] = frozenset()  # memory given back: no step runs either
 
     @property
     def cache(self):
@@ -128,7 +129,14 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.pending_aborts) or (not self.paused and bool(self.waiting or self.running))
+        return bool(self.pending_aborts) or (
+            not self.stopped and bool(self.waiting or self.running)
+        )
+
+    @property
+    def stopped(self) -> bool:
+        """No step may run: generation is paused, or memory was released."""
+        return self.paused or bool(self.released)
 
     def poll_timeout_s(self, idle_s: float) -> float:
         """How long the loop may block on its inbox before the next step: 0 with a step to
@@ -143,7 +151,7 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Run one forward step (if there is work) and return the outputs it produced."""
         self._apply_aborts()
-        step = None if self.paused else self._next_step()
+        step = None if self.stopped else self._next_step()
         if step is not None:
             try:
                 self._run(step)
@@ -250,6 +258,25 @@ class Scheduler:
         self.kv.renew(model_path)
         self.metrics.reset_cache_figures()
         return touched
+
+    def release_memory(self, tags: frozenset[str]) -> None:
+        """Give back the KV cache's and/or the weights' memory (RL frameworks train in it
+        meanwhile); only with no request running. Steps stay off until `resume_memory`; the
+        cache is emptied with the KV it indexed."""
+        if self.running:
+            raise ValueError(
+                f"{len(self.running)} requests are running: pause generation (mode abort or "
+                f"retract) before releasing memory"
+            )
+        self.executor.release_memory(tags)
+        if "kv_cache" in tags:
+            self.kv.flush()
+            self.metrics.reset_cache_figures()
+        self.released |= tags
+
+    def resume_memory(self, tags: frozenset[str]) -> None:
+        self.executor.resume_memory(tags)
+        self.released -= tags
 
     def _retract_all(self) -> int:
         running = list(self.running)

@@ -1,5 +1,7 @@
 """Rollout control for RL frameworks (verl, slime, OpenRLHF drive SGLang through these routes):
-`/update_weights_from_disk`, `/get_weight_version`, `/pause_generation`, `/continue_generation`.
+`/update_weights_from_disk`, `/get_weight_version`, `/pause_generation`, `/continue_generation`,
+`/release_memory_occupation` and `/resume_memory_occupation` (the KV cache's pages and the
+weights given back while a trainer uses the memory, then taken again).
 
 A weight update swaps the weights between two scheduler steps: in-flight requests are aborted
 (`abort_all_requests`) or retracted to recompute with the new weights, and every cached prefix
@@ -37,6 +39,20 @@ class PauseRequest(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class MemoryRequest(BaseModel):
+    """Which memory to give back or take again (both when `tags` is left out)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tags: list[Literal["kv_cache", "weights"]] | None = None
+
+    def joined(self) -> str:
+        return ",".join(sorted(set(self.tags or MEMORY_TAGS)))
+
+
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
 class ContinueRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -65,6 +81,21 @@ def rollout_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def pause_generation(request: Request):
         body = await parse_body(request, PauseRequest) if await request.body() else PauseRequest()
         return await tm.control("pause", text=body.mode)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        return await _memory(request, "release_memory")
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        return await _memory(request, "resume_memory")
+
+    async def _memory(request: Request, kind: str) -> dict:
+        body = await parse_body(request, MemoryRequest) if await request.body() else MemoryRequest()
+        reply = await tm.control(kind, timeout=WEIGHT_LOAD_TIMEOUT_S, text=body.joined())
+        if not reply.get("success"):
+            raise RequestError(reply.get("message") or reply.get("error"))
+        return reply
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -12,6 +13,7 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
+from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import KVPool
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
 from ..models.loader import build_model, with_max_context
@@ -139,7 +141,7 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             device=self.device,
         )
-        self.args, self.graph_cls = args, graph_cls
+        self.args, self.graph_cls, self.model_path = args, graph_cls, args.model
         self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
@@ -182,7 +184,7 @@ class ModelRunner:
             raise ValueError("updating weights with --tp-size > 1 is not supported")
         source = resolve_model(model_path)
         for name in WEIGHT_SHAPE_FIELDS:
-            old, new = getattr(self.model.cfg, name), getattr(source.config, name)
+            old, new = getattr(self.config, name), getattr(source.config, name)
             if old != new:
                 raise ValueError(
                     f"the new checkpoint's {name} is {new}; the served model's is {old}"
@@ -197,7 +199,27 @@ class ModelRunner:
             self.tp,
         )
         self.model, self.graphs, self.compiled = model, None, None
+        self.model_path = model_path
         self._prepare_forward()
+
+    def release_memory(self, tags: frozenset[str]) -> None:
+        """Give back the memory of the `kv_cache` (CPU: its pages, addresses kept, reading as
+        zeros) and/or the `weights` (the model is dropped; `resume_memory` loads it again from
+        its checkpoint). No step may run until `resume_memory`."""
+        if "kv_cache" in tags:
+            if self.device.type != "cpu":
+                raise ValueError("releasing the KV cache is implemented on CPU only")
+            for tensor in self.pool.k + self.pool.v:
+                release_pages(tensor)
+        if "weights" in tags:
+            if self.tp.size > 1:
+                raise ValueError("releasing weights with --tp-size > 1 is not supported")
+            self.model = self.graphs = self.compiled = None
+            gc.collect()
+
+    def resume_memory(self, tags: frozenset[str]) -> None:
+        if "weights" in tags and self.model is None:
+            self.update_weights(self.model_path)
 
     def slot_layout(self) -> SlotLayout:
         return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
