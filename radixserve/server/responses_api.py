@@ -44,6 +44,10 @@ class ResponseStore:
             raise RequestError(f"no stored response has id {response_id!r}", 404)
         return self.items[response_id]
 
+    def forget(self, response_id: str) -> None:
+        self.get(response_id)  # a 404 for an unknown id
+        del self.items[response_id]
+
     def history(self, previous_id: str | None) -> list[dict[str, Any]]:
         if previous_id is None:
             return []
@@ -80,8 +84,7 @@ def responses_routes(app: FastAPI, tm: TokenizerManager, setup: ChatSetup) -> No
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        store.get(response_id)
-        del store.items[response_id]
+        store.forget(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
 
