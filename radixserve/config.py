@@ -8,6 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from .kv_events import KVEventsConfig
+from .quant import KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -17,7 +18,6 @@ SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 EVICTION_POLICIES = ("lru", "lfu", "slru")  # radix cache eviction order; see mem/radix_cache.py
 REQUEST_LOG_LEVELS = ("full", "hashes")  # what --log-requests stores of each prompt
 LOG_LEVELS = ("debug", "info", "warning", "error")
-QUANTIZATIONS = ("int8",)
 HICACHE_STORAGE_BACKENDS = ("file",)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -202,8 +202,16 @@ class EngineArgs:
     num_threads: int | None = option(None, "torch threads of the worker (default: all cores)")
     quantization: str | None = option(
         None,
-        "weight-only int8 (faster CPU decode; outputs differ slightly from fp32)",
-        QUANTIZATIONS,
+        "quantize a float checkpoint's linear layers at load, weight-only with one scale per "
+        "output channel: int8 or fp8 (float8_e4m3fn); a quantized checkpoint (fp8, "
+        "compressed-tensors, awq, gptq) is read from its config.json without this flag",
+        ONLINE_QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache dtype: auto (the model's dtype) or fp8_e4m3 (one byte a value with a scale "
+        "per layer: the checkpoint's k_scale/v_scale, else 1.0)",
+        KV_CACHE_DTYPES,
     )
     kv_events_config: str | None = option(
         None,

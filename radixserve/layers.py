@@ -16,6 +16,19 @@ from torch import nn
 
 from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
+from .quant import QuantScheme
+from .quant.weights import (
+    QuantizedWeight,
+    TensorName,
+    build_fp8,
+    build_int4,
+    fp8_part,
+    int4_part,
+    is_quantized_tensor,
+    quantize_fp8,
+    quantize_int8,
+)
+
 
 def fused(cpu_ops):
     """The CPU kernels to call now: None while torch.compile traces (it fuses the torch code)."""
@@ -182,6 +195,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.out_features = out_features
         self.register_buffer("weight_packed", None)
+        self.quant_parts: dict[int, dict[str, torch.Tensor]] = {}  # offset -> kind -> tensor
+        self.quantized: QuantizedWeight | None = None
         self.cpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,8 +205,9 @@ class Linear(nn.Module):
                 return packed_linear(x, self.weight_packed, self.bias, self.out_features)
             # eagerly, straight to the kernel: the custom op's dispatch costs ~40 us a call
             return self.cpu_ops.packed_linear(x, self.weight_packed, self.bias, self.out_features)
-        if self.weight_t is None:
-            return self._forward_int8(x)
+        if self.quantized is not None:
+            out = self.quantized.matmul(x)
+            return out + self.bias if self.bias is not None else out
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight_t)
         return torch.mm(x, self.weight_t)
@@ -205,28 +221,46 @@ class Linear(nn.Module):
         self.weight_t = None
 
     @torch.no_grad()
-    def quantize_int8(self) -> None:
-        """Weight-only int8 with one scale per output channel; activations go through bf16.
-
-        Streams a quarter of the fp32 bytes per step (decode is bandwidth-bound on CPU).
-        """
-        weight = self.weight_t.t().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self.register_buffer(
-            "weight_int8", torch.round(weight / scales[:, None]).to(torch.int8).contiguous()
-        )
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+    def quantize(self, method: str) -> None:
+        """`--quantization`: weight-only int8 or FP8 (one scale per output channel) of the
+        loaded float weight."""
+        weight = self.weight_t.t()
+        self.quantized = quantize_int8(weight) if method == "int8" else quantize_fp8(weight)
         self.weight_t = None
 
-    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).to(
-            x.dtype
-        )
-        return out + self.bias if self.bias is not None else out
+    @torch.no_grad()
+    def load_quantized(self, scheme: QuantScheme, name: TensorName, dtype: torch.dtype) -> None:
+        """Build the quantized weight from the checkpoint tensors `load` kept (`name(part,
+        kind)`: a tensor's checkpoint name, for errors)."""
+        in_features = self.weight_t.shape[0]
+        widths = self.parts or (self.out_features,)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        if set(self.quant_parts) - set(starts):
+            raise ValueError(f"checkpoint tensor {name(0, 'weight')!r}: parts do not line up")
+        parts = []
+        for part, (start, rows) in enumerate(zip(starts, widths)):
+            pieces = self.quant_parts.get(start, {})
+            if scheme.bits == 4:
+                parts.append(int4_part(scheme, pieces, rows, in_features, name, part))
+            else:
+                parts.append(fp8_part(scheme, pieces, rows, in_features, name, part))
+        if scheme.bits == 4:
+            self.quantized = build_int4(parts, scheme.group, dtype, name(0, "qweight"))
+        else:
+            self.quantized = build_fp8(parts)
+        self.quant_parts = {}
+        self.weight_t = None
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
-        """Copy a checkpoint weight (`[out, in]`) or bias into rows `offset:` of the output."""
+        """Copy a checkpoint weight (`[out, in]`) or bias into rows `offset:` of the output;
+        a quantized checkpoint's tensors (FP8 bytes, scales, packed int4) are kept for
+        `load_quantized`."""
+        if is_quantized_tensor(name, tensor):
+            self.quant_parts.setdefault(offset, {})[name] = tensor
+            if name in ("weight", "qweight"):
+                self.loaded.add(("weight", offset))
+            return
         rows = tensor.shape[0]
         in_features = self.weight_t.shape[0]
         if name == "weight" and (tensor.dim() != 2 or tensor.shape[1] != in_features):

@@ -6,3 +6,4 @@ void bind_cpu_attention(pybind11::module& m);  // cpu_attention.cpp: paged decod
 void bind_cpu_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp: norms, activation, rotary, KV store
 void bind_cpu_linear(pybind11::module& m);     // cpu_linear.cpp: the packed float32 GEMM
 void bind_cpu_decoder(pybind11::module& m);    // cpu_decoder.cpp: the decoder layers in one call
+void bind_cpu_quant(pybind11::module& m);     // cpu_quant.cpp: the FP8 weight GEMM

@@ -1,7 +1,8 @@
 """radixserve's CPU kernels, built on first use: paged decode and extend attention
 (`cpu_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
 (`cpu_fused_ops.cpp`), the float32 GEMM against packed weights (`cpu_linear.cpp`) and the
-decoder layers' loop over them in one call (`cpu_decoder.cpp`).
+decoder layers' loop over them in one call (`cpu_decoder.cpp`), and the FP8 weight GEMM
+(`cpu_quant.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
@@ -29,12 +30,19 @@ SOURCES = [
         "cpu_fused_ops.cpp",
         "cpu_linear.cpp",
         "cpu_decoder.cpp",
+        "cpu_quant.cpp",
         "cpu_module.cpp",
     )
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("cpu_simd.h", "cpu_parallel.h", "cpu_layer_ops.h", "cpu_bindings.h")
+    for name in (
+        "cpu_simd.h",
+        "cpu_parallel.h",
+        "cpu_layer_ops.h",
+        "cpu_bindings.h",
+        "cpu_quant.h",
+    )
 ]
 
 

@@ -11,8 +11,11 @@ import torch
 from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
 from ..distributed import TPGroup
+from ..layers import Linear, use_cpu_ops
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
+from ..quant import QuantScheme, scheme_of
+from .decoder import checkpoint_name
 from .moe import Experts
 from .registry import model_class
 from .source import ModelSource
@@ -65,27 +68,48 @@ def build_model(
         _init_dummy(model, seed)
     else:
         model.load_weights(iter_checkpoint(source.weights_dir))
+        _load_quantized(model, scheme_of(source.config.hf_config), dtype, device)
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     if device.type == "cuda":
         for module in model.modules():
             if isinstance(module, Experts):
                 module.stack_for_gpu()
-    from ..layers import Linear, use_cpu_ops
-
     cpu_ops = None
     if device.type == "cpu":
         cpu_ops = load_cpu_kernels()
         use_cpu_ops(model, cpu_ops)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight_t is not None]
     for linear in linears:
-        if quantization == "int8":
-            linear.quantize_int8()
+        if quantization is not None:
+            linear.quantize(quantization)
         elif cpu_ops is not None and dtype == torch.float32:
             linear.pack_for_cpu()
     packed = [m for m in linears if m.weight_packed is not None]
     for linear, weight in zip(packed, into_huge_pages([m.weight_packed for m in packed])):
         linear.weight_packed = weight  # one mapping in huge pages: the decode step streams them all
     return model
+
+
+def _load_quantized(
+    model: torch.nn.Module, scheme: QuantScheme | None, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Build each linear layer's quantized weight from the checkpoint tensors it kept."""
+    for module_name, linear in model.named_modules():
+        if not isinstance(linear, Linear) or not linear.quant_parts:
+            continue
+
+        def name(part: int, kind: str, module_name=module_name) -> str:
+            return checkpoint_name(module_name, (kind, part))
+
+        if scheme is None:
+            raise ValueError(
+                f"checkpoint tensor {name(0, 'weight')!r} is quantized, but config.json has no "
+                "quantization_config"
+            )
+        if scheme.bits == 4 and device.type != "cpu":
+            raise ValueError(f"{scheme.method} checkpoints run on CPU only for now")
+        linear.load_quantized(scheme, name, dtype)
+        linear.quantized = linear.quantized.to(device)
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ..quant import UnsupportedQuantization, scheme_of
+
 if TYPE_CHECKING:
     from ..model_config import ModelConfig
 
@@ -85,12 +87,10 @@ ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 def check_supported(hf: dict) -> None:
     """Refuse, naming the field, a config.json whose family or settings are not implemented."""
     architecture_of(hf)
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModel(
-            f"config.json: quantized checkpoints (quant_method {method!r}) are not implemented "
-            "yet; serve an unquantized checkpoint (--quantization int8 quantizes at load)"
-        )
+    try:
+        scheme_of(hf)
+    except UnsupportedQuantization as exc:
+        raise UnsupportedModel(str(exc)) from None
     ropes = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     for rope in ropes.values() if "full_attention" in ropes else [ropes]:
         kind = rope.get("rope_type", rope.get("type", "default"))

@@ -19,12 +19,13 @@ from typing import Callable
 import uvicorn
 import zmq
 
-from ..config import EngineArgs, ServerArgs
+from ..config import EngineArgs, ServerArgs, refuse_problems
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
 from ..models.registry import is_classifier
 from ..models.source import resolve_draft_model, resolve_model
+from ..quant import quantization_problems
 from ..tokenizer import load_tokenizer_or_none
 from .api import Health, create_app
 from .embeddings_api import EmbeddingSetup
@@ -197,6 +198,12 @@ def launch_server(args: ServerArgs) -> int:
             f"{source.name} is a sequence classifier: serve it with --is-embedding "
             f"(for /v1/rerank and /v1/score)"
         )
+    refuse_problems(
+        "model",
+        quantization_problems(
+            source.config.hf_config, args.engine.quantization, args.engine.tp_size
+        ),
+    )
     if args.engine.speculative_draft_model is not None:
         resolve_draft_model(
             args.engine.speculative_draft_model, source
