@@ -94,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the full results as JSON")
     add_flags(gen, EngineArgs)
     _add_replay_parser(sub)
+    plan = sub.add_parser(
+        "plan",
+        help="the memory a server with these flags would use, and what context x concurrency "
+        "fits, from the model's config alone",
+        formatter_class=formatter,
+    )
+    plan.add_argument(
+        "--memory", required=True, help="the device's free memory, e.g. 80GiB or 24GB"
+    )
+    plan.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device type")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_flags(plan, EngineArgs)
     return parser
 
 
@@ -190,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_router(args_from(ns, RouterArgs))
         engine_args = args_from(ns, EngineArgs)
+        if ns.command == "plan":
+            return _plan(ns, engine_args)
         if ns.command == "serve":
             server_args = args_from(ns, ServerArgs, engine=engine_args)
             return _serve(ns, server_args)
@@ -209,6 +223,19 @@ def _serve(ns: argparse.Namespace, server_args: ServerArgs) -> int:
     fixed = dict(max_request_bytes=server_args.max_request_bytes, log_level=ns.log_level)
     router_args = args_from(ns, RouterArgs, prefix="router-", only=_is_tuning, **fixed)
     return launch_data_parallel(server_args, server_args.dp_size, router_args)
+
+
+def _plan(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    from .memory_plan import parse_bytes
+    from .planning import plan_for, plan_report
+
+    try:
+        memory = parse_bytes(ns.memory)
+    except ValueError:
+        raise ValueError(f"--memory {ns.memory!r}: expected a size such as 80GiB") from None
+    plan = plan_for(engine_args, memory, ns.device)
+    print(json.dumps(plan.as_dict()) if ns.json else plan_report(plan, memory, engine_args))
+    return 0
 
 
 def _generate(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from .memory_plan import MemoryPlan
 from .sampling_params import SamplingParams
 
 
@@ -137,19 +138,28 @@ class WorkerInfo:
     device: str
     attention_backend: str
     bytes_per_token: int
+    weights_bytes: int
+    kv_cache_dtype: str
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    def memory_plan(self) -> MemoryPlan:
+        return MemoryPlan(
+            self.weights_bytes,
+            self.bytes_per_token,
+            self.num_slots,
+            self.max_context_len,
+            self.kv_cache_dtype,
+        )
+
     def capacity_line(self) -> str:
-        """The start-up log line: how many tokens, and how many full-context requests, fit."""
+        """The start-up log line: the weights, the pool, and how many full-context requests
+        fit."""
         return (
-            f"KV pool: {self.num_slots} tokens "
-            f"({self.num_slots * self.bytes_per_token / 2**20:.1f} MB, "
-            f"{self.dtype}, {self.device}); fits {self.num_slots // self.max_context_len} "
-            "full-context "
-            f"({self.max_context_len}-token) requests; attention backend {self.attention_backend}"
+            f"memory plan: {self.memory_plan().summary()}; {self.dtype} on {self.device}, "
+            f"attention backend {self.attention_backend}"
         )
 
 

@@ -42,6 +42,8 @@ class FakeExecutor:
             "cpu",
             "fake",
             1,
+            0,
+            "float32",
         )
         self.pool: dict[int, int] = {}
         self.table = [[0] * max_context for _ in range(max_running)]

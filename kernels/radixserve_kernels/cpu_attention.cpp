@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 #include "cpu_layer_ops.h"
+#include "cpu_quant.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -37,21 +38,6 @@ constexpr int64_t kPrefetch = 8;
 #endif
 constexpr int64_t kValueBlock = 32;  // value rows a query group accumulates before the next block (8 KiB at head dim 64)
 constexpr int64_t kQueryBlock = 16;  // new tokens an extend task attends for (times the group's heads)
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
-  return acc;
-}
-
-template <typename T>
-inline void axpy(float a, const T* v, float* out, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
-}
-
 
 inline float hsum8(Vec8 v) {
   const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
@@ -230,11 +216,33 @@ AttendFloat attend_float_for(int64_t dim) {
   }
 }
 
-// One (query, KV head) task of any dtype, without the fast path: a dot product per key.
-template <typename T>
-void decode_task_generic(const T* qp, const T* kp, const T* vp, const int64_t* slots, int64_t len,
-                         int64_t slot_stride, int64_t head_offset, int64_t group, int64_t dim, float scale, T* out,
-                         cpu_layer_ops::AttentionScratch& s) {
+// A cache element as float: float32/bf16/fp16 as stored, a uint8 as float8_e4m3fn bits.
+template <typename C>
+inline float cache_value(C x) {
+  if constexpr (std::is_same_v<C, uint8_t>) return cpu_quant::fp8_value(x);
+  else return static_cast<float>(x);
+}
+
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * cache_value(k[i]);
+  return acc;
+}
+
+template <typename C>
+inline void axpy(float a, const C* v, float* out, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] += a * cache_value(v[i]);
+}
+
+// One (query, KV head) task of any dtype, without the fast path: a dot product per key. C is the
+// cache's element type (T, or uint8 for an FP8 cache whose rows are k / k_scale, v / v_scale).
+template <typename T, typename C>
+void decode_task_generic(const T* qp, const C* kp, const C* vp, const int64_t* slots, int64_t len,
+                         int64_t slot_stride, int64_t head_offset, int64_t group, int64_t dim, float scale,
+                         float v_scale, T* out, cpu_layer_ops::AttentionScratch& s) {
   s.scores.assign(group * len, 0.f);
   s.queries.resize(group * dim);
   s.values.assign(group * dim, 0.f);
@@ -242,35 +250,35 @@ void decode_task_generic(const T* qp, const T* kp, const T* vp, const int64_t* s
     for (int64_t i = 0; i < dim; ++i) s.queries[g * dim + i] = static_cast<float>(qp[g * dim + i]) * scale;
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetch < len) __builtin_prefetch(kp + slots[t + kPrefetch] * slot_stride + head_offset);
-    const T* key = kp + slots[t] * slot_stride + head_offset;
+    const C* key = kp + slots[t] * slot_stride + head_offset;
     for (int64_t g = 0; g < group; ++g) s.scores[g * len + t] = dot(s.queries.data() + g * dim, key, dim);
   }
   softmax_rows(s.scores.data(), group, len, len);
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetch < len) __builtin_prefetch(vp + slots[t + kPrefetch] * slot_stride + head_offset);
-    const T* value = vp + slots[t] * slot_stride + head_offset;
+    const C* value = vp + slots[t] * slot_stride + head_offset;
     for (int64_t g = 0; g < group; ++g) axpy(s.scores[g * len + t], value, s.values.data() + g * dim, dim);
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < dim; ++i) out[g * dim + i] = static_cast<T>(s.values[g * dim + i]);
+    for (int64_t i = 0; i < dim; ++i) out[g * dim + i] = static_cast<T>(s.values[g * dim + i] * v_scale);
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& req_to_token, const torch::Tensor& rows, const torch::Tensor& seq_lens,
-                   torch::Tensor& out, double scale) {
+                   torch::Tensor& out, double scale, double k_scale, double v_scale) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t* len_of = seq_lens.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
   const int64_t q_stride = q.stride(0);
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
     const cpu_layer_ops::DecodeAttention attention{
         {qp, q_stride, slot_stride, head_stride, table, table_stride, op, heads * dim, heads, kv_heads, dim,
          static_cast<float>(scale)},
@@ -285,9 +293,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
     cpu_layer_ops::AttentionScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kh = task % kv_heads;
-      decode_task_generic<T>(qp + b * q_stride + kh * group * dim, kp, vp, table + row_of[b] * table_stride,
-                             len_of[b], slot_stride, kh * head_stride, group, dim, static_cast<float>(scale),
-                             op + (b * heads + kh * group) * dim, scratch);
+      decode_task_generic<T, C>(qp + b * q_stride + kh * group * dim, kp, vp, table + row_of[b] * table_stride,
+                                len_of[b], slot_stride, kh * head_stride, group, dim,
+                                static_cast<float>(scale * k_scale), static_cast<float>(v_scale),
+                                op + (b * heads + kh * group) * dim, scratch);
     }
   });
 }
@@ -450,8 +459,8 @@ void DecodeAttention::run_task(int64_t task, const float* k_cache, const float* 
   float* out = io.out + b * io.out_stride + kh * group * dim;
   const AttendFloat fast = attend_float_for(dim);
   if (fast == nullptr) {
-    decode_task_generic<float>(q, k_cache, v_cache, slots, len, io.slot_stride, head_offset, group, dim, io.scale,
-                               out, s);
+    decode_task_generic<float, float>(q, k_cache, v_cache, slots, len, io.slot_stride, head_offset, group, dim,
+                                      io.scale, 1.f, out, s);
     return;
   }
   s.scores.assign(group * len, 0.f);
@@ -503,19 +512,28 @@ torch::Tensor with_contiguous_heads(const torch::Tensor& q) {
 
 }  // namespace
 
-// q [B, H, D] (a token's heads contiguous; tokens may follow any stride); k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, seq_lens [B] int64.
+// q [B, H, D] (a token's heads contiguous; tokens may follow any stride); k_cache, v_cache [slots, KVH, D]
+// of q's dtype, or uint8 holding FP8 (float8_e4m3fn) K / k_scale and V / v_scale; req_to_token [rows,
+// max_len] int64; rows, seq_lens [B] int64.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor seq_lens,
-                                     double scale) {
+                                     double scale, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-d");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
   q = with_contiguous_heads(q);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const bool fp8 = k_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "caches must have q's dtype, or be uint8 (FP8)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
-                            seq_lens.contiguous(), out, scale);
+    if (fp8)
+      decode_kernel<scalar_t, uint8_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
+                                       seq_lens.contiguous(), out, scale, k_scale, v_scale);
+    else
+      decode_kernel<scalar_t, scalar_t>(q, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
+                                        seq_lens.contiguous(), out, scale, 1.0, 1.0);
   });
   return out;
 }
@@ -555,7 +573,10 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
 bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != nullptr; }
 
 void bind_cpu_attention(pybind11::module& m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("req_to_token"),
+        pybind11::arg("rows"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
+        pybind11::arg("v_scale") = 1.0);
   m.def("paged_extend_attention", &paged_extend_attention, "paged causal attention of new tokens after a prefix (CPU)");
   m.def("extend_supported", &extend_supported, "whether paged_extend_attention has a kernel for this head dim");
 }

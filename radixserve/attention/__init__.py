@@ -11,9 +11,10 @@ _REGISTRY = {
     "triton": ("radixserve.attention.triton_backend", "TritonBackend"),
     "flashinfer": ("radixserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
-# the LayerAttention features each backend implements (known before importing it)
+# the LayerAttention features each backend implements (known before importing it); "fp8_kv": it
+# reads an FP8 KV pool
 FEATURES = {
-    "torch_native": frozenset({"scale", "window", "softcap", "sinks", "latent"}),
+    "torch_native": frozenset({"scale", "window", "softcap", "sinks", "latent", "fp8_kv"}),
     "triton": frozenset({"scale"}),
     "flashinfer": frozenset(),
 }

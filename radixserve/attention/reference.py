@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..mem.kv_pool import KVPool
 from .base import AttentionInputs, LayerAttention
 
 
@@ -52,18 +53,17 @@ def plan_reference(inputs: AttentionInputs) -> ReferencePlan:
 
 
 def reference_attention(
-    plan: ReferencePlan,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    how: LayerAttention,
+    plan: ReferencePlan, q: torch.Tensor, pool: KVPool, layer: int, how: LayerAttention
 ) -> torch.Tensor:
-    """q `[T, H, D]` (this step's tokens) -> `[T, H * Dv]`."""
+    """q `[T, H, D]` (this step's tokens) over layer `layer` of the pool -> `[T, H * Dv]`."""
     heads = q.shape[1]
     queries = q.new_zeros(plan.batch, plan.max_q, heads, q.shape[2])
     queries[plan.q_req, plan.q_pos] = q
-    keys = _gather(plan, k_cache)
-    values = keys[..., : how.value_dim] if how.value_dim is not None else _gather(plan, v_cache)
+    keys = pool.read(_gather(plan, pool.k[layer]), pool.k_scale[layer], q.dtype)
+    if how.value_dim is not None:
+        values = keys[..., : how.value_dim]
+    else:
+        values = pool.read(_gather(plan, pool.v[layer]), pool.v_scale[layer], q.dtype)
     groups = heads // keys.shape[1]
     keys = keys.repeat_interleave(groups, dim=1)
     values = values.repeat_interleave(groups, dim=1)

@@ -177,11 +177,9 @@ class TorchNativeBackend:
             self.pool.store(layer, self.inputs.out_cache_loc, k, v)
             if self.reference_plan is None:
                 self.reference_plan = plan_reference(self.inputs)
-            return reference_attention(
-                self.reference_plan, q, self.pool.k[layer], self.pool.v[layer], how
-            )
+            return reference_attention(self.reference_plan, q, self.pool, layer, how)
         scale = self.scale if how.scale is None else how.scale
-        if self.kernels is not None:
+        if self.kernels is not None and not self.pool.is_fp8:
             self.kernels.store_kv_(
                 self.pool.k[layer], self.pool.v[layer], self.inputs.out_cache_loc, k, v
             )
@@ -215,9 +213,12 @@ class TorchNativeBackend:
                 group.rows,
                 group.seq_lens,
                 scale,
+                self.pool.k_scale[layer],
+                self.pool.v_scale[layer],
             )
-        keys = self._gather(group, self.pool.k[layer])
-        values = self._gather(group, self.pool.v[layer])
+        pool = self.pool
+        keys = pool.read(self._gather(group, pool.k[layer]), pool.k_scale[layer], q.dtype)
+        values = pool.read(self._gather(group, pool.v[layer]), pool.v_scale[layer], q.dtype)
         queries = self._pad(group, q).transpose(1, 2)
         mask = None if group.causal else group.mask
         out = F.scaled_dot_product_attention(

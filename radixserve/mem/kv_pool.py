@@ -1,4 +1,8 @@
-"""Per-layer K and V storage, indexed by slot. Owned by the model worker."""
+"""Per-layer K and V storage, indexed by slot. Owned by the model worker.
+
+An FP8 pool (`--kv-cache-dtype fp8_e4m3`) holds float8_e4m3fn bits in uint8 tensors (so that the
+tiers copy them as bytes): a key is stored as k / k_scale and read back as stored * k_scale, with
+one scale per layer for keys and one for values."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ class KVPool:
     only ever read finite values, which masking then removes exactly.
     """
 
+    FP8 = torch.uint8  # the storage dtype of an FP8 pool
+
     def __init__(
         self,
         num_slots: int,
@@ -29,10 +35,26 @@ class KVPool:
         value_shape = (num_slots, kv_heads, head_dim if value_dim is None else value_dim)
         self.k = [_zeros((num_slots, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(value_shape, dtype, device) for _ in range(num_layers)]
+        self.is_fp8 = dtype == self.FP8
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
+
+    def set_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Per-layer (k_scale, v_scale) of an FP8 pool."""
+        self.k_scale = [k for k, _ in scales]
+        self.v_scale = [v for _, v in scales]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.is_fp8:
+            k, v = to_fp8(k, self.k_scale[layer]), to_fp8(v, self.v_scale[layer])
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
+
+    def read(self, rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Rows gathered from this pool's tensors in the compute dtype."""
+        if not self.is_fp8:
+            return rows
+        return (rows.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(dtype)
 
     @staticmethod
     def bytes_per_token(
@@ -44,6 +66,17 @@ class KVPool:
     ) -> int:
         width = head_dim + (head_dim if value_dim is None else value_dim)
         return num_layers * kv_heads * width * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool tensors' dtype for `--kv-cache-dtype`."""
+    return KVPool.FP8 if kv_cache_dtype == "fp8_e4m3" else model_dtype
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8_e4m3fn bits (saturated at +-448, the largest finite value)."""
+    scaled = (x.float() / scale).clamp(-448.0, 448.0)
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

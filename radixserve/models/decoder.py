@@ -7,6 +7,7 @@ checkpoint's names (`rename`), its rotary tables, its embedding scale and logit 
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -124,6 +125,7 @@ class CausalLM(nn.Module):
         self.rotaries = nn.ModuleList(self.make_rotaries(max_positions))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.cpu_decoder = None
+        self.kv_scales: dict[str, float] = {}  # an FP8-KV checkpoint's k_scale / v_scale tensors
 
     # ---- what a family says -------------------------------------------------
     def make_layer(self, i: int) -> nn.Module:
@@ -174,6 +176,21 @@ class CausalLM(nn.Module):
     def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
         return False
 
+    def kv_cache_scales(self) -> list[tuple[float, float]]:
+        """Each layer's (k_scale, v_scale) for an FP8 KV cache: the checkpoint's (`k_scale` and
+        `v_scale` of `self_attn`, or one `kv_scale`), else 1.0."""
+        scales = []
+        for i in range(self.cfg.num_layers):
+            prefix = f"model.layers.{i}.self_attn."
+            both = self.kv_scales.get(prefix + "kv_scale", 1.0)
+            scales.append(
+                (
+                    self.kv_scales.get(prefix + "k_scale", both),
+                    self.kv_scales.get(prefix + "v_scale", both),
+                )
+            )
+        return scales
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
@@ -193,6 +210,12 @@ class CausalLM(nn.Module):
             if name is None or "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if name.rpartition(".")[2] in KV_SCALE_KINDS:
+                value = float(tensor.float().reshape(-1)[0])
+                if not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} is {value}: a KV scale > 0")
+                self.kv_scales[name] = value
                 continue
             try:
                 loaded |= self._load_one(name, tensor, modules, params)
@@ -252,6 +275,9 @@ class CausalLM(nn.Module):
     def shard_offset(module: Linear, shard: int | None) -> int:
         """Where part `shard` of a fused projection starts in its output."""
         return sum(module.parts[:shard]) if shard else 0
+
+
+KV_SCALE_KINDS = ("k_scale", "v_scale", "kv_scale")
 
 
 def layer_window(hf: dict, i: int) -> int | None:

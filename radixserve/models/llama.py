@@ -47,6 +47,7 @@ class LlamaForCausalLM(CausalLM):
             or self.attention_features()
             or any(getattr(layer.mlp, "act_name", None) != "silu" for layer in self.model.layers)
             or any(m.weight_packed is None for m in linears)
+            or backend.pool.k[0].dtype != torch.float32
         ):
             return False
         layers = self.model.layers

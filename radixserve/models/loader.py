@@ -14,7 +14,8 @@ from ..distributed import TPGroup
 from ..layers import Linear, use_cpu_ops
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
-from ..quant import QuantScheme, scheme_of
+from ..quant import QuantScheme, scheme_of, unquantized_modules
+from ..quant.weights import planned_linear_bytes
 from .decoder import checkpoint_name
 from .moe import Experts
 from .registry import model_class
@@ -88,6 +89,43 @@ def build_model(
     for linear, weight in zip(packed, into_huge_pages([m.weight_packed for m in packed])):
         linear.weight_packed = weight  # one mapping in huge pages: the decode step streams them all
     return model
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes a built model holds: parameters, buffers and quantized weights."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    quantized = [m.quantized for m in model.modules() if getattr(m, "quantized", None)]
+    return total + sum(q.nbytes for q in quantized)
+
+
+def planned_weight_bytes(
+    source: ModelSource,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    tp: TPGroup = TPGroup(),
+) -> int:
+    """What `model_bytes` will be for this rank, from the config alone: the model built on the
+    meta device, each linear layer counted at its format's bytes (a quantized checkpoint's
+    layers but those its config leaves in float, and the LM head, which no layout here
+    quantizes; or every layer under `--quantization`)."""
+    with torch.device("meta"):
+        model = model_class(source.config)(source.config, max_positions, tp)
+    scheme = scheme_of(source.config.hf_config) if source.weights_dir is not None else None
+    skipped = unquantized_modules(source.config.hf_config)
+    total = 0
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if isinstance(module, Linear):
+            own = [t for t in own if t is not module.weight_t]
+            quantized = scheme is not None and name != "lm_head" and not skipped(name)
+            fmt = scheme if quantized else quantization
+            total += planned_linear_bytes(fmt, module.out_features, module.weight_t.shape[0], dtype)
+        total += sum(
+            t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in own
+        )
+    return total
 
 
 def _load_quantized(

@@ -126,6 +126,26 @@ def _int4(method: str, qc: dict) -> QuantScheme:
     return QuantScheme(GPTQ, group=group, zeros_offset=1 if fmt == "gptq" else 0)
 
 
+def unquantized_modules(hf: dict):
+    """A predicate on module names: those a quantized checkpoint's config keeps in float
+    (`modules_to_not_convert`, compressed-tensors' `ignore`, names or `re:` patterns)."""
+    import re
+
+    qc = hf.get("quantization_config") or {}
+    entries = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignore") or [])
+
+    def skipped(name: str) -> bool:
+        for entry in entries:
+            if entry.startswith("re:"):
+                if re.fullmatch(entry[3:], name):
+                    return True
+            elif entry == name or name.endswith("." + entry) or entry in name.split("."):
+                return True
+        return False
+
+    return skipped
+
+
 def quantization_problems(hf: dict, online: str | None, tp_size: int):
     """What a quantized checkpoint cannot be served with (one line each)."""
     scheme = scheme_of(hf) if hf else None

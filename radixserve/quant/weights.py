@@ -276,6 +276,23 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(data, scales.to(torch.bfloat16))
 
 
+def planned_linear_bytes(
+    fmt: QuantScheme | str | None, out: int, inp: int, dtype: torch.dtype
+) -> int:
+    """The bytes a `[out, inp]` linear weight will hold in format `fmt` (a checkpoint's scheme,
+    an online `--quantization`, or None: float in `dtype`), as the classes above store it."""
+    if fmt is None:
+        return out * inp * dtype.itemsize
+    if fmt == "int8":
+        return out * inp + out * 2
+    if fmt == "fp8":
+        return out * inp + out * 4
+    if fmt.bits == 4:
+        return out * inp // 2 + (inp // fmt.group) * out * 2 * dtype.itemsize
+    groups = -(-inp // fmt.group) if fmt.method == FP8_BLOCK else 1
+    return out * inp + out * groups * 4
+
+
 # ---- shared -----------------------------------------------------------------------------------
 def _piece(pieces: dict, kind: str, name: TensorName, part: int) -> torch.Tensor:
     if kind not in pieces:

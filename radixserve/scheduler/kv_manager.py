@@ -231,6 +231,7 @@ def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) 
         args.seed if model.startswith("dummy:") else None,
         args.quantization,
         info.dtype,
+        info.kv_cache_dtype,
         block_size(info.page_size),
         tuple(pool.k[0].shape[1:]),
         len(pool.k),

@@ -233,6 +233,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
                 **server_args_dict(args),
                 "worker": vars(tm.info),
                 "max_total_num_tokens": tm.info.num_slots,
+                "memory_plan": tm.info.memory_plan().as_dict(),
                 "stats": stats,
                 "uptime_s": time.time() - health.started,
                 "processes": health.processes,

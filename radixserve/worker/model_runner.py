@@ -14,9 +14,10 @@ from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..mem.huge_pages import release_pages
-from ..mem.kv_pool import KVPool
+from ..mem.kv_pool import KVPool, kv_storage_dtype
+from ..memory_plan import context_problem, kv_pages
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
-from ..models.loader import build_model, with_max_context
+from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.source import ModelSource, resolve_model
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample, verify
@@ -25,7 +26,6 @@ from .torch_compile import CompiledForward
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_MAX_TOKENS = 65536
 # a checkpoint that replaces the served weights must agree on these (the pool and the step
 # buffers are sized by them)
 WEIGHT_SHAPE_FIELDS = (
@@ -102,8 +102,10 @@ class ModelRunner:
             source, self.dtype, self.device, self.max_context_len, args.seed, args.quantization, tp
         )
         cfg = self.config = self.model.cfg  # this rank's heads
+        self.weights_bytes = model_bytes(self.model)
+        self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
         per_token = KVPool.bytes_per_token(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, cfg.value_dim
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, cfg.value_dim
         )
         num_pages = (
             layout.num_pages
@@ -116,10 +118,12 @@ class ModelRunner:
             cfg.num_layers,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             cfg.value_dim,
         )
+        if self.pool.is_fp8:
+            self.pool.set_scales(self.model.kv_cache_scales())
         self.req_to_token = (
             layout.req_to_token
             if layout is not None
@@ -130,9 +134,8 @@ class ModelRunner:
                 device=self.device,
             )
         )
-        backend = resolve_backend_name(
-            args.attention_backend, self.device.type, self.model.attention_features()
-        )
+        needs = self.model.attention_features() | ({"fp8_kv"} if self.pool.is_fp8 else frozenset())
+        backend = resolve_backend_name(args.attention_backend, self.device.type, needs)
         self.backend = create_backend(
             backend,
             pool=self.pool,
@@ -154,7 +157,12 @@ class ModelRunner:
             str(self.device),
             backend,
             per_token,
+            self.weights_bytes,
+            str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
         )
+        asked = self.max_context_len if args.max_context_len is not None else None
+        if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
+            raise ValueError(problem)
 
     def _prepare_forward(self) -> None:
         """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
@@ -200,6 +208,8 @@ class ModelRunner:
         )
         self.model, self.graphs, self.compiled = model, None, None
         self.model_path = model_path
+        if self.pool.is_fp8:
+            self.pool.set_scales(model.kv_cache_scales())
         self._prepare_forward()
 
     def release_memory(self, tags: frozenset[str]) -> None:
@@ -225,14 +235,19 @@ class ModelRunner:
         return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
 
     def _num_pages(self, args: EngineArgs, per_token: int) -> int:
-        tokens = args.max_total_tokens
-        if tokens is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * args.mem_fraction) // per_token
-        if tokens is None:
+        if self.device.type == "cuda":
+            available, _ = torch.cuda.mem_get_info(self.device)  # the weights are in already
+        else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            tokens = min(int(total * args.mem_fraction) // per_token, DEFAULT_CPU_MAX_TOKENS)
-        return max(tokens // args.page_size, 1)
+            available = total - self.weights_bytes
+        return kv_pages(
+            available,
+            per_token,
+            args.mem_fraction,
+            args.max_total_tokens,
+            self.device.type,
+            args.page_size,
+        )
 
     def _capture_graphs(self, args: EngineArgs, graph_cls) -> CudaGraphRunner | None:
         """Decode graphs on CUDA with a graph-capable backend, unless disabled; `graph_cls`

@@ -15,7 +15,7 @@ import torch
 from ..config import EngineArgs
 from ..distributed import TPGroup, init_tp_group
 from ..ipc import Endpoints, exit_with_parent
-from ..mem.kv_pool import KVPool
+from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..models.source import ModelSource, resolve_draft_model, resolve_model
 from .model_runner import ModelRunner, default_device, resolve_dtype
 
@@ -45,7 +45,11 @@ def build_runners(
         resolve_dtype(args.dtype, device or default_device(), draft.config.checkpoint_dtype),
     )
     reserve = KVPool.bytes_per_token(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, cfg.value_dim
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kv_storage_dtype(args.kv_cache_dtype, dtype),
+        cfg.value_dim,
     )
     target = ModelRunner(source, args, device, tp=tp, reserve_bytes_per_token=reserve)
     return target, ModelRunner(draft, args, target.device, layout=target.slot_layout())
