@@ -14,6 +14,13 @@ DEFAULT_CPU_MAX_TOKENS = 65536  # a CPU pool larger than this only costs memory 
 GIB = 2**30
 
 
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """One rank's weights and KV pool."""
@@ -41,8 +48,8 @@ class MemoryPlan:
 
     def summary(self) -> str:
         return (
-            f"weights {self.weights_bytes / GIB:.2f} GiB; KV {self.kv_bytes_per_token} B a token "
-            f"({self.kv_cache_dtype}), {self.kv_tokens} tokens ({self.kv_bytes / GIB:.2f} GiB); "
+            f"weights {human_bytes(self.weights_bytes)}; KV {self.kv_bytes_per_token} B a token "
+            f"({self.kv_cache_dtype}), {self.kv_tokens} tokens ({human_bytes(self.kv_bytes)}); "
             f"fits {self.full_context_requests} requests of the full {self.max_context_len}-token "
             "context"
         )
@@ -72,8 +79,8 @@ def context_problem(plan: MemoryPlan, asked: int | None) -> str | None:
     need = asked * plan.kv_bytes_per_token
     return (
         f"--max-context-len {asked}: one request of that length needs {asked} tokens x "
-        f"{plan.kv_bytes_per_token} B = {need / GIB:.2f} GiB of KV, and the pool holds "
-        f"{plan.kv_tokens} tokens ({plan.kv_bytes / GIB:.2f} GiB); lower --max-context-len, or "
+        f"{plan.kv_bytes_per_token} B = {human_bytes(need)} of KV, and the pool holds "
+        f"{plan.kv_tokens} tokens ({human_bytes(plan.kv_bytes)}); lower --max-context-len, or "
         "raise --mem-fraction or --max-total-tokens (--kv-cache-dtype fp8_e4m3 halves a token)"
     )
 

@@ -7,7 +7,7 @@ import torch
 
 from .distributed import TPGroup
 from .mem.kv_pool import KVPool, kv_storage_dtype
-from .memory_plan import GIB, MemoryPlan, context_problem, kv_pages
+from .memory_plan import MemoryPlan, context_problem, human_bytes, kv_pages
 from .models.loader import planned_weight_bytes, with_max_context
 from .models.source import resolve_model
 from .worker.model_runner import resolve_dtype
@@ -43,7 +43,7 @@ def plan_report(plan: MemoryPlan, memory_bytes: int, args) -> str:
     """What `radixserve plan` prints: the plan, then the concurrency each context length
     allows."""
     lines = [
-        f"memory: {memory_bytes / GIB:.2f} GiB; --mem-fraction {args.mem_fraction} of what the "
+        f"memory: {human_bytes(memory_bytes)}; --mem-fraction {args.mem_fraction} of what the "
         "weights leave goes to KV",
         plan.summary(),
         "context x concurrent requests that fit:",

@@ -37,6 +37,7 @@ class QuantScheme:
     group: int = 0
     block_rows: int = 1
     zeros_offset: int = 0  # added to stored GPTQ zeros (1 in the `gptq` format)
+    scale_name: str = "weight_scale"  # FP8: HF's `fp8` calls its scales `weight_scale_inv`
 
     @property
     def bits(self) -> int:
@@ -61,17 +62,20 @@ def scheme_of(hf: dict) -> QuantScheme | None:
     )
 
 
+INVERSE = "weight_scale_inv"  # the name says inverse; it multiplies
+
+
 def _fp8_block(qc: dict) -> QuantScheme:
     if qc.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedQuantization(f"config.json: fp8 fmt {qc['fmt']!r}; supported: e4m3")
     block = qc.get("weight_block_size", [128, 128])  # HF's default
     if block is None:
-        return QuantScheme(FP8_CHANNEL)  # one weight_scale_inv per tensor
+        return QuantScheme(FP8_CHANNEL, scale_name=INVERSE)  # one scale per tensor
     if len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block):
         raise UnsupportedQuantization(
             f"config.json: weight_block_size {block!r} must be two positive integers"
         )
-    return QuantScheme(FP8_BLOCK, group=block[1], block_rows=block[0])
+    return QuantScheme(FP8_BLOCK, group=block[1], block_rows=block[0], scale_name=INVERSE)
 
 
 def _compressed_tensors(qc: dict) -> QuantScheme:

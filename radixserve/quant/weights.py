@@ -118,7 +118,7 @@ def fp8_part(scheme: QuantScheme, pieces: dict, rows: int, cols: int, name: Tens
             f"checkpoint tensor {name(part, 'weight')!r} {tuple(weight.shape)} {weight.dtype}: "
             f"expected float8_e4m3fn [{rows}, {cols}]"
         )
-    kind = "weight_scale_inv" if "weight_scale_inv" in pieces else "weight_scale"
+    kind = scheme.scale_name
     scale = _piece(pieces, kind, name, part).float()
     _check_scales(scale, name(part, kind))
     if scheme.method == FP8_BLOCK:
