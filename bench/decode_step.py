@@ -87,7 +87,8 @@ def weight_bytes(runner: ModelRunner) -> int:
 
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     tensors = [t for m in linears for t in list(m.parameters()) + list(m.buffers())]
-    return sum(t.numel() * t.element_size() for t in tensors if t.dim() > 1)
+    quantized = sum(m.quantized.nbytes for m in linears if m.quantized is not None)
+    return quantized + sum(t.numel() * t.element_size() for t in tensors if t.dim() > 1)
 
 
 def read_bandwidth(device: torch.device, mb: int = 512) -> float:

@@ -149,8 +149,15 @@ def _pack_columns(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
 
 def awq(path: Path, group: int = 32, seed: int = 0):
     """AutoAWQ's GEMM layout."""
-    model = random_llama(seed)
+    return write_awq(random_llama(seed), path, group)
+
+
+def write_awq(model, path: Path, group: int):
+    """`model` (an HF Llama-family model, changed in place to its dequantized weights) written
+    in AutoAWQ's GEMM layout; returns (path, model)."""
     tensors = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
     for name in _quantized_names(model):
         w = tensors.pop(name).float()
         cols = w.shape[1]
