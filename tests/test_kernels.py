@@ -185,3 +185,27 @@ def test_experts_stacked_for_the_fused_kernel_give_the_same_output():
     want = experts(x, weights, chosen)
     assert experts.stack_for_gpu()
     torch.testing.assert_close(experts(x, weights, chosen), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "rows,out,inp,group",
+    [(1, 96, 128, 128), (5, 200, 192, 64), (33, 64, 256, 256), (3, 130, 100, 100)],
+)
+def test_fp8_linear(rows, out, inp, group):
+    """The FP8 GEMM (dynamic per-token activation scales, block/channel weight scales) against
+    its reference, and both near the unquantized product."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out, inp, generator=gen)
+    groups = -(-inp // group)
+    padded = torch.zeros(out, groups * group)
+    padded[:, :inp] = w
+    scales = padded.view(out, groups, group).abs().amax(dim=2) / 448.0
+    data = (w / scales.repeat_interleave(group, 1)[:, :inp]).to(torch.float8_e4m3fn)
+    data = data.view(torch.uint8)
+    x = torch.randn(rows, inp, generator=gen)
+    args = [t.to(DEVICE) for t in (x, data, scales)]
+    got = K.fp8_linear(*args, group).cpu()
+    want = K.fp8_linear_ref(*args, group).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    exact = x @ w.t()
+    assert (got - exact).abs().max() < 0.1 * exact.abs().max()

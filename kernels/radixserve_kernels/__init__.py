@@ -27,6 +27,8 @@ _TRITON_NAMES = {
     "fused_moe": "fused_moe",
     "fused_moe_ref": "fused_moe",
     "align_pairs": "fused_moe",
+    "fp8_linear": "fp8_linear",
+    "fp8_linear_ref": "fp8_linear",
 }
 
 __all__ = sorted(_TRITON_NAMES)

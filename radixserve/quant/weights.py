@@ -58,6 +58,10 @@ class Fp8Weight(QuantizedWeight):
     group: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":  # FP8 GEMM with per-token activation scales
+            from radixserve_kernels import fp8_linear
+
+            return fp8_linear(x, self.data, self.scales, self.group)
         kernels = load_cpu_kernels() if x.device.type == "cpu" else None
         if kernels is not None and x.shape[0] <= FP8_STREAM_ROWS:
             return kernels.fp8_linear(x.float(), self.data, self.scales, self.group).to(x.dtype)
