@@ -8,6 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from .kv_events import KVEventsConfig
+from .lora import parse_lora_path
 from .quant import KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
@@ -213,6 +214,13 @@ class EngineArgs:
         "per layer: the checkpoint's k_scale/v_scale, else 1.0)",
         KV_CACHE_DTYPES,
     )
+    lora_paths: tuple[str, ...] = option(
+        (),
+        "LoRA adapters in peft's format to serve beside the base model, each NAME=PATH (or "
+        "PATH, named after its folder); a request picks one by name (`lora_path`)",
+        metavar="NAME=PATH",
+    )
+    max_lora_rank: int | None = option(None, "refuse adapters of a higher rank (default: any rank)")
     kv_events_config: str | None = option(
         None,
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "
@@ -258,6 +266,21 @@ class EngineArgs:
             yield "speculative_num_draft_tokens must be between 1 and 16"
         if self.log_requests is not None:
             yield from log_folder_problems(self.log_requests)
+        yield from self._lora_problems()
+
+    def _lora_problems(self):
+        if not self.lora_paths:
+            return
+        names = []
+        for item in self.lora_paths:
+            try:
+                names.append(parse_lora_path(item)[0])
+            except ValueError as exc:
+                yield str(exc)
+        if len(set(names)) < len(names):
+            yield f"lora_paths: adapter names repeat: {names}"
+        if self.tp_size > 1 or self.enable_torch_compile or self.speculative_algorithm:
+            yield "lora_paths runs with tp_size 1, without torch compile or speculation (yet)"
 
     def _distributed_problems(self):
         if not 1 <= self.nnodes <= self.tp_size:

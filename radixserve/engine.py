@@ -77,9 +77,10 @@ class Engine:
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
         cache_salt: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in
-        place)."""
+        place). `lora_path`: an adapter's name for every prompt, or a list, one per prompt."""
         reqs, single = self._make_requests(
             prompt,
             input_ids,
@@ -88,6 +89,7 @@ class Engine:
             logprob_start_len,
             top_logprobs_num,
             cache_salt,
+            lora_path,
         )
         streams = [self._submit(r) for r in reqs]
         results = [
@@ -175,6 +177,7 @@ class Engine:
         logprob_start_len,
         top_logprobs_num,
         cache_salt: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -194,8 +197,11 @@ class Engine:
         )
         if len(params_list) != len(id_lists):
             raise ValueError("sampling_params list must match the number of prompts")
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(id_lists)
+        if len(adapters) != len(id_lists):
+            raise ValueError("lora_path list must match the number of prompts")
         reqs = []
-        for ids, raw in zip(id_lists, params_list):
+        for ids, raw, adapter in zip(id_lists, params_list, adapters):
             params = raw if isinstance(raw, SamplingParams) else SamplingParams.from_dict(raw)
             if isinstance(raw, SamplingParams):
                 params.validate()
@@ -208,6 +214,7 @@ class Engine:
                     logprob_start_len,
                     top_logprobs_num,
                     cache_salt=cache_salt,
+                    lora_path=adapter,
                 )
                 check_generate(req, self.runner.info)
                 reqs.append(req)

@@ -193,13 +193,18 @@ class Linear(nn.Module):
         self.loaded: set[tuple[str, int]] = set()  # (kind, offset) of each tensor loaded
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.out_features = out_features
+        self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight_packed", None)
         self.quant_parts: dict[int, dict[str, torch.Tensor]] = {}  # offset -> kind -> tensor
         self.quantized: QuantizedWeight | None = None
         self.cpu_ops = None
+        self.lora = None  # the adapters' deltas (lora_weights.LinearLora), when served
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base(x)
+        return out if self.lora is None else self.lora.add(x, out)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_packed is not None:
             if torch.compiler.is_compiling():
                 return packed_linear(x, self.weight_packed, self.bias, self.out_features)

@@ -98,6 +98,8 @@ class ForwardBatch:
     draft_lens: list[int] | None = None
     # embedding requests: how request b's hidden states are pooled (None: it generates)
     pooling: list[str | None] | None = None
+    # LoRA: request b's adapter slot (0: the base model); None when no adapter is served
+    lora_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +142,7 @@ class WorkerInfo:
     bytes_per_token: int
     weights_bytes: int
     kv_cache_dtype: str
+    lora_adapters: tuple[str, ...] = ()  # their names; request slot i + 1 is adapter i
 
     @property
     def num_slots(self) -> int:
@@ -178,6 +181,7 @@ class GenerateReq:
     priority: int = 0  # higher runs first, with --enable-priority-scheduling
     cache_salt: str | None = None  # requests of different salts never share cached KV
     pooling: str | None = None  # an embedding request: its prompt pooled ("last", "mean")
+    lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..config import EngineArgs
 from ..constrained import GrammarBackend, GrammarSpec
+from ..lora import cache_namespace
 from ..messages import FinishReason, ForwardMode, GenerateReq, ReqOutput, SchedulerStats
 from ..sampling_params import SamplingParams
 from .admission import Admission
@@ -96,13 +97,17 @@ class Scheduler:
             msg.logprob_start_len,
             msg.top_logprobs_num,
             priority=msg.priority,
-            cache_salt=msg.cache_salt,
+            cache_salt=cache_namespace(msg.cache_salt, msg.lora_path),
             pooling=msg.pooling,
+            lora_slot=self._lora_slot(msg.lora_path),
         )
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None or self.model_drafter is not None:
             req.spec = SpecState()
         self.waiting.append(req)
+
+    def _lora_slot(self, name: str | None) -> int:
+        return 0 if name is None else 1 + self.info.lora_adapters.index(name)
 
     def _grammar_matcher(self, params: SamplingParams):
         spec = GrammarSpec.from_params(params)

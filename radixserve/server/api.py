@@ -157,6 +157,7 @@ async def build_generate(
         -1 if body.logprob_start_len is None else body.logprob_start_len, n, "logprob_start_len"
     )
     tops = _per_prompt(body.top_logprobs_num or 0, n, "top_logprobs_num")
+    adapters = _per_prompt(body.lora_path, n, "lora_path")
     reqs = []
     for i in range(n):
         explicit = isinstance(params[i], dict) and "max_new_tokens" in params[i]
@@ -170,6 +171,7 @@ async def build_generate(
             priority=body.priority,
             max_tokens_field="max_new_tokens" if explicit else None,
             cache_salt=body.cache_salt,
+            lora_path=adapters[i],
         )
         reqs += tm.expand_n(req)
     return reqs, single and len(reqs) == 1

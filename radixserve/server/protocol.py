@@ -86,6 +86,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     priority: int | None = None  # with --enable-priority-scheduling: higher runs first
     cache_salt: str | None = None  # requests of different salts never share cached KV
+    lora_path: str | list[str | None] | None = None  # a served adapter's name, or one a prompt
 
 
 class TokenizeRequest(BaseModel):

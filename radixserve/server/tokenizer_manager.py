@@ -107,6 +107,7 @@ class TokenizerManager:
         max_tokens_field: str | None = None,
         cache_salt: str | None = None,
         pooling: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input. `max_tokens_field` names
         the field when the output length was given explicitly (then it must fit the context)."""
@@ -124,6 +125,7 @@ class TokenizerManager:
             priority=priority or 0,
             cache_salt=cache_salt,
             pooling=pooling,
+            lora_path=lora_path,
         )
         if self.only_pooling is not None and pooling != self.only_pooling:
             raise RequestError(CLASSIFIER_ONLY)

@@ -13,6 +13,8 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
+from ..lora import parse_lora_path, read_adapter
+from ..lora_weights import attach_adapters
 from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..memory_plan import context_problem, kv_pages
@@ -101,6 +103,14 @@ class ModelRunner:
         self.model = build_model(
             source, self.dtype, self.device, self.max_context_len, args.seed, args.quantization, tp
         )
+        self.adapters = [
+            read_adapter(*parse_lora_path(item), args.max_lora_rank) for item in args.lora_paths
+        ]
+        self.lora_segments = (
+            attach_adapters(self.model, self.adapters, self.dtype, self.device)
+            if self.adapters
+            else None
+        )
         cfg = self.config = self.model.cfg  # this rank's heads
         self.weights_bytes = model_bytes(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
@@ -159,6 +169,7 @@ class ModelRunner:
             per_token,
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
+            tuple(a.name for a in self.adapters),
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
@@ -170,6 +181,7 @@ class ModelRunner:
         if (
             self.device.type == "cpu"
             and not args.enable_torch_compile
+            and self.lora_segments is None  # the C++ decoder has no adapter deltas
             and self.model.fuse_cpu_layers(self.backend)
         ):
             log.info(
@@ -256,6 +268,7 @@ class ModelRunner:
         if (
             graph_cls is None
             or args.disable_cuda_graph
+            or self.lora_segments is not None  # segments change from step to step
             or not getattr(self.backend, "supports_cuda_graph", False)
         ):
             return None
@@ -277,6 +290,8 @@ class ModelRunner:
         """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
         Logits stay on the model's device: only token ids and asked-for logprobs come back."""
         inputs = StepInputs.from_batch(fb, self.device)
+        if self.lora_segments is not None:
+            self.lora_segments.set(fb.lora_slots or [0] * fb.batch_size, fb.extend_lens)
         if self.tp.size > 1:
             self.tp.send_step(inputs.pack())
         logits, hidden = self.run_model(inputs)
