@@ -8,7 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from .kv_events import KVEventsConfig
-from .lora import parse_lora_path
+from .lora import LORA_MODULES, parse_lora_path
 from .quant import KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
@@ -220,7 +220,21 @@ class EngineArgs:
         "PATH, named after its folder); a request picks one by name (`lora_path`)",
         metavar="NAME=PATH",
     )
-    max_lora_rank: int | None = option(None, "refuse adapters of a higher rank (default: any rank)")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (implied by --lora-paths); load more with /load_lora_adapter"
+    )
+    max_lora_rank: int | None = option(
+        None, "the adapter pool's rank: higher ranks are refused (default: the start-up adapters')"
+    )
+    lora_target_modules: tuple[str, ...] = option(
+        (),
+        "the modules the adapter pool holds deltas for, or all (default: the start-up "
+        "adapters'); an adapter targeting others is refused",
+        metavar="MODULE",
+    )
+    max_loras_per_batch: int = option(
+        8, "adapters one step may mix, and the pool's slots: the others wait on the host (LRU)"
+    )
     kv_events_config: str | None = option(
         None,
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "
@@ -269,8 +283,17 @@ class EngineArgs:
         yield from self._lora_problems()
 
     def _lora_problems(self):
-        if not self.lora_paths:
+        if not self.enable_lora and not self.lora_paths:
             return
+        unknown = sorted(set(self.lora_target_modules) - {*LORA_MODULES, "all"})
+        if unknown:
+            yield f"lora_target_modules {unknown}: choose from {', '.join(LORA_MODULES)} or all"
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            yield "max_lora_rank must be >= 1"
+        if self.max_loras_per_batch < 1:
+            yield "max_loras_per_batch must be >= 1"
+        if not self.lora_paths and (self.max_lora_rank is None or not self.lora_target_modules):
+            yield "enable_lora without lora_paths needs max_lora_rank and lora_target_modules"
         names = []
         for item in self.lora_paths:
             try:
@@ -280,7 +303,7 @@ class EngineArgs:
         if len(set(names)) < len(names):
             yield f"lora_paths: adapter names repeat: {names}"
         if self.tp_size > 1 or self.enable_torch_compile or self.speculative_algorithm:
-            yield "lora_paths runs with tp_size 1, without torch compile or speculation (yet)"
+            yield "LoRA runs with tp_size 1, without torch compile or speculation (yet)"
 
     def _distributed_problems(self):
         if not 1 <= self.nnodes <= self.tp_size:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from typing import Any, Iterator
@@ -141,6 +142,19 @@ class Engine:
         """Serve the checkpoint at `model_path` from the next step on (Scheduler.update_weights);
         returns how many in-flight requests were ended or retracted."""
         return self._call("update_weights", model_path, abort_all_requests)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve one more LoRA adapter; ValueError with the reason when it does not fit."""
+        self._call("load_lora", lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str, timeout: float = 300.0) -> None:
+        """Unload an adapter once the requests that use it finish (it takes no new ones);
+        TimeoutError when they outlast `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (busy := self._call("unload_lora", lora_name)) > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"LoRA adapter {lora_name!r} is still used by {busy} requests")
+            time.sleep(0.02)
 
     def get_stats(self):
         return self._call("stats")
@@ -333,6 +347,10 @@ class Engine:
             return self.scheduler.check_memory()
         if kind == "update_weights":
             return self.scheduler.update_weights(*args)
+        if kind == "load_lora":
+            return self.scheduler.load_lora_adapter(*args)
+        if kind == "unload_lora":
+            return self.scheduler.unload_lora_adapter(*args)
         raise ValueError(kind)
 
     def _deliver(self, outputs: list[ReqOutput]) -> None:

@@ -98,8 +98,8 @@ class ForwardBatch:
     draft_lens: list[int] | None = None
     # embedding requests: how request b's hidden states are pooled (None: it generates)
     pooling: list[str | None] | None = None
-    # LoRA: request b's adapter slot (0: the base model); None when no adapter is served
-    lora_slots: list[int] | None = None
+    # LoRA: request b's adapter (None: the base model); None when no request has one
+    lora_names: list[str | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -142,7 +142,6 @@ class WorkerInfo:
     bytes_per_token: int
     weights_bytes: int
     kv_cache_dtype: str
-    lora_adapters: tuple[str, ...] = ()  # their names; request slot i + 1 is adapter i
 
     @property
     def num_slots(self) -> int:
@@ -308,3 +307,4 @@ class ControlReply:
 class SchedulerReady:
     info: WorkerInfo
     model_name: str
+    lora_adapters: tuple[str, ...] = ()  # the adapters served at start-up, by name

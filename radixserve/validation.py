@@ -32,9 +32,6 @@ def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
     if req.logprob_start_len < -1:
         raise ValueError("logprob_start_len must be >= -1")
-    if req.lora_path is not None and req.lora_path not in info.lora_adapters:
-        served = ", ".join(info.lora_adapters) or "none"
-        raise ValueError(f"lora_path: unknown LoRA adapter {req.lora_path!r} (served: {served})")
 
 
 def check_output_room(prompt_len: int, max_new_tokens: int, info: WorkerInfo, field: str) -> None:

@@ -4,7 +4,8 @@ Each step continues the chunked prompts first, then admits waiting requests in q
 (priority first when enabled, then the schedule policy) under three limits: the step's prompt
 token budget, the admit limit (a request joins only if the prompt tokens admitted stay within
 it, or it is the first), and memory (free + evictable >= its pages + the decode growth
-reserved for the running requests). A request whose uncached part starts like a prompt being
+reserved for the running requests); with LoRA, a step mixes at most --max-loras-per-batch
+adapters. A request whose uncached part starts like a prompt being
 computed now waits for that prefix to reach the tree (in-batch sharing)."""
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class Admission:
         metrics: SchedulerMetrics,
         waiting: list[Req],
         running: list[Req],
+        max_loras_per_batch: int | None = None,
     ):
         self.args, self.kv, self.retraction, self.metrics = args, kv, retraction, metrics
+        self.max_loras = max_loras_per_batch
         self.waiting, self.running = waiting, running
         self.prefill_budget = args.prefill_budget(device)
         self.admit_limit = args.prefill_admit_limit(device)
@@ -93,9 +96,12 @@ class Admission:
         admitted = (
             0  # prompt tokens of the requests this step admits (continued chunks not counted)
         )
+        adapters = {r.lora for r in self.running if r.lora is not None}
         for req in self.queue_order():
             if budget <= 0 or self.kv.rows.available() == 0:
                 break
+            if self._over_adapter_limit(req, adapters):
+                continue
             slots, node = self.kv.match(req)
             uncached = req.fill_ids[len(slots) :]
             if self._share_later(shared, req, uncached, batch_started):
@@ -120,7 +126,18 @@ class Admission:
             budget -= n
             admitted += n
             batch_started = True
+            if req.lora is not None:
+                adapters.add(req.lora)
             yield req, n
+
+    def _over_adapter_limit(self, req: Req, adapters: set[str]) -> bool:
+        """A request on an adapter the batch lacks waits while the batch has as many adapters
+        as the pool has slots."""
+        return (
+            req.lora is not None
+            and req.lora not in adapters
+            and len(adapters) >= (self.max_loras or 0)
+        )
 
     def _start(self, req: Req, slots: list[int], node) -> None:
         self.waiting.remove(req)

@@ -63,7 +63,7 @@ def build_batch(
         logprobs.append(logprob_request(req, start, end - len(req.drafts)))
     draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
     pooling = [r.pooling for r in reqs] if any(r.pooling for r in reqs) else None
-    lora_slots = [r.lora_slot for r in reqs] if any(r.lora_slot for r in reqs) else None
+    lora_names = [r.lora for r in reqs] if any(r.lora for r in reqs) else None
     return ForwardBatch(
         mode,
         ids,
@@ -77,7 +77,7 @@ def build_batch(
         logprobs,
         draft_lens,
         pooling,
-        lora_slots,
+        lora_names,
     )
 
 

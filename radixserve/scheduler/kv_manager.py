@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..config import EngineArgs
+from ..lora import AdapterConfig
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.kv_pool import KVPool
@@ -35,6 +36,10 @@ class Executor(Protocol):
     def release_memory(self, tags: frozenset[str]) -> None: ...
 
     def resume_memory(self, tags: frozenset[str]) -> None: ...
+
+    def load_lora(self, adapter: AdapterConfig) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
 
 
 class KVManager:

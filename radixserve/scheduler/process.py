@@ -63,7 +63,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
         grammar_backend(tokenizer, runner.info),
         draft_runner,
     )
-    outbox.send(encode(SchedulerReady(runner.info, source.name)))
+    outbox.send(encode(SchedulerReady(runner.info, source.name, tuple(scheduler.adapters.names()))))
     threading.Thread(
         target=watch_loop,
         args=(heartbeat, args.watchdog_timeout),
@@ -183,6 +183,8 @@ class SchedulerLoop:
             except (ValueError, OSError) as exc:
                 return {"success": False, "message": str(exc)}
             return {"success": True, "message": "weights updated", "num_paused_requests": touched}
+        if msg.kind in ("load_lora", "unload_lora"):
+            return self.lora_control(msg)
         if msg.kind in ("release_memory", "resume_memory"):
             tags = frozenset(msg.text.split(","))
             try:
@@ -191,3 +193,18 @@ class SchedulerLoop:
                 return {"success": False, "message": str(exc)}
             return {"success": True}
         return {"error": f"unknown control {msg.kind!r}"}
+
+    def lora_control(self, msg: ControlReq) -> dict:
+        """`load_lora` (text: name, a newline, path) or `unload_lora` (text: name); the reply
+        lists the adapters served after it."""
+        try:
+            if msg.kind == "load_lora":
+                name, _, path = msg.text.partition("\n")
+                self.scheduler.load_lora_adapter(name, path)
+                busy = 0
+            else:
+                busy = self.scheduler.unload_lora_adapter(msg.text)
+        except (ValueError, OSError) as exc:
+            return {"success": False, "message": str(exc)}
+        names = self.scheduler.adapters.names()
+        return {"success": busy == 0, "in_use": busy, "loaded_adapters": names}

@@ -24,7 +24,7 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # higher is admitted first and retracted last (priority scheduling)
     cache_salt: str | None = None  # its KV is shared only with requests of this namespace
-    lora_slot: int = 0  # its LoRA adapter's slot (0: the base model)
+    lora: str | None = None  # its LoRA adapter's name (None: the base model)
     pooling: str | None = None  # an embedding request: "last" or "mean" pooling of its prompt
     pooled: Any = None  # the running sum (mean) or the last hidden state so far
     embedding: list[float] | None = None

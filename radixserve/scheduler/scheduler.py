@@ -23,6 +23,7 @@ from ..constrained import GrammarBackend, GrammarSpec
 from ..lora import cache_namespace
 from ..messages import FinishReason, ForwardMode, GenerateReq, ReqOutput, SchedulerStats
 from ..sampling_params import SamplingParams
+from .adapters import AdapterTable
 from .admission import Admission
 from .batch import SamplingContext, Step, build_batch, decode_lens, decode_mode
 from .decode import DecodePlanner, OutOfMemory, Retraction
@@ -57,6 +58,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.pending_aborts: set[str] = set()
         self.kv = KVManager(args, executor)
+        self.adapters = AdapterTable(args, executor)
         num_slots, cache_off = self.kv.allocator.num_slots, args.disable_radix_cache
         self.metrics = SchedulerMetrics(args, num_slots, info.page_size, cache_off)
         self.stats: SchedulerStats = self.metrics.stats
@@ -68,7 +70,14 @@ class Scheduler:
             args, self.kv, self.retraction, grammars, self.drafter, self.model_drafter
         )
         self.admission = Admission(
-            args, info.device, self.kv, self.retraction, self.metrics, self.waiting, self.running
+            args,
+            info.device,
+            self.kv,
+            self.retraction,
+            self.metrics,
+            self.waiting,
+            self.running,
+            self.adapters.max_per_batch,
         )
         self.results = ResultProcessor(args, self.kv, self.metrics, eos_ids, decode_tail, grammars)
         self.paused = False  # /pause_generation: no step runs until /continue_generation
@@ -97,17 +106,14 @@ class Scheduler:
             msg.logprob_start_len,
             msg.top_logprobs_num,
             priority=msg.priority,
-            cache_salt=cache_namespace(msg.cache_salt, msg.lora_path),
+            cache_salt=cache_namespace(msg.cache_salt, self.adapters.lookup(msg.lora_path)),
             pooling=msg.pooling,
-            lora_slot=self._lora_slot(msg.lora_path),
+            lora=msg.lora_path,
         )
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None or self.model_drafter is not None:
             req.spec = SpecState()
         self.waiting.append(req)
-
-    def _lora_slot(self, name: str | None) -> int:
-        return 0 if name is None else 1 + self.info.lora_adapters.index(name)
 
     def _grammar_matcher(self, params: SamplingParams):
         spec = GrammarSpec.from_params(params)
@@ -263,6 +269,15 @@ class Scheduler:
         self.kv.renew(model_path)
         self.metrics.reset_cache_figures()
         return touched
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve one more adapter from the next step on; ValueError with the reason."""
+        self.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> int:
+        """Unload an adapter, once no queued or running request uses it; until then it takes
+        no new request. Returns how many requests still use it (0: unloaded)."""
+        return self.adapters.unload(name, self.waiting + self.running)
 
     def release_memory(self, tags: frozenset[str]) -> None:
         """Give back the KV cache's and/or the weights' memory (RL frameworks train in it

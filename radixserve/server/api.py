@@ -30,6 +30,7 @@ from .http import (
     parse_body,
     sse,
 )
+from .lora_api import lora_routes
 from .metrics import Metrics
 from .openai_api import ChatSetup, openai_routes, served_name
 from .protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
@@ -84,6 +85,7 @@ def create_app(
     responses_routes(app, tm, setup)
     anthropic_routes(app, tm, setup)
     rollout_routes(app, tm)
+    lora_routes(app, tm)
     embeddings_routes(app, tm, setup.model, embedding)
     app.state.metrics = Metrics(tm)
     _observability_routes(app, app.state.metrics)

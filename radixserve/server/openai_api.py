@@ -56,7 +56,7 @@ def openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, setup: "
                     "parent": served_name(tm, args),  # vLLM's convention: the adapter's base
                     "max_model_len": tm.info.max_context_len,
                 }
-                for name in tm.info.lora_adapters
+                for name in tm.lora_adapters
             ],
         }
 
@@ -210,7 +210,7 @@ def _requests(
             priority=body.priority,
             max_tokens_field=length_field if explicit else None,
             cache_salt=body.cache_salt,
-            lora_path=body.model if body.model in tm.info.lora_adapters else None,
+            lora_path=body.model if body.model in tm.lora_adapters else None,
         )
         reqs += tm.expand_n(req)
     return reqs

@@ -57,6 +57,7 @@ class TokenizerManager:
         self.observers: list[Callable[[RequestState], None]] = []
         self.weight_version = "default"  # named by /update_weights_from_disk; in every reply
         self.only_pooling: str | None = None  # a classifier serves pooling requests only
+        self.lora_adapters = list(ready.lora_adapters)  # kept by /load_ and /unload_lora_adapter
 
     async def start(self, inbox: zmq.Socket | None = None) -> None:
         """Bind sockets and start reading outputs (call inside the server's event loop)."""

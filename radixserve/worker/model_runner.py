@@ -13,8 +13,8 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
-from ..lora import parse_lora_path, read_adapter
-from ..lora_weights import attach_adapters
+from ..lora import AdapterConfig, lora_spec
+from ..lora_weights import LoraPool
 from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..memory_plan import context_problem, kv_pages
@@ -103,14 +103,8 @@ class ModelRunner:
         self.model = build_model(
             source, self.dtype, self.device, self.max_context_len, args.seed, args.quantization, tp
         )
-        self.adapters = [
-            read_adapter(*parse_lora_path(item), args.max_lora_rank) for item in args.lora_paths
-        ]
-        self.lora_segments = (
-            attach_adapters(self.model, self.adapters, self.dtype, self.device)
-            if self.adapters
-            else None
-        )
+        spec = lora_spec(args)
+        self.lora = LoraPool(self.model, spec, self.dtype, self.device) if spec else None
         cfg = self.config = self.model.cfg  # this rank's heads
         self.weights_bytes = model_bytes(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
@@ -169,7 +163,6 @@ class ModelRunner:
             per_token,
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
-            tuple(a.name for a in self.adapters),
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
@@ -181,7 +174,7 @@ class ModelRunner:
         if (
             self.device.type == "cpu"
             and not args.enable_torch_compile
-            and self.lora_segments is None  # the C++ decoder has no adapter deltas
+            and self.lora is None  # the C++ decoder has no adapter deltas
             and self.model.fuse_cpu_layers(self.backend)
         ):
             log.info(
@@ -218,11 +211,22 @@ class ModelRunner:
             self.args.quantization,
             self.tp,
         )
+        if self.lora is not None:
+            self.lora.attach(model)
         self.model, self.graphs, self.compiled = model, None, None
         self.model_path = model_path
         if self.pool.is_fp8:
             self.pool.set_scales(model.kv_cache_scales())
         self._prepare_forward()
+
+    def load_lora(self, adapter: AdapterConfig) -> None:
+        """Read an adapter onto the host, ready for a slot; ValueError when it does not fit."""
+        if self.lora is None:
+            raise ValueError("LoRA is off: start the server with --enable-lora or --lora-paths")
+        self.lora.add(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        self.lora.remove(name)
 
     def release_memory(self, tags: frozenset[str]) -> None:
         """Give back the memory of the `kv_cache` (CPU: its pages, addresses kept, reading as
@@ -268,7 +272,7 @@ class ModelRunner:
         if (
             graph_cls is None
             or args.disable_cuda_graph
-            or self.lora_segments is not None  # segments change from step to step
+            or self.lora is not None  # segments change from step to step
             or not getattr(self.backend, "supports_cuda_graph", False)
         ):
             return None
@@ -290,8 +294,8 @@ class ModelRunner:
         """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
         Logits stay on the model's device: only token ids and asked-for logprobs come back."""
         inputs = StepInputs.from_batch(fb, self.device)
-        if self.lora_segments is not None:
-            self.lora_segments.set(fb.lora_slots or [0] * fb.batch_size, fb.extend_lens)
+        if self.lora is not None:
+            self.lora.prepare_step(fb.lora_names or [None] * fb.batch_size, fb.extend_lens)
         if self.tp.size > 1:
             self.tp.send_step(inputs.pack())
         logits, hidden = self.run_model(inputs)
