@@ -3,12 +3,16 @@ against HF + peft with each adapter merged; one batch mixes the base and both ad
 the radix cache never hands one adapter's KV to another."""
 
 import copy
+import json
+import threading
+import time
 
+import httpx
 import peft
 import pytest
 import torch
 from quant_checkpoints import random_llama
-from server_utils import start_server
+from server_utils import start_server, wait_idle
 from test_model_families import hf_greedy
 
 from radixserve import Engine
@@ -114,43 +118,164 @@ def test_a_bad_adapter_is_refused_at_load(served, tmp_path, change, message):
         ).shutdown()
 
 
-def test_the_server_serves_adapters_by_lora_path_and_by_model_name(served):
-    eng, merged, root = served
+@pytest.fixture(scope="module")
+def server(served):
+    """Two adapters at start-up, room for a third at runtime, two pool slots."""
+    _, merged, root = served
+    merged["a3"] = write_adapter(merged[None], root / "a3", 6, 12, ["o_proj", "up_proj"], 3)
+    write_adapter(merged[None], root / "rank16", 16, 16, ["q_proj"], 4)
     paths = [f"{name}={root / name}" for name in ADAPTERS]
+    flags = ["--lora-paths", *paths, "--max-lora-rank", "8", "--lora-target-modules", "all"]
     server = start_server(
-        root, "--model", str(root / "base"), "--lora-paths", *paths, "--chunked-prefill-size", "32"
+        root,
+        "--model",
+        str(root / "base"),
+        *flags,
+        "--max-loras-per-batch",
+        "2",
+        "--chunked-prefill-size",
+        "32",
     )
     try:
         with server.client(timeout=120) as client:
-            ids = PROMPTS[1]
-            r = client.post(
-                "/generate",
-                json={
-                    "input_ids": [ids, ids, ids],
-                    "sampling_params": GREEDY,
-                    "lora_path": [None, "a1", "a2"],
-                },
-            )
-            assert r.status_code == 200, r.text
-            got = [item["output_ids"] for item in r.json()]
-            assert got == [hf_greedy(merged[n], ids, NEW_TOKENS) for n in (None, "a1", "a2")]
-            completion = client.post(
-                "/v1/completions",
-                json={"model": "a2", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0},
-            )
-            assert completion.status_code == 200, completion.text
-            bad = client.post("/generate", json={"input_ids": ids, "lora_path": "a3"})
-            assert bad.status_code == 400 and "'a3'" in bad.text
-            models = client.get("/v1/models").json()["data"]
-            assert [(m["id"], m["parent"]) for m in models[1:]] == [
-                ("a1", models[0]["id"]),
-                ("a2", models[0]["id"]),
-            ]
-            again = client.post(
-                "/generate",
-                json={"input_ids": ids, "sampling_params": GREEDY, "lora_path": "a2"},
-            ).json()
-            assert again["output_ids"] == got[2]
-            assert again["meta_info"]["cached_tokens"] >= len(ids) - 1
+            yield client, merged, root
     finally:
         assert server.stop() == 0, server.log()
+
+
+def generate(client, ids, adapter, **params):
+    body = {"input_ids": ids, "sampling_params": {**GREEDY, **params}, "lora_path": adapter}
+    return client.post("/generate", json=body)
+
+
+def test_the_server_serves_adapters_by_lora_path_and_by_model_name(server):
+    client, merged, _ = server
+    ids = PROMPTS[1]
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": [ids, ids, ids],
+            "sampling_params": GREEDY,
+            "lora_path": [None, "a1", "a2"],
+        },
+    )
+    assert r.status_code == 200, r.text
+    got = [item["output_ids"] for item in r.json()]
+    assert got == [hf_greedy(merged[n], ids, NEW_TOKENS) for n in (None, "a1", "a2")]
+    completion = client.post(
+        "/v1/completions",
+        json={"model": "a2", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0},
+    )
+    assert completion.status_code == 200, completion.text
+    bad = generate(client, ids, "a3")
+    assert bad.status_code == 400 and "'a3'" in bad.text
+    models = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m["parent"]) for m in models[1:]] == [
+        ("a1", models[0]["id"]),
+        ("a2", models[0]["id"]),
+    ]
+    again = generate(client, ids, "a2").json()
+    assert again["output_ids"] == got[2]
+    assert again["meta_info"]["cached_tokens"] >= len(ids) - 1
+
+
+def test_load_use_unload_and_reuse_an_adapter_under_traffic(server):
+    """Base traffic runs throughout; an adapter loaded at runtime serves HF + peft's tokens;
+    unloading it while a long request uses it waits for that request, which finishes whole;
+    reloaded from the same files, it finds its own cached prefix again."""
+    client, merged, root = server
+    ids, want_base = PROMPTS[2], hf_greedy(merged[None], PROMPTS[2], NEW_TOKENS)
+    stop, base_results = threading.Event(), []
+
+    def base_traffic():
+        with httpx.Client(base_url=str(client.base_url), timeout=120) as own:
+            while not stop.is_set():
+                r = generate(own, ids, None)
+                base_results.append((r.status_code, r.json().get("output_ids")))
+
+    traffic = threading.Thread(target=base_traffic)
+    traffic.start()
+    try:
+        loaded = client.post(
+            "/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(root / "a3")}
+        )
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["loaded_adapters"] == ["a1", "a2", "a3"]
+        assert "a3" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        first = generate(client, PROMPTS[1], "a3").json()
+        assert first["output_ids"] == hf_greedy(merged["a3"], PROMPTS[1], NEW_TOKENS)
+
+        long_tokens, started, finished = 400, threading.Event(), []
+
+        def long_request():
+            body = {
+                "input_ids": PROMPTS[0],
+                "sampling_params": {**GREEDY, "max_new_tokens": long_tokens},
+                "lora_path": "a3",
+                "stream": True,
+            }
+            chunks = []
+            with httpx.Client(base_url=str(client.base_url), timeout=120) as own:
+                with own.stream("POST", "/generate", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunks.append(json.loads(line[6:]))
+                            started.set()
+            finished.append((time.monotonic(), chunks[-1]))
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        assert started.wait(60)
+        asked_at = time.monotonic()
+        unloaded = client.post("/unload_lora_adapter", json={"lora_name": "a3"})
+        worker.join()
+        assert unloaded.status_code == 200, unloaded.text
+        done_at, last = finished[0]
+        assert last["meta_info"]["completion_tokens"] == long_tokens, last
+        assert asked_at < done_at  # the unload was asked while the request ran
+        gone = generate(client, PROMPTS[1], "a3")
+        assert gone.status_code == 400 and "'a3'" in gone.text
+
+        again = client.post(
+            "/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(root / "a3")}
+        )
+        assert again.status_code == 200, again.text
+        reused = generate(client, PROMPTS[1], "a3").json()
+        assert reused["output_ids"] == first["output_ids"]
+        assert reused["meta_info"]["cached_tokens"] >= len(PROMPTS[1]) - 1
+
+        mixed = client.post(  # three adapters, two pool slots: one waits, slots are swapped
+            "/generate",
+            json={
+                "input_ids": [PROMPTS[1]] * 4,
+                "sampling_params": GREEDY,
+                "lora_path": ["a1", "a2", "a3", None],
+            },
+        )
+        assert [m["output_ids"] for m in mixed.json()] == [
+            hf_greedy(merged[n], PROMPTS[1], NEW_TOKENS) for n in ("a1", "a2", "a3", None)
+        ]
+    finally:
+        stop.set()
+        traffic.join()
+    assert base_results and all(r == (200, want_base) for r in base_results)
+    wait_idle(client)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"lora_name": "big", "lora_path": "rank16"}, "rank 16 is over --max-lora-rank 8"),
+        ({"lora_name": "a1", "lora_path": "a2"}, "'a1' is already loaded"),
+        ({"lora_name": "x", "lora_path": "missing"}, "expected adapter_config.json"),
+        ({"lora_name": "x"}, "lora_path"),
+    ],
+)
+def test_a_bad_runtime_load_is_a_400_with_the_reason(server, body, message):
+    client, _, root = server
+    if "lora_path" in body:
+        body = {**body, "lora_path": str(root / body["lora_path"])}
+    r = client.post("/load_lora_adapter", json=body)
+    assert r.status_code == 400 and message in r.text, r.text
+    r = client.post("/unload_lora_adapter", json={"lora_name": "nope"})
+    assert r.status_code == 400 and "'nope'" in r.text
