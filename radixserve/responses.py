@@ -32,6 +32,7 @@ class RequestState:
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
     embedding: list[float] | None = None
+    lora_path: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
     def update(self, out: ReqOutput) -> None:
         if out.new_token_ids:

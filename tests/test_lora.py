@@ -16,6 +16,9 @@ from server_utils import start_server, wait_idle
 from test_model_families import hf_greedy
 
 from radixserve import Engine
+from radixserve.kv_events import BlockStored
+from radixserve.lora import cache_namespace, read_adapter
+from radixserve.mem.radix_cache import RadixCache
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 10
@@ -177,6 +180,11 @@ def test_the_server_serves_adapters_by_lora_path_and_by_model_name(server):
     again = generate(client, ids, "a2").json()
     assert again["output_ids"] == got[2]
     assert again["meta_info"]["cached_tokens"] >= len(ids) - 1
+    metrics = client.get("/metrics").text
+    assert 'radixserve:lora_requests_total{lora_name="a2"} 3.0' in metrics, metrics
+    rows = {row["name"]: row for row in client.get("/dashboard/data").json()["adapters"]}
+    assert rows["a2"]["requests"] == 3 and rows["a2"]["hit_rate"] > 0
+    assert rows["a1"]["requests"] == 1
 
 
 def test_load_use_unload_and_reuse_an_adapter_under_traffic(server):
@@ -279,3 +287,22 @@ def test_a_bad_runtime_load_is_a_400_with_the_reason(server, body, message):
     assert r.status_code == 400 and message in r.text, r.text
     r = client.post("/unload_lora_adapter", json={"lora_name": "nope"})
     assert r.status_code == 400 and "'nope'" in r.text
+
+
+def test_kv_events_carry_the_adapter_and_its_blocks_hash_apart(served):
+    """An adapter's blocks are published with its lora_id and hashed apart from the base's
+    (the chain starts from its namespace), the same for a reload of the same files."""
+    _, _, root = served
+    a1, a2 = (read_adapter(name, root / name) for name in ("a1", "a2"))
+    assert read_adapter("other_name", root / "a1").lora_id == a1.lora_id
+    cache = RadixCache(4, record_events=True)
+    tokens = list(range(8))
+    stored = {}
+    for adapter in (None, a1, a2):
+        cache.insert(tokens, list(range(8)), cache_namespace(None, adapter))
+        (event,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+        stored[adapter.name if adapter else None] = event
+    assert stored[None].lora_id is None
+    assert (stored["a1"].lora_id, stored["a2"].lora_id) == (a1.lora_id, a2.lora_id)
+    hashes = [tuple(e.block_hashes) for e in stored.values()]
+    assert len(set(hashes)) == 3

@@ -202,6 +202,12 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
             "s<user>q",
         ),
         ("/v1/embeddings", b'{"input": ["x", "y"]}', "x"),
+        (  # a LoRA adapter leads the key, after the salt
+            "/generate",
+            b'{"text": "hi", "lora_path": ["a1"], "cache_salt": "t"}',
+            "\x00salt\x00t\x00salt\x00\x00lora\x00a1\x00lora\x00hi",
+        ),
+        ("/v1/completions", b'{"prompt": "hi", "model": "a2"}', "\x00lora\x00a2\x00lora\x00hi"),
         ("/v1/rerank", b'{"query": "q", "documents": ["d"]}', "q"),
     ],
 )

@@ -34,6 +34,7 @@ from ..kv_events import (
     chain_hashes,
     salt_hash,
 )
+from ..lora import namespace_lora_id
 
 
 @dataclass(eq=False)
@@ -321,13 +322,15 @@ class RadixCache:
 
     def _record_stored(self, leaf: TreeNode) -> None:
         """A salted run's first blocks chain from the salt's hash, published without a parent
-        (no block of that hash was ever stored), as vLLM publishes a salted first block."""
+        (no block of that hash was ever stored), as vLLM publishes a salted first block; a
+        LoRA adapter's blocks carry its `lora_id`."""
         parent = leaf.parent
         chain_from = parent.block_hashes[-1] if parent.block_hashes else None
         leaf.block_hashes.extend(chain_hashes(leaf.key, self.page_size, chain_from))
         published = None if parent.salt is not None else chain_from
+        lora_id = namespace_lora_id(self.salt_of(leaf))
         self.events.append(
-            BlockStored(list(leaf.block_hashes), published, list(leaf.key), self.page_size)
+            BlockStored(list(leaf.block_hashes), published, list(leaf.key), self.page_size, lora_id)
         )
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:

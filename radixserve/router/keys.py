@@ -57,12 +57,15 @@ def _chat_key(body: dict) -> str:
 
 
 SALT_MARK = "\x00salt\x00"  # a salted key starts here: it never shares a prefix with others
+LORA_MARK = "\x00lora\x00"  # as does the key of a request on a LoRA adapter
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 def routing_key(path: str, body: bytes) -> str:
     """The key the cache-aware policy matches; empty when the body has none (malformed
     bodies are forwarded anyway: the worker names what is wrong with them). A `cache_salt`
-    leads the key, as it leads the worker's radix tree."""
+    leads the key, as it leads the worker's radix tree, and so does the adapter: `lora_path` on
+    /generate, the `model` field on OpenAI's and Anthropic's routes (where an adapter is named)."""
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -70,8 +73,22 @@ def routing_key(path: str, body: bytes) -> str:
     if not isinstance(data, dict):
         return ""
     key = _unsalted_key(path, data)
+    if not key:
+        return key
+    adapter = _adapter(path, data)
+    if adapter is not None:
+        key = f"{LORA_MARK}{adapter}{LORA_MARK}{key}"
     salt = data.get("cache_salt")
-    return f"{SALT_MARK}{salt}{SALT_MARK}{key}" if isinstance(salt, str) and key else key
+    return f"{SALT_MARK}{salt}{SALT_MARK}{key}" if isinstance(salt, str) else key
+
+
+def _adapter(path: str, data: dict) -> str | None:
+    if path == "/generate":
+        named = data.get("lora_path")
+        named = named[0] if isinstance(named, list) and named else named
+        return named if isinstance(named, str) else None
+    model = data.get("model")
+    return model if path in OPENAI_PATHS and isinstance(model, str) else None
 
 
 def _unsalted_key(path: str, data: dict) -> str:
@@ -105,8 +122,10 @@ def token_key(path: str, body: bytes, tokenizer: Any) -> str:
         return routing_key(path, body)
     try:
         data = orjson.loads(body) if body else None
-        if not isinstance(data, dict) or isinstance(data.get("cache_salt"), str):
-            return routing_key(path, body)  # a salted prefix matches no unsalted KV event
+        if not isinstance(data, dict) or any(
+            isinstance(data.get(field), (str, list)) for field in ("cache_salt", "lora_path")
+        ):  # a salted prefix, or an adapter's, matches no base model's KV event
+            return routing_key(path, body)
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(data)
             text = apply_chat_template(

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..responses import RequestState
@@ -40,6 +40,7 @@ class Metrics:
         )
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
         self.queue = histogram("queue_time_seconds", "Time from arrival to admission")
+        self.adapters = AdapterFigures(self.registry)
         self.registry.register(_SchedulerCollector(self))
         self.snapshot: dict = {}
         self.history: deque[dict] = deque(maxlen=HISTORY_POINTS)
@@ -54,6 +55,8 @@ class Metrics:
             self.itl.observe(gap)
         self.e2e.observe(time.monotonic() - state.created)
         self.queue.observe(state.queue_time)
+        if state.lora_path is not None:
+            self.adapters.observe(state)
 
     async def refresh(self) -> dict:
         """Scheduler figures for metrics and the dashboard's history (cheap counters only)."""
@@ -102,6 +105,7 @@ class Metrics:
             "ttft": _percentiles(self.recent_ttft),
             "history": list(self.history),
             "top_prefixes": [self._prefix_row(p) for p in prefixes],
+            "adapters": self.adapters.rows(),
         }
 
     def _prefix_row(self, p: dict) -> dict:
@@ -123,6 +127,35 @@ class Metrics:
         if len(tokens) <= 40:
             return decode(tokens)
         return f"{decode(tokens[:24])} … {decode(tokens[-12:])}"
+
+
+class AdapterFigures:
+    """Per LoRA adapter: requests finished, prompt tokens and the cached share of them."""
+
+    def __init__(self, registry: CollectorRegistry):
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(P + name, doc, ["lora_name"], registry=registry)
+
+        self.requests = counter("lora_requests", "Requests finished on a LoRA adapter")
+        self.prompt = counter("lora_prompt_tokens", "Prompt tokens of an adapter's requests")
+        self.cached = counter("lora_cached_tokens", "Of those, tokens read from the cache")
+        self.totals: dict[str, list[int]] = {}  # name -> [requests, prompt, cached]
+
+    def observe(self, state: RequestState) -> None:
+        name = state.lora_path
+        self.requests.labels(name).inc()
+        self.prompt.labels(name).inc(state.prompt_tokens)
+        self.cached.labels(name).inc(state.cached_tokens)
+        total = self.totals.setdefault(name, [0, 0, 0])
+        total[0] += 1
+        total[1] += state.prompt_tokens
+        total[2] += state.cached_tokens
+
+    def rows(self) -> list[dict]:
+        return [
+            {"name": name, "requests": n, "prompt_tokens": p, "hit_rate": c / max(p, 1)}
+            for name, (n, p, c) in sorted(self.totals.items())
+        ]
 
 
 def _percentiles(values) -> dict:

@@ -195,7 +195,8 @@ class TokenizerManager:
             )
         if req.rid in self.pending:
             raise RequestError(f"a request with rid {req.rid!r} is already running")
-        pending = self.pending[req.rid] = _Pending(RequestState(req.rid))
+        state = RequestState(req.rid, lora_path=req.lora_path)
+        pending = self.pending[req.rid] = _Pending(state)
         await self.outbox.send(encode(req))
         return pending
 
