@@ -209,3 +209,27 @@ def test_fp8_linear(rows, out, inp, group):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     exact = x @ w.t()
     assert (got - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+@pytest.mark.parametrize(
+    "runs,rank,inp,out",
+    [
+        ([(0, 1, 1)], 8, 64, 96),  # one decode token
+        ([(0, 5, 2), (5, 6, 1), (9, 40, 3)], 24, 100, 130),  # rows 6..8 on the base model
+        ([(0, 3, 1), (3, 4, 1)], 16, 128, 64),  # two runs on one slot
+    ],
+)
+def test_lora_sgmv(runs, rank, inp, out):
+    """The segmented LoRA shrink/expand against its reference: only the runs' rows change."""
+    gen = torch.Generator().manual_seed(rank)
+    tokens = max(end for _, end, _ in runs) + 2
+    x = torch.randn(tokens, inp, generator=gen)
+    a = torch.randn(4, rank, inp, generator=gen)
+    b = torch.randn(4, out, rank, generator=gen)
+    base = torch.randn(tokens, out, generator=gen)
+    x, a, b = (t.to(DEVICE) for t in (x, a, b))
+    got = K.lora_sgmv(x, a, b, runs, base.clone().to(DEVICE)).cpu()
+    want = K.lora_sgmv_ref(x, a, b, runs, base.clone().to(DEVICE)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    untouched = [i for i in range(tokens) if not any(s <= i < e for s, e, _ in runs)]
+    assert torch.equal(got[untouched], base[untouched])

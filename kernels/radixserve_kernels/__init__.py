@@ -24,6 +24,8 @@ _TRITON_NAMES = {
     "build_kv_indices_ref": "kv_indices",
     "store_kv": "store_kv",
     "store_kv_ref": "store_kv",
+    "lora_sgmv": "lora_sgmv",
+    "lora_sgmv_ref": "lora_sgmv",
     "fused_moe": "fused_moe",
     "fused_moe_ref": "fused_moe",
     "align_pairs": "fused_moe",
