@@ -120,6 +120,7 @@ class MessagesRequest(CountTokensRequest):
             "priority": self.priority,
             "cache_salt": self.cache_salt,
             "stream": self.stream,
+            "model": self.model,  # a LoRA adapter's name picks the adapter
         }
         return chat_request_of(data)
 

@@ -127,6 +127,7 @@ class ResponsesRequest(_Strict):
             "cache_salt": self.cache_salt,
             "stream": self.stream,
             "response_format": self._response_format(),
+            "model": self.model,  # a LoRA adapter's name picks the adapter
         }
         return chat_request_of(data)
 
