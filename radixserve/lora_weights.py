@@ -95,6 +95,7 @@ class LoraPool:
         )
         if lacking:
             raise ValueError(f"--lora-target-modules {lacking}: this model has no such layers")
+        model.lora_segments = self.segments
         self.dtype = dtype
         self.host: dict[str, HostAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
@@ -105,6 +106,7 @@ class LoraPool:
         modules = dict(model.named_modules())
         for name, layer in self.layers.items():
             modules[name].lora = layer
+        model.lora_segments = self.segments
         self.model = model
 
     # ---- adapters in and out ------------------------------------------------

@@ -125,6 +125,7 @@ class CausalLM(nn.Module):
         self.rotaries = nn.ModuleList(self.make_rotaries(max_positions))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.cpu_decoder = None
+        self.lora_segments = None  # with LoRA adapters: this step's runs (lora_weights)
         self.kv_scales: dict[str, float] = {}  # an FP8-KV checkpoint's k_scale / v_scale tensors
 
     # ---- what a family says -------------------------------------------------

@@ -16,13 +16,14 @@ from .registry import num_labels
 
 
 class LlamaForCausalLM(CausalLM):
-    """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`)."""
+    """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`), in the steps
+    where no request runs on a LoRA adapter (the C++ decoder has no adapter deltas)."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
-        if not groups:
+        if not groups or (self.lora_segments is not None and self.lora_segments.runs):
             return super().forward(input_ids, positions, backend)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotaries[0].cos_sin(positions, x.dtype)

@@ -174,7 +174,6 @@ class ModelRunner:
         if (
             self.device.type == "cpu"
             and not args.enable_torch_compile
-            and self.lora is None  # the C++ decoder has no adapter deltas
             and self.model.fuse_cpu_layers(self.backend)
         ):
             log.info(
