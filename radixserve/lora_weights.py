@@ -96,7 +96,6 @@ class LoraPool:
         if lacking:
             raise ValueError(f"--lora-target-modules {lacking}: this model has no such layers")
         model.lora_segments = self.segments
-        self.dtype = dtype
         self.host: dict[str, HostAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self.free_slots = list(range(slots - 1, 0, -1))

@@ -90,7 +90,7 @@ def lora_sgmv(
     adds each run's delta to `out [T, out]` in place and returns it."""
     if not runs:
         return out
-    x, out = x.contiguous(), out
+    x = x.contiguous()
     rank, k_dim, n_cols = a.shape[1], a.shape[2], b.shape[1]
     starts, ends, slots = (
         torch.tensor(col, dtype=torch.int32, device=x.device) for col in zip(*runs)
