@@ -8,11 +8,13 @@
 // runs the layers' phases with a barrier between them, into buffers allocated once per call;
 // one region per kernel left the other threads waiting while the calling thread allocated
 // outputs and ran the small kernels alone. Attention groups come planned by the torch backend
-// (torch_native.py).
+// (torch_native.py). With LoRA adapters (set_lora) a GEMM's output gets each adapter row's
+// delta x A^T B^T right after it, in two phases: the rank-sized shrink, then the expand.
 #include <torch/extension.h>
 #include "cpu_bindings.h"
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <vector>
 #include "cpu_layer_ops.h"
 #include "cpu_parallel.h"
@@ -52,6 +54,17 @@ struct GroupPlan {
   DecodeAttention decode;  // when !is_extend
   ExtendAttention extend;  // when is_extend
   bool is_extend;
+};
+
+// One linear layer's adapter deltas, stacked by pool slot: A [slots, rank, in], B [slots, out,
+// rank] (lora_weights.LoraPool; the scaling folded into B). Undefined: not targeted.
+struct LoraPair {
+  torch::Tensor a, b;
+};
+
+// A token of this step that runs on an adapter, and that adapter's pool slot.
+struct LoraRow {
+  int64_t token, slot;
 };
 
 // Where a token's query and attention output lie in its group's gathered buffers.
@@ -98,10 +111,38 @@ class CpuDecoder {
     }
   }
 
+  // The adapter pool's A and B for each layer's four GEMMs in order (q/k/v, o, gate/up, down):
+  // 8 tensors per layer, empty ones for a GEMM no adapter targets.
+  void set_lora(const std::vector<torch::Tensor>& pairs) {
+    TORCH_CHECK(pairs.size() == layers_.size() * 8, "CpuDecoder: an A and a B per GEMM");
+    std::vector<LoraPair> lora;
+    int64_t rank = 0;
+    for (size_t i = 0; i < pairs.size(); i += 2) {
+      const auto &a = pairs[i], &b = pairs[i + 1];
+      if (!a.numel()) {
+        lora.push_back({});
+        continue;
+      }
+      const LayerWeights& w = layers_[i / 8];
+      const int64_t hidden = w.o_out, outs[] = {w.qkv_out, w.o_out, w.gate_up_out, w.down_out};
+      const int64_t ins[] = {hidden, heads_ * head_dim_, hidden, w.gate_up_out / 2};
+      const int64_t out = outs[i / 2 % 4], in = ins[i / 2 % 4];
+      TORCH_CHECK(a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat && a.is_contiguous() &&
+                  b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) && b.size(1) == out &&
+                  b.size(2) == a.size(1) && a.size(2) == in, "CpuDecoder: LoRA A [slots, rank, in] and B [slots, out, rank], float32");
+      lora.push_back({a, b});
+      rank = std::max(rank, a.size(1));
+    }
+    lora_ = std::move(lora);
+    lora_rank_ = rank;
+  }
+
   // x [T, hidden] (updated in place: the residual stream), normed = the first layer's input
   // norm of x, cos/sin [T, 1, D/2]; returns the final norm of the last layer's output.
+  // lora_runs [n, 3] int64: (start, end, slot) runs of tokens on an adapter slot (none: [0, 3]).
   torch::Tensor forward(torch::Tensor x, torch::Tensor normed, torch::Tensor cos, torch::Tensor sin,
-                        torch::Tensor out_cache_loc, torch::Tensor req_to_token, const Groups& groups) const {
+                        torch::Tensor out_cache_loc, torch::Tensor req_to_token, const Groups& groups,
+                        torch::Tensor lora_runs) const {
     const int64_t tokens = x.size(0), hidden = x.size(1);
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && normed.sizes() == x.sizes(),
                 "CpuDecoder: x and normed [T, hidden] float32, x contiguous");
@@ -125,6 +166,8 @@ class CpuDecoder {
     auto gate_up = torch::empty({tokens, first.gate_up_out}, f32), act = torch::empty({tokens, first.gate_up_out / 2}, f32);
     auto out = torch::empty({tokens, hidden}, f32);
     std::vector<GroupPlan> plans = plan_groups(groups, tokens, qkv, attended, req_to_token);
+    const std::vector<LoraRow> lora_rows = plan_lora_rows(lora_runs, tokens);
+    auto shrunk = torch::empty({tokens, lora_rank_}, f32);
 
     const std::vector<PackedGemm> gemms = plan_gemms(normed, qkv, attended, delta, post, gate_up, act, out);
     std::vector<SharedUnits> units;  // one per GEMM, sized for the team that runs them
@@ -133,7 +176,7 @@ class CpuDecoder {
     const Step step{x.data_ptr<float>(), hidden, tokens, slots, cos.data_ptr<float>(), sin.data_ptr<float>(),
                     qkv.data_ptr<float>(), attended.data_ptr<float>(), delta.data_ptr<float>(), post.data_ptr<float>(),
                     gate_up.data_ptr<float>(), act.data_ptr<float>(), out.data_ptr<float>(),
-                    gathered_rows(plans, tokens)};
+                    gathered_rows(plans, tokens), lora_rows, shrunk.data_ptr<float>()};
     cpu_parallel::run_team([&](const Team& team) {
       if (team.thread == 0)
         for (const auto& gemm : gemms) units.emplace_back(gemm.units, team.threads);
@@ -141,8 +184,10 @@ class CpuDecoder {
       AttentionScratch scratch;
       for (size_t l = 0; l < layers_.size(); ++l) {
         auto gemm = [&](size_t i) {
-          units[l * 4 + i].take_all(team.thread, [&](int64_t u, bool front) { gemms[l * 4 + i].run_unit(u, front); });
+          const PackedGemm& g = gemms[l * 4 + i];
+          units[l * 4 + i].take_all(team.thread, [&](int64_t u, bool front) { g.run_unit(u, front); });
           team.barrier();
+          if (!step.lora_rows.empty() && lora_[l * 4 + i].a.defined()) add_lora(team, step, lora_[l * 4 + i], g);
         };
         gemm(0);
         rotate_and_store(team, step, l);
@@ -168,6 +213,8 @@ class CpuDecoder {
     const float *cos, *sin;
     float *qkv, *attended, *delta, *post, *gate_up, *act, *out;
     std::vector<GatheredRows> gathered;  // per token, where groups are gathered; else empty
+    std::vector<LoraRow> lora_rows;      // the tokens on an adapter; empty: none this step
+    float* shrunk;                       // [tokens, lora_rank_]: x A^T of the GEMM at hand
   };
 
   // Each layer's four GEMMs in order (q/k/v, o, gate/up, down), planned against the call's
@@ -193,6 +240,59 @@ class CpuDecoder {
                                                       delta.data_ptr<float>(), hidden));
     }
     return gemms;
+  }
+
+  // The step's adapter tokens from its runs, checked against the pool.
+  std::vector<LoraRow> plan_lora_rows(const torch::Tensor& runs, int64_t tokens) const {
+    TORCH_CHECK(runs.scalar_type() == torch::kLong && runs.dim() == 2 && runs.size(1) == 3 && runs.is_contiguous(),
+                "CpuDecoder: lora_runs [n, 3] int64");
+    std::vector<LoraRow> rows;
+    if (!runs.size(0)) return rows;
+    TORCH_CHECK(!lora_.empty(), "CpuDecoder: LoRA runs without set_lora");
+    int64_t slots = 0;
+    for (const auto& p : lora_)
+      if (p.a.defined()) slots = p.a.size(0);
+    const int64_t* r = runs.data_ptr<int64_t>();
+    for (int64_t i = 0; i < runs.size(0); ++i, r += 3) {
+      TORCH_CHECK(0 <= r[0] && r[0] <= r[1] && r[1] <= tokens && 0 < r[2] && r[2] < slots,
+                  "CpuDecoder: a LoRA run out of range");
+      for (int64_t t = r[0]; t < r[1]; ++t) rows.push_back({t, r[2]});
+    }
+    return rows;
+  }
+
+  // out[t] += (x[t] A[slot]^T) B[slot]^T for each adapter token t of the GEMM `g` just run: the
+  // shrink one (token, rank) dot product a work item, then the expand one (token, span of
+  // kSiluSpan outputs) an item.
+  void add_lora(const Team& team, const Step& s, const LoraPair& p, const PackedGemm& g) const {
+    const int64_t rank = p.a.size(1), in = p.a.size(2), out = p.b.size(1);
+    const float *a = p.a.data_ptr<float>(), *b = p.b.data_ptr<float>();
+    const int64_t rows = static_cast<int64_t>(s.lora_rows.size());
+    auto [begin, end] = team.share(rows * rank);
+    for (int64_t i = begin; i < end; ++i) {
+      const LoraRow& row = s.lora_rows[i / rank];
+      const float* x = g.x + row.token * g.k;
+      const float* a_row = a + (row.slot * rank + i % rank) * in;
+      float acc = 0.f;
+      for (int64_t k = 0; k < in; ++k) acc += x[k] * a_row[k];
+      s.shrunk[row.token * lora_rank_ + i % rank] = acc;
+    }
+    team.barrier();
+    const int64_t spans = (out + kSiluSpan - 1) / kSiluSpan;
+    std::tie(begin, end) = team.share(rows * spans);
+    for (int64_t i = begin; i < end; ++i) {
+      const LoraRow& row = s.lora_rows[i / spans];
+      const float* shrunk = s.shrunk + row.token * lora_rank_;
+      float* y = g.y + row.token * g.n;
+      const int64_t c0 = i % spans * kSiluSpan, c1 = std::min(out, c0 + kSiluSpan);
+      for (int64_t c = c0; c < c1; ++c) {
+        const float* b_row = b + (row.slot * out + c) * rank;
+        float acc = 0.f;
+        for (int64_t r = 0; r < rank; ++r) acc += shrunk[r] * b_row[r];
+        y[c] += acc;
+      }
+    }
+    team.barrier();
   }
 
   // Each token's rows in its group's gathered queries and outputs, when groups are gathered.
@@ -320,6 +420,8 @@ class CpuDecoder {
   }
 
   std::vector<LayerWeights> layers_;
+  std::vector<LoraPair> lora_;  // per layer and GEMM, once set_lora ran
+  int64_t lora_rank_ = 0;       // the widest A's rank
   std::vector<torch::Tensor> k_caches_, v_caches_;
   int64_t heads_, kv_heads_, head_dim_;
   float eps_, scale_;
@@ -329,5 +431,6 @@ void bind_cpu_decoder(pybind11::module& m) {
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", "the decoder layers of a float32 model in one call (CPU)")
       .def(pybind11::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def("set_lora", &CpuDecoder::set_lora)
       .def("forward", &CpuDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

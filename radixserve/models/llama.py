@@ -16,21 +16,23 @@ from .registry import num_labels
 
 
 class LlamaForCausalLM(CausalLM):
-    """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`), in the steps
-    where no request runs on a LoRA adapter (the C++ decoder has no adapter deltas)."""
+    """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`), LoRA adapters'
+    deltas included."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
-        if not groups or (self.lora_segments is not None and self.lora_segments.runs):
+        if not groups:
             return super().forward(input_ids, positions, backend)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotaries[0].cos_sin(positions, x.dtype)
         normed = self.model.layers[0].input_layernorm(x)
         inputs = backend.inputs
+        runs = self.lora_segments.runs if self.lora_segments is not None else []
+        lora_runs = torch.tensor(runs, dtype=torch.long).reshape(-1, 3)
         return self.cpu_decoder.forward(
-            x, normed, cos, sin, inputs.out_cache_loc, inputs.req_to_token, groups
+            x, normed, cos, sin, inputs.out_cache_loc, inputs.req_to_token, groups, lora_runs
         )
 
     def fuse_cpu_layers(self, backend: AttentionBackend) -> bool:
@@ -81,7 +83,18 @@ class LlamaForCausalLM(CausalLM):
             cfg.rms_norm_eps,
             backend.scale,
         )
+        if self.lora_segments is not None:
+            self.cpu_decoder.set_lora(self._lora_pairs())
         return True
+
+    def _lora_pairs(self) -> list[torch.Tensor]:
+        """Each layer's four GEMMs' adapter A and B (lora_weights.LoraPool), empty where none."""
+        pairs, none = [], torch.empty(0)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                pairs += [m.lora.a, m.lora.b] if m.lora is not None else [none, none]
+        return pairs
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
