@@ -80,12 +80,16 @@ def expand_targets(modules: tuple[str, ...]) -> tuple[str, ...]:
     return LORA_MODULES if "all" in modules else tuple(m for m in LORA_MODULES if m in modules)
 
 
-def lora_spec(args) -> LoraSpec | None:
+def lora_spec(args, initial: list[AdapterConfig] | None = None) -> LoraSpec | None:
     """The pool's spec from the flags and the start-up adapters (None: LoRA is off). The rank
-    and the modules default to what the start-up adapters need."""
+    and the modules default to what the start-up adapters need; without `initial`, their
+    configs are read here (unhashed: the spec needs no fingerprint)."""
     if not args.enable_lora and not args.lora_paths:
         return None
-    initial = [read_adapter(*parse_lora_path(item)) for item in args.lora_paths]
+    if initial is None:
+        initial = [
+            read_adapter(*parse_lora_path(item), fingerprint=False) for item in args.lora_paths
+        ]
     rank = args.max_lora_rank or max(a.rank for a in initial)
     targets = expand_targets(tuple(args.lora_target_modules)) or expand_targets(
         tuple(m for a in initial for m in a.target_modules)
@@ -96,8 +100,9 @@ def lora_spec(args) -> LoraSpec | None:
     return spec
 
 
-def read_adapter(name: str, path: Path) -> AdapterConfig:
-    """The adapter's config, or a ValueError naming the adapter and what is wrong."""
+def read_adapter(name: str, path: Path, fingerprint: bool = True) -> AdapterConfig:
+    """The adapter's config, or a ValueError naming the adapter and what is wrong;
+    `fingerprint`: hash its files too (what its cache namespace and KV events need)."""
     where = f"LoRA adapter {name!r} ({path})"
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
@@ -130,7 +135,7 @@ def read_adapter(name: str, path: Path) -> AdapterConfig:
         float(config.get("lora_alpha", rank)),
         tuple(targets),
         bool(config.get("use_rslora", False)),
-        files_fingerprint(config_file, weights_file),
+        files_fingerprint(config_file, weights_file) if fingerprint else "",
     )
 
 

@@ -15,14 +15,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_of_run(starts_ptr, ends_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's run (axis 0) and block of its rows (axis 1): the block's first row, the
+    run's end and its adapter slot."""
+    run = tl.program_id(0)
+    start, end = tl.load(starts_ptr + run), tl.load(ends_ptr + run)
+    slot = tl.load(slots_ptr + run).to(tl.int64)
+    return start + tl.program_id(1) * BLOCK_M, end, slot
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, starts_ptr, ends_ptr, slots_ptr, k_dim, rank,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    run = tl.program_id(0)
-    start, end = tl.load(starts_ptr + run), tl.load(ends_ptr + run)
-    slot = tl.load(slots_ptr + run).to(tl.int64)
-    first = start + tl.program_id(1) * BLOCK_M
+    first, end, slot = _block_of_run(starts_ptr, ends_ptr, slots_ptr, BLOCK_M)
     if first >= end:
         return
     offs_m = first + tl.arange(0, BLOCK_M)
@@ -53,10 +60,7 @@ def _expand_kernel(
     h_ptr, b_ptr, out_ptr, starts_ptr, ends_ptr, slots_ptr, n_cols, rank,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    run = tl.program_id(0)
-    start, end = tl.load(starts_ptr + run), tl.load(ends_ptr + run)
-    slot = tl.load(slots_ptr + run).to(tl.int64)
-    first = start + tl.program_id(1) * BLOCK_M
+    first, end, slot = _block_of_run(starts_ptr, ends_ptr, slots_ptr, BLOCK_M)
     if first >= end:
         return
     offs_m = first + tl.arange(0, BLOCK_M)

@@ -16,12 +16,13 @@ from .req import Req
 
 class AdapterTable:
     def __init__(self, args: EngineArgs, executor: Executor):
-        self.spec = lora_spec(args)
+        initial = [read_adapter(*parse_lora_path(item)) for item in args.lora_paths]
+        self.spec = lora_spec(args, initial)
         self.executor = executor
         self.adapters: dict[str, AdapterConfig] = {}
         self.unloading: set[str] = set()
-        for item in args.lora_paths:
-            self.load(*parse_lora_path(item))
+        for adapter in initial:
+            self._add(adapter)
 
     @property
     def max_per_batch(self) -> int | None:
@@ -44,12 +45,14 @@ class AdapterTable:
         """Read, check and hand an adapter to the worker; ValueError with the reason."""
         if self.spec is None:
             raise ValueError("LoRA is off: start the server with --enable-lora or --lora-paths")
-        if name in self.adapters:
-            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
-        adapter = read_adapter(name, Path(path).expanduser())
+        return self._add(read_adapter(name, Path(path).expanduser()))
+
+    def _add(self, adapter: AdapterConfig) -> AdapterConfig:
+        if adapter.name in self.adapters:
+            raise ValueError(f"lora_name: an adapter named {adapter.name!r} is already loaded")
         self.spec.check(adapter)
         self.executor.load_lora(adapter)
-        self.adapters[name] = adapter
+        self.adapters[adapter.name] = adapter
         return adapter
 
     def unload(self, name: str, reqs: list[Req]) -> int:
