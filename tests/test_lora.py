@@ -12,13 +12,14 @@ import peft
 import pytest
 import torch
 from quant_checkpoints import random_llama
-from server_utils import start_server, wait_idle
+from server_utils import start_router, start_server, wait_idle
 from test_model_families import hf_greedy
 
 from radixserve import Engine
 from radixserve.kv_events import BlockStored
 from radixserve.lora import cache_namespace, read_adapter
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.router.keys import routing_key, token_key
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 10
@@ -144,6 +145,40 @@ def server(served):
             yield client, merged, root
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_the_router_loads_and_unloads_an_adapter_on_its_workers(server, tmp_path):
+    """/load_lora_adapter through the router reaches the worker, requests through it pick the
+    adapter by `model`, a refusal keeps the worker's reason, and the KV-event index keys an
+    adapter's requests apart from the base's token ids."""
+    client, merged, root = server
+    router = start_router(tmp_path, "--worker-urls", str(client.base_url))
+    try:
+        with router.client(timeout=120) as rc:
+            body = {"lora_name": "r1", "lora_path": str(root / "a3")}
+            loaded = rc.post("/load_lora_adapter", json=body)
+            assert loaded.status_code == 200, loaded.text
+            assert "r1" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+            ids = PROMPTS[1]
+            params = {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            completion = rc.post("/v1/completions", json={"model": "r1", "prompt": ids, **params})
+            assert completion.status_code == 200, completion.text
+            got = generate(rc, ids, "r1").json()["output_ids"]
+            assert got == hf_greedy(merged["a3"], ids, NEW_TOKENS)
+            twice = rc.post("/load_lora_adapter", json=body)
+            assert twice.status_code == 400 and "already loaded" in twice.text
+            gone = rc.post("/unload_lora_adapter", json={"lora_name": "r1"})
+            assert gone.status_code == 200, gone.text
+            assert "r1" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    finally:
+        router.stop()
+    completion = b'{"model": "a1", "prompt": [1, 2, 3]}'
+    assert token_key("/v1/completions", completion, None, {"a1"}) == routing_key(
+        "/v1/completions", completion
+    )
+    assert token_key("/v1/completions", completion, None, set()) != routing_key(
+        "/v1/completions", completion
+    )
 
 
 def generate(client, ids, adapter, **params):

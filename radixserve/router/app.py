@@ -137,6 +137,40 @@ def _management_routes(app: FastAPI, router: Router) -> None:
             )
         return Response("Cache flushed.", status_code=200)
 
+    for route in ("/load_lora_adapter", "/unload_lora_adapter"):
+        app.post(route)(_adapter_route(router, route))
+
+
+def _adapter_route(router: Router, route: str):
+    """A LoRA adapter loaded or unloaded on every healthy worker, and the router's list of
+    adapter names (which keys the KV-event index) kept with them. The first worker that refuses
+    gives its own status and reason."""
+
+    async def handler(request: Request):
+        body = await read_body(request, router.args.max_request_bytes)
+        replies = await router.broadcast(
+            "POST",
+            route,
+            forwarded_headers(request.headers),
+            body=body,
+            timeout_s=router.args.request_timeout_secs,
+        )
+        if not replies:
+            return error_response(f"{route}: no healthy worker", 503)
+        for url, reply in replies.items():
+            if isinstance(reply, str):
+                return error_response(f"{route} failed on {url}: {reply}", 503)
+            if reply.status != 200:
+                return Response(reply.body, reply.status, media_type="application/json")
+        name = orjson.loads(body)["lora_name"]  # every worker took the body: it is valid
+        if route == "/load_lora_adapter":
+            router.adapters.add(name)
+        else:
+            router.adapters.discard(name)
+        return Response(next(iter(replies.values())).body, 200, media_type="application/json")
+
+    return handler
+
 
 def _problem(reply: Answer | str) -> str | None:
     if isinstance(reply, str):

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import LOG_LEVELS, ROUTER_POLICIES, check_choices, option, refuse_problems
+from ..config import (
+    LOG_LEVELS,
+    ROUTER_POLICIES,
+    EngineArgs,
+    check_choices,
+    option,
+    option_default,
+    refuse_problems,
+)
+
+DEFAULT_BOOTSTRAP_PORT = option_default(
+    EngineArgs.__dataclass_fields__["disaggregation_bootstrap_port"]
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,24 @@ class RouterArgs:
     tokenizer_path: str | None = option(
         None, "with --kv-events: the workers' tokenizer (default: the bundled model's)", tuning=True
     )
+    pd_disaggregation: bool = option(
+        False,
+        "prefill/decode disaggregation: each generate or completion request goes to a prefill "
+        "server (--prefill, cache-aware) and a decode server (--decode, the less loaded of two)",
+    )
+    prefill: tuple[str, ...] = option(
+        (),
+        "with --pd-disaggregation: a prefill server's URL and its --disaggregation-bootstrap-port "
+        f"(default {DEFAULT_BOOTSTRAP_PORT}); repeat the flag for each server",
+        repeat=True,
+        metavar="URL [BOOTSTRAP_PORT]",
+    )
+    decode: tuple[str, ...] = option(
+        (),
+        "with --pd-disaggregation: a decode server's URL; repeat the flag for each server",
+        repeat=True,
+        metavar="URL",
+    )
 
     def __post_init__(self) -> None:
         refuse_problems("router", self._problems())
@@ -121,6 +151,41 @@ class RouterArgs:
             yield "retry_max_retries must be >= 0"
         if self.kv_events and self.policy != "cache_aware":
             yield "kv_events needs the cache_aware policy"
+        yield from self._pd_problems()
+
+    def _pd_problems(self):
+        if not self.pd_disaggregation:
+            if self.prefill or self.decode:
+                yield "prefill and decode servers need --pd-disaggregation"
+            return
+        if not self.prefill or not self.decode:
+            yield "pd_disaggregation needs at least one --prefill and one --decode server"
+        if self.worker_urls:
+            yield "pd_disaggregation takes --prefill and --decode servers, not worker_urls"
+        servers = []
+        for item in self.prefill:
+            try:
+                servers.append(parse_prefill(item))
+            except ValueError as exc:
+                yield str(exc)
+        for url, port in servers:
+            if not 0 < port <= 65535:
+                yield f"prefill {url}: the bootstrap port must be in [1, 65535]"
+        for url in [url for url, _ in servers] + list(self.decode):
+            if (problem := worker_url_problem(url)) is not None:
+                yield problem
+
+    def prefill_servers(self) -> list[tuple[str, int]]:
+        """(URL, bootstrap port) of each --prefill server."""
+        return [parse_prefill(item) for item in self.prefill]
+
+
+def parse_prefill(item: str) -> tuple[str, int]:
+    """`URL` or `URL BOOTSTRAP_PORT`."""
+    words = item.split()
+    if len(words) not in (1, 2) or (len(words) == 2 and not words[1].isdigit()):
+        raise ValueError(f"prefill {item!r}: expected URL [BOOTSTRAP_PORT]")
+    return words[0].rstrip("/"), int(words[1]) if len(words) == 2 else DEFAULT_BOOTSTRAP_PORT
 
 
 def worker_url_problem(url: str) -> str | None:

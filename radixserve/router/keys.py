@@ -113,17 +113,24 @@ def _unsalted_key(path: str, data: dict) -> str:
     return ""
 
 
-def token_key(path: str, body: bytes, tokenizer: Any) -> str:
+def token_key(
+    path: str, body: bytes, tokenizer: Any, adapters: frozenset[str] | set[str] = frozenset()
+) -> str:
     """The prompt's token ids as the worker will compute them (`ids_key`), for the KV-event
     index; chat requests are rendered through the same request model and template code as
     the worker's. Empty when the body is not a valid request (or a route this does not
-    render: those are keyed by `routing_key`)."""
+    render: those are keyed by `routing_key`, and so are requests on one of the workers'
+    LoRA `adapters`, named by `lora_path` or by `model`)."""
     if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
         return routing_key(path, body)
     try:
         data = orjson.loads(body) if body else None
-        if not isinstance(data, dict) or any(
-            isinstance(data.get(field), (str, list)) for field in ("cache_salt", "lora_path")
+        if (
+            not isinstance(data, dict)
+            or any(
+                isinstance(data.get(field), (str, list)) for field in ("cache_salt", "lora_path")
+            )
+            or (path != "/generate" and data.get("model") in adapters)
         ):  # a salted prefix, or an adapter's, matches no base model's KV event
             return routing_key(path, body)
         if path == "/v1/chat/completions":

@@ -23,6 +23,7 @@ from ..config import ServerArgs
 from ..server.launch import GracefulServer
 from .app import create_router_app
 from .config import RouterArgs
+from .pd import PDRouter
 from .proxy import Router
 
 log = logging.getLogger("radixserve.router")
@@ -34,7 +35,7 @@ MAX_REPLICA_RESTARTS = (
 
 def run_router(args: RouterArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    router = Router(args)
+    router = PDRouter(args) if args.pd_disaggregation else Router(args)
     app = create_router_app(router)
 
     @contextlib.asynccontextmanager

@@ -64,6 +64,7 @@ class Router:
             CacheAware(args, self.index) if self.index is not None else make_policy(args)
         )
         self.tokenizer = None  # with kv_events, to compute the token ids the index is keyed by
+        self.adapters: set[str] = set()  # the workers' LoRA adapters' names (their /v1/models)
         self.followers: dict[str, asyncio.Task] = {}
         self.following: set[str] = set()  # workers whose events are being applied
         self.workers: dict[str, Worker] = {}
@@ -100,7 +101,7 @@ class Router:
         if method != "POST":
             return ""
         return (
-            token_key(path, body, self.tokenizer)
+            token_key(path, body, self.tokenizer, self.adapters)
             if self.tokenizer is not None
             else routing_key(path, body)
         )
@@ -121,6 +122,7 @@ class Router:
                 break
             await asyncio.sleep(self.args.health_check_interval_secs)
         info = orjson.loads(answer.body)
+        await self._learn_adapters(worker)
         if not info.get("kv_events_config"):
             worker.last_problem = "publishes no KV events (start it with --kv-events-config)"
             log.error("worker %s %s", worker.url, worker.last_problem)
@@ -139,6 +141,15 @@ class Router:
             await follow_events(self.index, worker.url, endpoint, topic)
         finally:
             self.following.discard(worker.url)
+
+    async def _learn_adapters(self, worker: Worker) -> None:
+        """The worker's start-up adapters: /v1/models lists them with their base as `parent`."""
+        answer = (await self.broadcast("GET", "/v1/models", self.auth_headers(), [worker])).get(
+            worker.url
+        )
+        if isinstance(answer, Answer) and answer.status == 200:
+            models = orjson.loads(answer.body).get("data", [])
+            self.adapters |= {m["id"] for m in models if m.get("parent")}
 
     def summaries(self) -> list[dict]:
         """Each worker's state; with KV events, the blocks it caches (None until followed)."""
@@ -306,6 +317,9 @@ class Router:
             )
             streamed = is_event_stream(response) and response.status not in RETRYABLE_STATUS
             content = b"" if streamed else await response.read()
+        except asyncio.CancelledError:  # given up by the caller (the PD router)
+            worker.in_flight -= 1
+            raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             worker.in_flight -= 1
             self._failed(
@@ -355,16 +369,22 @@ class Router:
                 response.close()
 
     async def broadcast(
-        self, method: str, path: str, headers: dict[str, str], workers: list[Worker] | None = None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        workers: list[Worker] | None = None,
+        body: bytes = b"",
+        timeout_s: float | None = None,
     ) -> dict[str, Answer | str]:
         """The same call to each of `workers` (every healthy one by default): each worker's
-        answer, or why it failed."""
-        timeout = aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)
+        answer, or why it failed. `timeout_s` defaults to the health checks' timeout."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.args.health_check_timeout_secs)
 
         async def call(worker: Worker) -> Answer | str:
             try:
                 async with self.session.request(
-                    method, worker.url + path, headers=headers, timeout=timeout
+                    method, worker.url + path, headers=headers, data=body, timeout=timeout
                 ) as r:
                     return Answer(r.status, relayed_headers(r), await r.read(), worker)
             except (aiohttp.ClientError, TimeoutError) as exc:

@@ -207,12 +207,13 @@ class KVManager:
     def usage(self) -> float:
         return 1 - self.allocator.available() / self.allocator.num_slots
 
-    def check_memory(self, running: list[Req]) -> None:
-        """Capacity invariant: free + cached + held by running requests == pool size."""
+    def check_memory(self, running: list[Req], set_aside: int = 0) -> None:
+        """Capacity invariant: free + cached + held by running requests (+ `set_aside` slots
+        out of use) == pool size; every request in `running` holds a row."""
         free, cached, held = (
             self.allocator.available(),
             self.cache.total_size(),
-            self.held_slots(running),
+            self.held_slots(running) + set_aside,
         )
         assert free + cached + held == self.allocator.num_slots, (
             f"KV leak: free {free} + cached {cached} + held {held} != {self.allocator.num_slots}"

@@ -19,6 +19,7 @@ import zmq
 
 from ..config import EngineArgs
 from ..constrained import grammar_backend
+from ..disagg import start_transfers
 from ..ipc import Endpoints, Heartbeat, encode, exit_with_parent, pull_socket, push_socket, recv_all
 from ..kv_events import KVEventPublisher, KVEventsConfig
 from ..messages import (
@@ -62,6 +63,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
         eos_ids(tokenizer),
         grammar_backend(tokenizer, runner.info),
         draft_runner,
+        start_transfers(args, runner.pool, ctx),
     )
     outbox.send(encode(SchedulerReady(runner.info, source.name, tuple(scheduler.adapters.names()))))
     threading.Thread(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..mem.radix_cache import TreeNode
-from ..messages import FinishReason
+from ..messages import Bootstrap, FinishReason
 from ..sampling_params import SamplingParams
 from .speculative import SpecState
 
@@ -28,6 +28,7 @@ class Req:
     pooling: str | None = None  # an embedding request: "last" or "mean" pooling of its prompt
     pooled: Any = None  # the running sum (mean) or the last hidden state so far
     embedding: list[float] | None = None
+    bootstrap: Bootstrap | None = None  # disaggregated: where its prefill runs, its room
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.

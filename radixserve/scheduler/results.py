@@ -90,6 +90,10 @@ class ResultProcessor:
             return 1 + self._jump_forward(req)
         return 1
 
+    def append_token(self, req: Req, token: int) -> None:
+        """Add an output token sampled elsewhere (a prefill server's first token)."""
+        self._append(req, token, None, 0)
+
     def _append(self, req: Req, token: int, got: TokenLogprobs | None, i: int) -> None:
         """Add one output token (with the i-th logprob of `got`, when asked for) and set the
         finish reason it causes."""

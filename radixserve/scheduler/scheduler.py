@@ -27,6 +27,7 @@ from .adapters import AdapterTable
 from .admission import Admission
 from .batch import SamplingContext, Step, build_batch, decode_lens, decode_mode
 from .decode import DecodePlanner, OutOfMemory, Retraction
+from .disagg import DecodeStage, PrefillStage
 from .draft_model import DraftExecutor, ModelDrafter
 from .kv_manager import Executor, KVManager
 from .metrics import SchedulerMetrics
@@ -37,6 +38,7 @@ from .speculative import NgramDrafter, SpecState
 log = logging.getLogger(__name__)
 
 __all__ = ["Executor", "Scheduler"]
+TRANSFER_POLL_S = 0.002  # how often the loop looks for KV transfers done, while some run
 
 
 class Scheduler:
@@ -48,7 +50,9 @@ class Scheduler:
         extra_eos_ids: tuple[int, ...] = (),
         grammars: GrammarBackend | None = None,
         draft_executor: DraftExecutor | None = None,
+        transfers=None,
     ):
+        """`transfers`: with --disaggregation-mode, that side's `radixserve.disagg` transfers."""
         info = executor.info
         self.args, self.executor, self.info, self.grammars = args, executor, info, grammars
         eos_ids = frozenset(info.eos_token_ids) | frozenset(extra_eos_ids)
@@ -80,6 +84,13 @@ class Scheduler:
             self.adapters.max_per_batch,
         )
         self.results = ResultProcessor(args, self.kv, self.metrics, eos_ids, decode_tail, grammars)
+        self.prefill_stage = self.decode_stage = None
+        if args.disaggregation_mode == "prefill":
+            self.prefill_stage = PrefillStage(self.kv, self.results, self.stats, transfers)
+        elif args.disaggregation_mode == "decode":
+            self.decode_stage = DecodeStage(
+                self.kv, self.results, self.metrics, self.running, transfers
+            )
         self.paused = False  # /pause_generation: no step runs until /continue_generation
         self.released: frozenset[str] = frozenset()  # memory given back: no step runs either
 
@@ -97,6 +108,8 @@ class Scheduler:
         when its grammar does not compile."""
         params = msg.sampling_params
         room = self._room_for_output(len(msg.input_ids))
+        if self.prefill_stage is not None:  # the first token here, the rest on a decode server
+            room = min(room, 1)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
         req = Req(
             msg.rid,
@@ -109,11 +122,15 @@ class Scheduler:
             cache_salt=cache_namespace(msg.cache_salt, self.adapters.lookup(msg.lora_path)),
             pooling=msg.pooling,
             lora=msg.lora_path,
+            bootstrap=msg.bootstrap,
         )
         req.grammar = self._grammar_matcher(params)
         if self.drafter is not None or self.model_drafter is not None:
             req.spec = SpecState()
-        self.waiting.append(req)
+        if self.decode_stage is not None:
+            self.decode_stage.add(req)
+        else:
+            self.waiting.append(req)
 
     def _grammar_matcher(self, params: SamplingParams):
         spec = GrammarSpec.from_params(params)
@@ -141,8 +158,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.pending_aborts) or (
-            not self.stopped and bool(self.waiting or self.running)
+            not self.stopped and bool(self.waiting or self.running or self.transferring())
         )
+
+    def transferring(self) -> bool:
+        """Whether a disaggregated request waits for its KV to move."""
+        stage = self.prefill_stage or self.decode_stage
+        return stage is not None and stage.busy()
 
     @property
     def stopped(self) -> bool:
@@ -156,12 +178,18 @@ class Scheduler:
             return idle_s
         if self.pending_aborts or self.running:
             return 0.0
+        if self.transferring():
+            return TRANSFER_POLL_S
         return self.admission.window_wait_s()
 
     # ---- one step --------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         """Run one forward step (if there is work) and return the outputs it produced."""
         self._apply_aborts()
+        if not self.stopped:
+            for stage in (self.prefill_stage, self.decode_stage):
+                if stage is not None:
+                    stage.poll()
         step = None if self.stopped else self._next_step()
         if step is not None:
             try:
@@ -190,6 +218,9 @@ class Scheduler:
             generated += self.results.take(req, result, b)
             if b < step.num_prefill and not req.finished:
                 self.kv.cache_prefix(req)
+            if req.finished and self.prefill_stage and self.prefill_stage.hand_over(req):
+                self.running.remove(req)  # answered once its KV reached the decode server
+                continue
             self.results.emit(req)
             if req.finished:
                 self.kv.release(req)
@@ -230,6 +261,11 @@ class Scheduler:
     def _apply_aborts(self) -> None:
         if not self.pending_aborts:
             return
+        if self.decode_stage is not None:
+            for req in self.decode_stage.abort(self.pending_aborts):
+                req.finish_reason = FinishReason("abort", message="aborted")
+                self.stats.aborted_total += 1
+                self.results.emit(req)
         for req in [r for r in self.waiting + self.running if r.rid in self.pending_aborts]:
             req.finish_reason = FinishReason("abort", message="aborted")
             if req in self.running:
@@ -320,6 +356,8 @@ class Scheduler:
     def snapshot(self) -> SchedulerStats:
         s = self.metrics.snapshot()
         s.num_running, s.num_queued = len(self.running), len(self.waiting)
+        stage = self.prefill_stage or self.decode_stage
+        s.kv_transfer_waiting = stage.waiting() if stage is not None else 0
         s.free_slots = self.kv.allocator.available()
         s.cached_slots = self.kv.cache.total_size()
         s.evictable_slots = self.kv.cache.evictable_size()
@@ -341,4 +379,7 @@ class Scheduler:
         return rows
 
     def check_memory(self) -> None:
-        self.kv.check_memory(self.running)
+        stage = self.prefill_stage or self.decode_stage
+        held = self.running + (stage.held() if stage is not None else [])
+        set_aside = self.decode_stage.quarantined_slots() if self.decode_stage else 0
+        self.kv.check_memory(held, set_aside)

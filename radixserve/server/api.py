@@ -174,8 +174,10 @@ async def build_generate(
             max_tokens_field="max_new_tokens" if explicit else None,
             cache_salt=body.cache_salt,
             lora_path=adapters[i],
+            bootstrap=body.bootstrap(),
         )
         reqs += tm.expand_n(req)
+    tm.check_disaggregated(reqs)
     return reqs, single and len(reqs) == 1
 
 

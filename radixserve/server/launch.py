@@ -221,6 +221,7 @@ def launch_server(args: ServerArgs) -> int:
             ready,
             args.max_queued_requests,
             args.engine.enable_priority_scheduling,
+            args.engine.disaggregation_mode,
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"

@@ -192,6 +192,11 @@ class _SchedulerCollector:
             "running_slots",
         ),
         ("radix_tree_nodes", "Nodes of the radix tree", "radix_nodes"),
+        (
+            "kv_transfer_queue_reqs",
+            "Requests waiting for their KV to move (disaggregation)",
+            "kv_transfer_waiting",
+        ),
         ("gen_throughput", "Generated tokens per second (last 10 s)", "gen_throughput"),
     ]
     COUNTERS = [
@@ -213,6 +218,23 @@ class _SchedulerCollector:
         ),
         ("spec_draft_tokens", "Draft tokens verified", "spec_draft_tokens_total"),
         ("spec_accepted_tokens", "Draft tokens accepted", "spec_accepted_tokens_total"),
+        ("kv_transfers", "Prompts whose KV moved (disaggregation)", "kv_transfers_total"),
+        (
+            "kv_transfer_failures",
+            "KV transfers that failed or timed out (disaggregation)",
+            "kv_transfer_failures_total",
+        ),
+        ("kv_transfer_bytes", "KV bytes a prefill server wrote", "kv_transfer_bytes_total"),
+        (
+            "kv_transfer_seconds",
+            "Seconds of a prefill server's transfers, prompt end to written",
+            "kv_transfer_seconds_total",
+        ),
+        (
+            "kv_received_tokens",
+            "Prompt tokens whose KV a decode server received",
+            "kv_received_tokens_total",
+        ),
     ]
 
     def __init__(self, metrics: Metrics):
@@ -231,8 +253,11 @@ class _SchedulerCollector:
         for name, doc, key in self.COUNTERS:
             yield CounterMetricFamily(P + name, doc, value=s[key])
         computed = s["prompt_tokens_total"] - s["cached_tokens_total"]
+        computed -= s["kv_received_tokens_total"]
         yield CounterMetricFamily(
-            P + "computed_prompt_tokens", "Prompt tokens computed (not cached)", value=computed
+            P + "computed_prompt_tokens",
+            "Prompt tokens computed (not cached, not received from a prefill server)",
+            value=computed,
         )
         if s["spec_verify_steps_total"]:
             yield GaugeMetricFamily(

@@ -211,8 +211,10 @@ def _requests(
             max_tokens_field=length_field if explicit else None,
             cache_salt=body.cache_salt,
             lora_path=body.model if body.model in tm.lora_adapters else None,
+            bootstrap=body.bootstrap(),
         )
         reqs += tm.expand_n(req)
+    tm.check_disaggregated(reqs)
     return reqs
 
 

@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..messages import Bootstrap
 from .http import RequestError
 
 # OpenAI request fields with no implementation here: refused when set to anything but these
@@ -70,7 +71,24 @@ def refuse_unsupported(data: Any, fields: dict[str, tuple]) -> Any:
     return data
 
 
-class GenerateRequest(BaseModel):
+class BootstrapFields(BaseModel):
+    """SGLang's fields of a disaggregated request, set by `radixserve router --pd-disaggregation`:
+    the prefill server's host and bootstrap port, and the room both servers know it by."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+    def bootstrap(self) -> Bootstrap | None:
+        given = (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        if all(v is None for v in given):
+            return None
+        if any(v is None for v in given):
+            raise RequestError("bootstrap_host, bootstrap_port and bootstrap_room go together")
+        return Bootstrap(*given)
+
+
+class GenerateRequest(BootstrapFields):
     """SGLang's native /generate body."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -148,7 +166,7 @@ class ResponseFormat(BaseModel):
         return {}
 
 
-class _OpenAIBase(BaseModel):
+class _OpenAIBase(BootstrapFields):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")

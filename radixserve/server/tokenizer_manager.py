@@ -12,11 +12,25 @@ import zmq
 import zmq.asyncio
 
 from ..ipc import Endpoints, decode, encode, pull_socket, push_socket
-from ..messages import AbortReq, BatchOut, ControlReply, ControlReq, GenerateReq, SchedulerReady
+from ..messages import (
+    AbortReq,
+    BatchOut,
+    Bootstrap,
+    ControlReply,
+    ControlReq,
+    GenerateReq,
+    SchedulerReady,
+)
 from ..responses import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
-from ..validation import check_cache_salt, check_generate, check_output_room, check_priority
+from ..validation import (
+    check_bootstrap,
+    check_cache_salt,
+    check_generate,
+    check_output_room,
+    check_priority,
+)
 from .http import RequestError
 
 log = logging.getLogger(__name__)
@@ -42,12 +56,14 @@ class TokenizerManager:
         ready: SchedulerReady,
         max_queued: int | None = None,
         priority_scheduling: bool = False,
+        disaggregation_mode: str = "null",
     ):
         self.tokenizer = tokenizer
         self.endpoints = endpoints
         self.info = ready.info
         self.model_name = ready.model_name
         self.priority_scheduling = priority_scheduling
+        self.disaggregation_mode = disaggregation_mode
         self.max_in_flight = (
             None if max_queued is None else max_queued + ready.info.max_running_requests
         )
@@ -109,6 +125,7 @@ class TokenizerManager:
         cache_salt: str | None = None,
         pooling: str | None = None,
         lora_path: str | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input. `max_tokens_field` names
         the field when the output length was given explicitly (then it must fit the context)."""
@@ -127,18 +144,26 @@ class TokenizerManager:
             cache_salt=cache_salt,
             pooling=pooling,
             lora_path=lora_path,
+            bootstrap=bootstrap,
         )
         if self.only_pooling is not None and pooling != self.only_pooling:
             raise RequestError(CLASSIFIER_ONLY)
         try:
             check_priority(priority, self.priority_scheduling)
             check_cache_salt(cache_salt)
+            check_bootstrap(req, self.disaggregation_mode, sp.n)
             check_generate(req, self.info)
             if max_tokens_field is not None:
                 check_output_room(len(input_ids), sp.max_new_tokens, self.info, max_tokens_field)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return req
+
+    @staticmethod
+    def check_disaggregated(reqs: list[GenerateReq]) -> None:
+        """A bootstrap room names one request: one prompt, one sample."""
+        if len(reqs) > 1 and any(r.bootstrap is not None for r in reqs):
+            raise RequestError("bootstrap_room: a disaggregated request has one prompt")
 
     @staticmethod
     def expand_n(req: GenerateReq) -> list[GenerateReq]:
@@ -209,6 +234,8 @@ class TokenizerManager:
         reason = pending.state.finish_reason
         if reason is not None and reason.rejected:
             raise RequestError(reason.message or "bad request")
+        if reason is not None and reason.unavailable:
+            raise RequestError(reason.message or "unavailable", 503)
         for observe in self.observers:
             observe(pending.state)
         return pending.state

@@ -1,0 +1,143 @@
+"""The prefill server's transfers: a bootstrap listener collects where decode servers want each
+room's KV, and a worker thread writes each finished prompt's KV there, then tells the decode
+server (`KVArrived`). The scheduler keeps the request's KV locked until its job is done."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from ..ipc import decode, encode, pull_socket, push_socket
+from ..messages import KVArrived, KVDestination
+from .transfer import PoolLayout, make_engine, write_list
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferJob:
+    room: int
+    slots: list[int]  # the prompt's slots in this pool
+    first_token: int
+    cached_tokens: int
+    deadline: float  # monotonic: give up waiting for the destination then
+
+
+@dataclass
+class TransferDone:
+    room: int
+    error: str | None
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class PrefillTransfers:
+    def __init__(self, args, pool, ctx: zmq.Context):
+        host = args.disaggregation_host
+        self.engine = make_engine(args.disaggregation_transfer_backend, host, pool.k, pool.v)
+        self.layout = PoolLayout.of(pool.k, pool.v)
+        self.timeout = args.disaggregation_transfer_timeout
+        self.destinations: dict[int, tuple[KVDestination, float]] = {}  # room -> (it, arrived)
+        self.arrived = threading.Condition()
+        self.jobs: queue.Queue[TransferJob] = queue.Queue()
+        self.done: queue.Queue[TransferDone] = queue.Queue()
+        self.ctx = ctx
+        self.bootstrap = pull_socket(ctx, f"tcp://{host}:{args.disaggregation_bootstrap_port}")
+        self.notifiers: dict[str, zmq.Socket] = {}  # used by the worker thread only
+        for target, name in ((self._listen, "bootstrap"), (self._work, "kv-transfer")):
+            threading.Thread(target=target, daemon=True, name=name).start()
+        log.info(
+            "disaggregation (prefill): bootstrap on %s:%d, transfer engine %s",
+            host,
+            args.disaggregation_bootstrap_port,
+            self.engine.session,
+        )
+
+    def submit(self, job: TransferJob) -> None:
+        self.jobs.put(job)
+
+    def finished(self) -> list[TransferDone]:
+        out = []
+        while True:
+            try:
+                out.append(self.done.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- threads -----------------------------------------------------------------
+    def _listen(self) -> None:
+        while True:
+            raw = self.bootstrap.recv()
+            try:
+                dest = decode(raw)
+                if not isinstance(dest, KVDestination):
+                    raise ValueError(f"a {type(dest).__name__}")
+            except Exception as exc:  # noqa: BLE001 - a bad message is dropped, named
+                log.warning("bootstrap: ignored a message that is not a KVDestination: %s", exc)
+                continue
+            now = time.monotonic()
+            with self.arrived:
+                self.destinations[dest.room] = (dest, now)
+                stale = [r for r, (_, t) in self.destinations.items() if now - t > 4 * self.timeout]
+                for room in stale:  # asked for by a decode server, never prefilled here
+                    del self.destinations[room]
+                self.arrived.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            started = time.monotonic()
+            dest, error, sent = self._destination(job), None, 0
+            try:
+                if dest is None:
+                    error = f"no decode server asked for room {job.room} in {self.timeout:g} s"
+                else:
+                    sent = self._write(job, *dest)
+            except (OSError, ValueError) as exc:
+                error = f"the KV transfer failed: {exc}"
+            if dest is not None:
+                first = job.first_token
+                self._notify(dest[0].notify, KVArrived(job.room, first, job.cached_tokens, error))
+            self.done.put(TransferDone(job.room, error, sent, time.monotonic() - started))
+
+    def _destination(self, job: TransferJob) -> tuple[KVDestination, float] | None:
+        with self.arrived:
+            while job.room not in self.destinations:
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.arrived.wait(left)
+            return self.destinations.pop(job.room)
+
+    def _write(self, job: TransferJob, dest: KVDestination, arrived: float) -> int:
+        """Write the prompt tokens the decode server lacks; the bytes written."""
+        peer = PoolLayout(tuple(dest.k_addrs), tuple(dest.v_addrs), dest.slot_bytes)
+        if (problem := self.layout.problem_with(peer)) is not None:
+            raise ValueError(problem)
+        if dest.prompt_len != len(job.slots) or len(dest.slots) != dest.prompt_len - dest.start:
+            raise ValueError(
+                f"the decode server holds a {dest.prompt_len}-token prompt for room {job.room}, "
+                f"this one has {len(job.slots)} tokens"
+            )
+        if time.monotonic() > arrived + dest.valid_s:
+            raise ValueError("the decode server stopped waiting for this room's KV")
+        sources, targets, lengths = write_list(
+            self.layout, peer, job.slots[dest.start :], dest.slots
+        )
+        if sources:
+            self.engine.write(dest.session, sources, targets, lengths)
+        return sum(lengths)
+
+    def _notify(self, address: str, msg: KVArrived) -> None:
+        sock = self.notifiers.get(address)
+        if sock is None:
+            sock = self.notifiers[address] = push_socket(self.ctx, address)
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: it is gone; the request times out there
+            log.warning("the decode server at %s takes no notices", address)

@@ -1,0 +1,207 @@
+"""The scheduler's part in prefill/decode disaggregation (`radixserve.disagg`).
+
+- `PrefillStage` (`--disaggregation-mode prefill`): a request ends after its first token;
+  instead of being released, its KV stays locked while the transfer thread writes it to the
+  decode server, and the request's answer goes out once the transfer is done (or failed: 503).
+- `DecodeStage` (`--disaggregation-mode decode`): a request skips admission. Its prompt is
+  matched in the radix tree, slots are reserved for the rest and the prefill server is told
+  where they are; once the KV has arrived, the prompt enters the tree, the first token is
+  appended and the request joins the running batch. One that waits past the timeout fails
+  with a 503, and its reserved slots stay out of use for one more timeout (a late write may
+  still land there) unless the prefill server's notice comes first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..disagg.prefill import TransferJob
+from ..messages import FinishReason, KVArrived, SchedulerStats
+from .kv_manager import KVManager
+from .metrics import SchedulerMetrics
+from .req import Req
+from .results import ResultProcessor
+
+
+def unavailable(message: str) -> FinishReason:
+    return FinishReason("abort", message=message, unavailable=True)
+
+
+class PrefillStage:
+    def __init__(self, kv: KVManager, results: ResultProcessor, stats: SchedulerStats, transfers):
+        self.kv, self.results, self.stats, self.transfers = kv, results, stats, transfers
+        self.timeout = transfers.timeout
+        self.handed: dict[int, Req] = {}  # room -> the request whose KV is being sent
+
+    def hand_over(self, req: Req) -> bool:
+        """Take a finished request whose KV goes to a decode server (False: not one)."""
+        if req.bootstrap is None or req.finish_reason.kind == "abort":
+            return False
+        self.kv.cache_prefix(req)
+        prompt = len(req.input_ids)
+        first = req.output_ids[0] if req.output_ids else -1
+        deadline = time.monotonic() + self.timeout
+        job = TransferJob(
+            req.bootstrap.room, req.kv_slots[:prompt], first, req.cached_tokens, deadline
+        )
+        self.handed[req.bootstrap.room] = req
+        self.transfers.submit(job)
+        return True
+
+    def poll(self) -> None:
+        for done in self.transfers.finished():
+            req = self.handed.pop(done.room)
+            self.stats.kv_transfers_total += 1
+            self.stats.kv_transfer_bytes_total += done.bytes
+            self.stats.kv_transfer_seconds_total += done.seconds
+            if done.error is not None:
+                self.stats.kv_transfer_failures_total += 1
+                req.finish_reason = unavailable(done.error)
+            self.kv.release(req)
+            self.results.emit(req)
+
+    def busy(self) -> bool:
+        return bool(self.handed)
+
+    def held(self) -> list[Req]:
+        return list(self.handed.values())
+
+    def waiting(self) -> int:
+        return len(self.handed)
+
+
+@dataclass
+class Quarantined:
+    """Slots a request reserved and gave up: out of use until `until` or the room's notice."""
+
+    room: int
+    slots: list[int]
+    until: float
+
+
+class DecodeStage:
+    def __init__(
+        self,
+        kv: KVManager,
+        results: ResultProcessor,
+        metrics: SchedulerMetrics,
+        running: list[Req],
+        transfers,
+    ):
+        self.kv, self.results, self.metrics, self.running = kv, results, metrics, running
+        self.stats = metrics.stats
+        self.transfers, self.timeout = transfers, transfers.timeout
+        self.queued: list[Req] = []  # not yet reserved
+        self.awaiting: dict[int, tuple[Req, float]] = {}  # room -> (request, deadline)
+        self.quarantine: list[Quarantined] = []
+
+    def add(self, req: Req) -> None:
+        self.queued.append(req)
+
+    def poll(self) -> None:
+        self._reserve()
+        for arrived in self.transfers.arrivals():
+            self._receive(arrived)
+        self._expire(time.monotonic())
+
+    def abort(self, rids: set[str]) -> list[Req]:
+        """Take the aborted requests out; returns them (to be emitted)."""
+        gone = [r for r in self.queued if r.rid in rids]
+        for req in gone:
+            self.queued.remove(req)
+        for room, (req, _) in list(self.awaiting.items()):
+            if req.rid in rids:
+                del self.awaiting[room]
+                self._set_aside(req, room)
+                gone.append(req)
+        return gone
+
+    def busy(self) -> bool:
+        return bool(self.queued or self.awaiting or self.quarantine)
+
+    def held(self) -> list[Req]:
+        return [req for req, _ in self.awaiting.values()]
+
+    def quarantined_slots(self) -> int:
+        return sum(self.kv.allocator.held_slots(len(q.slots)) for q in self.quarantine)
+
+    def waiting(self) -> int:
+        return len(self.queued) + len(self.awaiting)
+
+    # ---- steps -------------------------------------------------------------------
+    def _reserve(self) -> None:
+        """Reserve slots for queued prompts, first come first served, while they fit."""
+        while self.queued and self.kv.rows.available():
+            req = self.queued[0]
+            slots, node = self.kv.match(req)
+            self.kv.cache.inc_lock_ref(node)
+            self.kv.attach(req, slots, node)
+            if not self.kv.alloc(req, len(req.input_ids) - len(slots)):
+                self.kv.drop(req)
+                req.row, req.node, req.kv_slots, req.cached_len = None, None, [], 0
+                if not self.running and not self.awaiting:
+                    self.queued.pop(0)
+                    self._end(req, unavailable("the prompt does not fit in this server's KV pool"))
+                return
+            self.queued.pop(0)
+            req.admitted = True
+            self.metrics.admitted(req, len(slots))
+            room = req.bootstrap.room
+            self.awaiting[room] = (req, time.monotonic() + self.timeout)
+            start = len(slots)
+            self.transfers.ask(req.bootstrap, len(req.input_ids), start, req.kv_slots[start:])
+
+    def _receive(self, arrived: KVArrived) -> None:
+        entry = self.awaiting.pop(arrived.room, None)
+        if entry is None:  # late: its request timed out or was aborted
+            self._lift_quarantine(arrived.room)
+            return
+        req = entry[0]
+        if arrived.error is not None:
+            self.stats.kv_transfer_failures_total += 1
+            self.kv.drop(req)  # the prefill server writes no more
+            self._end(req, unavailable(f"prefill server: {arrived.error}"))
+            return
+        self.stats.kv_transfers_total += 1
+        self.stats.kv_received_tokens_total += len(req.input_ids) - req.cached_len
+        req.cached_tokens = max(arrived.cached_tokens, req.cached_len)
+        if arrived.first_token < 0:
+            req.finish_reason = FinishReason("length", length=0)
+        else:
+            self.results.append_token(req, arrived.first_token)
+            self.metrics.generated(1)
+        self.kv.cache_prefix(req)
+        self.results.emit(req)
+        if req.finished:
+            self.kv.release(req)
+        else:
+            self.running.append(req)
+
+    def _expire(self, now: float) -> None:
+        for room, (req, deadline) in list(self.awaiting.items()):
+            if now > deadline:
+                del self.awaiting[room]
+                self.stats.kv_transfer_failures_total += 1
+                self._set_aside(req, room)
+                message = f"the prompt's KV did not arrive within {self.timeout:g} s"
+                req.finish_reason = unavailable(message)
+                self.results.emit(req)
+        for q in [q for q in self.quarantine if now > q.until]:
+            self._lift_quarantine(q.room)
+
+    def _set_aside(self, req: Req, room: int) -> None:
+        """Give back a waiting request's lock and row; its own slots go to quarantine."""
+        own = req.kv_slots[req.cached_len :]
+        del req.kv_slots[req.cached_len :]
+        self.kv.drop(req)
+        self.quarantine.append(Quarantined(room, own, time.monotonic() + self.timeout))
+
+    def _lift_quarantine(self, room: int) -> None:
+        for q in [q for q in self.quarantine if q.room == room]:
+            self.quarantine.remove(q)
+            self.kv.allocator.free(q.slots)
+
+    def _end(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.results.emit(req)

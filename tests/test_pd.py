@@ -1,0 +1,184 @@
+"""Prefill/decode disaggregation on a tiny random llama: two prefill servers, a decode server and
+`radixserve router --pd-disaggregation`, against a co-located server with the same flags. KV
+moves through the Mooncake transfer engine over TCP on loopback.
+
+The kill test runs last: it takes one prefill server down for good."""
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+from quant_checkpoints import random_llama
+from server_utils import free_port, start_router, start_server, wait_idle
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
+
+FLAGS = ("--chunked-prefill-size", "32", "--max-total-tokens", "4096")
+PREFIX = [(7 * i + 3) % 500 + 5 for i in range(40)]
+PROMPTS = [PREFIX + [100 + 9 * j + k for k in range(6)] for j in range(6)]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd")
+    random_llama().save_pretrained(root / "model")
+    model = ("--model", str(root / "model"), *FLAGS)
+    servers, ports = [], [free_port(), free_port()]
+    try:
+        colocated = start_server(root, *model)
+        servers.append(colocated)
+        prefills = []
+        for port in ports:
+            prefills.append(
+                start_server(
+                    root,
+                    *model,
+                    "--disaggregation-mode",
+                    "prefill",
+                    "--disaggregation-bootstrap-port",
+                    str(port),
+                )
+            )
+            servers.append(prefills[-1])
+        decode = start_server(
+            root,
+            *model,
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-timeout",
+            "3",
+        )
+        servers.append(decode)
+        prefill_flags = []
+        for server, port in zip(prefills, ports):
+            prefill_flags += ["--prefill", server.url, str(port)]
+        router = start_router(
+            root,
+            "--pd-disaggregation",
+            *prefill_flags,
+            "--decode",
+            decode.url,
+            "--health-check-interval-secs",
+            "1",
+        )
+        servers.append(router)
+        yield colocated, prefills, decode, router
+    finally:
+        for server in reversed(servers):
+            if server.proc.poll() is None:
+                server.stop()
+
+
+def generate(client, ids, **extra):
+    return client.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY, **extra})
+
+
+def metric(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_disaggregated_requests_match_the_colocated_server_and_hit_the_cache(pd):
+    colocated, prefills, decode, router = pd
+    with colocated.client() as c, router.client(timeout=60) as r, decode.client() as d:
+        want = [generate(c, ids).json()["output_ids"] for ids in PROMPTS]
+        results = [None] * len(PROMPTS)
+
+        def send(i):
+            results[i] = generate(r, PROMPTS[i])
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(res.status_code == 200 for res in results), [res.text for res in results]
+        assert [res.json()["output_ids"] for res in results] == want
+        again = [generate(r, ids).json() for ids in PROMPTS]
+        assert [a["output_ids"] for a in again] == want
+        assert all(a["meta_info"]["cached_tokens"] >= len(PREFIX) for a in again), again
+        assert metric(d, "radixserve:computed_prompt_tokens_total") < len(PROMPTS[0])
+        assert metric(d, "radixserve:kv_received_tokens_total") > 0
+        stream = r.post(
+            "/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": GREEDY, "stream": True},
+        )
+        events = [e for e in stream.text.split("\n\n") if e.startswith("data: {")]
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert last["output_ids"] == want[0] and last["meta_info"]["finish_reason"], stream.text
+        completion = r.post(
+            "/v1/completions",
+            json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
+        assert completion.status_code == 200, completion.text
+        written = 0.0
+        for server in prefills:
+            with server.client() as p:
+                written += metric(p, "radixserve:kv_transfer_bytes_total")
+        assert written > 0
+        for server in (decode, *prefills):
+            with server.client() as s:
+                stats = wait_idle(s)
+                assert stats["kv_transfer_waiting"] == 0
+
+
+def test_a_disaggregated_server_names_what_a_request_lacks(pd):
+    colocated, _, decode, _ = pd
+    with decode.client() as d, colocated.client() as c:
+        bare = generate(d, PROMPTS[0])
+        assert bare.status_code == 400 and "bootstrap_room" in bare.text
+        partial = generate(d, PROMPTS[0], bootstrap_room=5)
+        assert partial.status_code == 400 and "go together" in partial.text
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
+        stray = generate(c, PROMPTS[0], **fields)
+        assert stray.status_code == 400 and "not disaggregated" in stray.text
+        two = d.post(
+            "/generate",
+            json={"input_ids": [PROMPTS[0], PROMPTS[1]], "sampling_params": GREEDY, **fields},
+        )
+        assert two.status_code == 400 and "one prompt" in two.text
+
+
+def test_a_prefill_server_killed_mid_request_is_retried_on_the_other(pd):
+    """A prefill server holds the request (paused) while the decode server has reserved its
+    slots; it is killed: the router closes the decode request and retries on the other prefill
+    server, the answer is whole and right, and neither side leaks a slot."""
+    colocated, prefills, decode, router = pd
+    victim, survivor = prefills
+    prompt = [(5 * i + 1) % 500 + 3 for i in range(60)]
+    with colocated.client() as c, victim.client() as v, router.client(timeout=60) as r:
+        want = generate(c, prompt).json()["output_ids"]
+        assert v.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
+        answer = {}
+        for attempt in range(6):  # until the router puts one on the paused server
+            answer.clear()
+            thread = threading.Thread(target=lambda: answer.update(res=generate(r, prompt)))
+            thread.start()
+            deadline = time.time() + 5
+            while thread.is_alive() and time.time() < deadline:
+                if v.get("/get_server_info").json()["stats"]["num_queued"]:
+                    break
+                time.sleep(0.05)
+            if thread.is_alive():
+                break
+            thread.join()
+            prompt = [t + 1 for t in prompt]
+            want = generate(c, prompt).json()["output_ids"]
+        else:
+            pytest.fail("the router never picked the paused prefill server")
+        victim.proc.send_signal(signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "the request hangs"
+        res = answer["res"]
+        assert res.status_code == 200, res.text
+        assert res.json()["output_ids"] == want
+    time.sleep(3.5)  # the closed request's reserved slots come back after the transfer timeout
+    for server in (decode, survivor):
+        with server.client() as s:
+            stats = wait_idle(s)
+            assert stats["kv_transfer_waiting"] == 0
