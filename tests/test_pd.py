@@ -104,6 +104,9 @@ def test_disaggregated_requests_match_the_colocated_server_and_hit_the_cache(pd)
         assert all(a["meta_info"]["cached_tokens"] >= len(PREFIX) for a in again), again
         assert metric(d, "radixserve:computed_prompt_tokens_total") < len(PROMPTS[0])
         assert metric(d, "radixserve:kv_received_tokens_total") > 0
+        board = d.get("/dashboard/data").json()
+        assert board["disaggregation_mode"] == "decode"
+        assert board["current"]["kv_transfers_total"] >= 2 * len(PROMPTS)
         stream = r.post(
             "/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": GREEDY, "stream": True},

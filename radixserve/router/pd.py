@@ -81,9 +81,13 @@ class PDRouter(Router):
             decoding = asyncio.create_task(
                 super().open(method, path, orjson.dumps({**data, **fields}), headers)
             )
-            prefilled = await self.prefill._try(
-                prefill, method, path, orjson.dumps(prefill_data), headers
-            )
+            try:
+                prefilled = await self.prefill._try(
+                    prefill, method, path, orjson.dumps(prefill_data), headers
+                )
+            except asyncio.CancelledError:  # the client went away: so does the decode request
+                await _close(decoding)
+                raise
             if prefilled is not None and prefilled.status == 200:
                 return await decoding
             await _close(decoding)

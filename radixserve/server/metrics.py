@@ -106,6 +106,7 @@ class Metrics:
             "history": list(self.history),
             "top_prefixes": [self._prefix_row(p) for p in prefixes],
             "adapters": self.adapters.rows(),
+            "disaggregation_mode": self.tm.disaggregation_mode,
         }
 
     def _prefix_row(self, p: dict) -> dict:
