@@ -135,6 +135,13 @@ class EngineArgs:
         "structured output: append the text a grammar forces without decoding it token by token "
         "(fewer steps; the forced text is tokenized on its own)",
     )
+    enable_deterministic_inference: bool = option(
+        False,
+        "batch-invariant CPU inference: greedy tokens and logprobs the same bit for bit whether "
+        "a prefix was computed now or came from the radix cache or HiCache, whatever the batch "
+        "and --chunked-prefill-size (attention through one kernel with fixed key tiles, dense "
+        "GEMMs in fixed row blocks)",
+    )
     enable_torch_compile: bool = option(
         False,
         "torch.compile the whole forward, attention kept opaque (adds minutes to the first "
@@ -306,6 +313,15 @@ class EngineArgs:
             yield from log_folder_problems(self.log_requests)
         yield from self._lora_problems()
         yield from self._disaggregation_problems()
+        if self.enable_deterministic_inference:
+            for name, value in (
+                ("enable_torch_compile", self.enable_torch_compile),
+                ("speculative_algorithm", self.speculative_algorithm is not None),
+                ("lora_paths / enable_lora", self.enable_lora or bool(self.lora_paths)),
+                ("tp_size", self.tp_size > 1),
+            ):
+                if value:
+                    yield f"{name} with enable_deterministic_inference is not supported"
 
     def _disaggregation_problems(self):
         if self.disaggregation_mode == "null":

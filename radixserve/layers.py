@@ -170,6 +170,20 @@ def _packed_linear_shape(
     return x.new_empty(x.shape[0], out_features)
 
 
+# Rows a dense GEMM takes at a time with --enable-deterministic-inference: torch's CPU GEMM
+# gave each row the same bits for any row count up to this, not beyond (bench/README.md).
+DETERMINISTIC_ROW_BLOCK = 64
+
+
+def set_row_blocks(model: nn.Module, rows: int) -> None:
+    """Run every Linear's torch GEMM in blocks of at most `rows` rows, so that a row's result
+    does not depend on how many rows share the call (radixserve's packed CPU GEMM already
+    computes every row alike)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.row_block = rows
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored transposed, `[in, out]`.
 
@@ -199,9 +213,17 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.cpu_ops = None
         self.lora = None  # the adapters' deltas (lora_weights.LinearLora), when served
+        self.row_block: int | None = None  # set_row_blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._base(x)
+        if (
+            self.row_block is not None
+            and x.shape[0] > self.row_block
+            and self.weight_packed is None
+        ):
+            out = torch.cat([self._base(rows) for rows in x.split(self.row_block)])
+        else:
+            out = self._base(x)
         return out if self.lora is None else self.lora.add(x, out)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:

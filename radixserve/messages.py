@@ -202,12 +202,11 @@ class KVDestination:
     room: int
     session: str  # the decode server's transfer engine, as peers name it
     notify: str  # the ZeroMQ address that takes the `KVArrived`
-    k_addrs: list[int]  # the decode pool's layout (transfer.PoolLayout)
-    v_addrs: list[int]
+    layers: int  # the decode pool's shape (transfer.PoolShape)
     slot_bytes: int
     prompt_len: int
     start: int  # prompt tokens the decode server has cached itself: not sent
-    slots: list[int]  # its slots for the prompt tokens [start, prompt_len)
+    landing: int  # the address of its buffer for the tokens [start, prompt_len)
     valid_s: float  # how long it waits: no write may start later
 
 

@@ -12,9 +12,11 @@ _REGISTRY = {
     "flashinfer": ("radixserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
 # the LayerAttention features each backend implements (known before importing it); "fp8_kv": it
-# reads an FP8 KV pool
+# reads an FP8 KV pool; "deterministic": it runs batch-invariant (--enable-deterministic-inference)
 FEATURES = {
-    "torch_native": frozenset({"scale", "window", "softcap", "sinks", "latent", "fp8_kv"}),
+    "torch_native": frozenset(
+        {"scale", "window", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
+    ),
     "triton": frozenset({"scale"}),
     "flashinfer": frozenset(),
 }

@@ -41,6 +41,7 @@ class _Group:
         None  # extend kernel: cached tokens before each request's new ones
     )
     extend_lens: torch.Tensor | None = None
+    widened: bool = False  # extend kernel on a float32 copy of the rows' K/V (`kv_indices`)
 
 
 def _plan_group(
@@ -112,11 +113,39 @@ def _plan_paged_extend(
     )
 
 
+def _plan_widened(
+    inputs: AttentionInputs, members: torch.Tensor, token_starts: torch.Tensor
+) -> _Group:
+    """The extend kernel over a float32 copy of the members' K/V: request b's keys are rows
+    b * max_len ... of the copy, `kv_indices` the pool slots they come from."""
+    group = _plan_paged_extend(inputs, members, token_starts)
+    max_len = int(inputs.seq_lens[members].max())
+    group.kv_indices = inputs.req_to_token[inputs.rows[members], :max_len].flatten()
+    group.kv_shape = (len(members), max_len)
+    group.rows = torch.arange(len(members), device=members.device)
+    group.widened = True
+    return group
+
+
 class TorchNativeBackend:
     """Layers with windows, soft-capping, sinks or a latent KV attend through
-    `reference_attention`; the others through the paged kernels on CPU, SDPA elsewhere."""
+    `reference_attention`; the others through the paged kernels on CPU, SDPA elsewhere.
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, **_):
+    `deterministic` (--enable-deterministic-inference): every query, prompt or decode, runs
+    through the paged extend kernel, whose result for a query depends only on its keys (fixed
+    key tiles from position 0, no split that follows the batch): the same bits whatever the
+    batch, the chunking or where the prefix came from. In bf16 or fp16 the kernel reads a
+    float32 copy of the step's K/V."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        deterministic: bool = False,
+        **_,
+    ):
         self.pool = pool
         self.scale = head_dim**-0.5
         self.kernels = load_cpu_kernels() if pool.k[0].device.type == "cpu" else None
@@ -125,10 +154,22 @@ class TorchNativeBackend:
             and pool.k[0].dtype == torch.float32
             and self.kernels.extend_supported(head_dim)
         )
+        self.deterministic = deterministic
+        if deterministic and (self.kernels is None or not self.kernels.extend_supported(head_dim)):
+            raise ValueError(
+                "enable_deterministic_inference needs radixserve's CPU kernels (a C++ compiler, "
+                "a CPU device) and a head dim of 32, 64, 80, 96 or 128"
+            )
 
     def plan(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         self.reference_plan: ReferencePlan | None = None  # planned by the first layer needing it
+        if self.deterministic:
+            everyone = torch.arange(len(inputs.rows), device=inputs.rows.device)
+            token_starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
+            plan = _plan_paged_extend if self.paged_extend else _plan_widened
+            self.groups = [plan(inputs, everyone, token_starts)]
+            return
         if self.kernels is not None and inputs.is_decode and inputs.max_extend_len == 1:
             # one new token per request: the step is the decode kernel's group as it stands
             tokens = torch.arange(len(inputs.rows), device=inputs.rows.device)
@@ -156,7 +197,7 @@ class TorchNativeBackend:
         """This step's groups as the C++ decoder (radixserve_kernels/cpu_decoder.cpp) takes them,
         when every group runs a paged kernel: (tokens, rows, seq_lens) to decode, (tokens, rows,
         prefix_lens, extend_lens) to extend; None when one gathers K/V for SDPA."""
-        if not all(g.rows is not None for g in self.groups):
+        if not all(g.rows is not None and not g.widened for g in self.groups):
             return None
         return [
             [g.tokens, g.rows, g.seq_lens]
@@ -193,6 +234,8 @@ class TorchNativeBackend:
         return out.flatten(1)
 
     def _attend(self, group: _Group, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        if group.widened:
+            return self._attend_widened(group, layer, q, scale)
         if group.extend_lens is not None:
             return self.kernels.paged_extend_attention(
                 q,
@@ -231,6 +274,27 @@ class TorchNativeBackend:
             enable_gqa=True,
         ).transpose(1, 2)
         return out.squeeze(1) if group.pad_req is None else out[group.pad_req, group.pad_pos]
+
+    def _attend_widened(
+        self, group: _Group, layer: int, q: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        pool, f32 = self.pool, torch.float32
+        keys = pool.read(pool.k[layer].index_select(0, group.kv_indices), pool.k_scale[layer], f32)
+        values = pool.read(
+            pool.v[layer].index_select(0, group.kv_indices), pool.v_scale[layer], f32
+        )
+        table = torch.arange(keys.shape[0], device=q.device).view(group.kv_shape)
+        out = self.kernels.paged_extend_attention(
+            q.to(f32),
+            keys.to(f32),
+            values.to(f32),
+            table,
+            group.rows,
+            group.prefix_lens,
+            group.extend_lens,
+            scale,
+        )
+        return out.to(q.dtype)
 
     @staticmethod
     def _gather(group: _Group, cache: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,18 @@ their outputs, and each prompt's KV moves between their pools through a transfer
 
 The flow of one request, which `radixserve router --pd-disaggregation` sends to both servers
 with the same `bootstrap_room`:
-1. the decode server matches the prompt in its own radix tree, reserves slots for the rest and
-   tells the prefill server's bootstrap listener where they are (`KVDestination`);
+1. the decode server matches the prompt in its own radix tree, reserves slots for the rest,
+   registers a landing buffer for them and tells the prefill server's bootstrap listener where
+   it is (`KVDestination`);
 2. the prefill server runs the prompt (its radix tree skips shared prefixes), samples the
-   first token, writes the KV pages the decode server lacks straight into its pool
-   (`transfer`), then tells it the first token (`KVArrived`) and answers the router;
-3. the decode server puts the received prompt into its radix tree (so follow-ups hit there)
-   and decodes the rest.
+   first token, gathers the KV rows the decode server lacks and writes them into the landing
+   buffer in one transfer (`transfer`), then tells it the first token (`KVArrived`) and
+   answers the router;
+3. the decode server copies the rows into its reserved slots, puts the prompt into its radix
+   tree (so follow-ups hit there) and decodes the rest.
 A transfer that does not finish within `--disaggregation-transfer-timeout` fails its request
-with a 503 on both sides; the decode server keeps the slots it reserved out of use until no
-late write can land in them.
+with a 503 on both sides; a late write can only land in the abandoned landing buffer, which
+the decode server frees one timeout later.
 """
 
 

@@ -1,26 +1,38 @@
-"""The decode server's transfers: it tells a prefill server's bootstrap listener where to write
-a request's KV (`KVDestination`) and collects the prefill servers' `KVArrived` notices."""
+"""The decode server's transfers: for each request it registers a landing buffer, tells the
+prefill server's bootstrap listener where it is (`KVDestination`), collects the prefill
+servers' `KVArrived` notices, and copies what landed into its pool. A buffer whose request
+gave up stays registered for one more timeout, so a late write lands in memory no one uses."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
+from dataclasses import dataclass
 
+import torch
 import zmq
 
 from ..ipc import decode, encode, push_socket
 from ..messages import Bootstrap, KVArrived, KVDestination
-from .transfer import PoolLayout, make_engine
+from .transfer import PoolShape, make_engine, scatter_kv
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Landing:
+    buffer: torch.Tensor
+    slots: list[int]  # where it goes in the pool
+    until: float = 0.0  # once abandoned: when it can be freed
 
 
 class DecodeTransfers:
     def __init__(self, args, pool, ctx: zmq.Context):
         host = args.disaggregation_host
-        self.engine = make_engine(args.disaggregation_transfer_backend, host, pool.k, pool.v)
-        self.layout = PoolLayout.of(pool.k, pool.v)
+        self.engine = make_engine(args.disaggregation_transfer_backend, host)
+        self.pool, self.shape = pool, PoolShape.of(pool.k)
         self.timeout = args.disaggregation_transfer_timeout
         self.ctx = ctx
         inbox = ctx.socket(zmq.PULL)
@@ -28,6 +40,8 @@ class DecodeTransfers:
         port = inbox.bind_to_random_port(f"tcp://{host}")
         self.notify = f"tcp://{host}:{port}"
         self.arrived: queue.Queue[KVArrived] = queue.Queue()
+        self.landings: dict[int, Landing] = {}  # room -> its buffer (the scheduler thread's)
+        self.abandoned: dict[int, Landing] = {}
         self.bootstraps: dict[str, zmq.Socket] = {}  # used by the scheduler thread only
         threading.Thread(target=self._listen, args=(inbox,), daemon=True, name="kv-notify").start()
         log.info(
@@ -37,36 +51,61 @@ class DecodeTransfers:
         )
 
     def ask(self, where: Bootstrap, prompt_len: int, start: int, slots: list[int]) -> None:
-        """Tell the prefill server at `where` to write tokens [start, prompt_len) into `slots`."""
-        address = f"tcp://{where.host}:{where.port}"
-        sock = self.bootstraps.get(address)
-        if sock is None:
-            sock = self.bootstraps[address] = push_socket(self.ctx, address)
-        layout = self.layout
+        """Ask the prefill server at `where` for tokens [start, prompt_len), bound for `slots`."""
+        buffer = torch.empty(self.shape.bytes_for(len(slots)), dtype=torch.uint8)
+        self.engine.register(buffer)
+        self.landings[where.room] = Landing(buffer, slots)
         dest = KVDestination(
             where.room,
             self.engine.session,
             self.notify,
-            list(layout.k_addrs),
-            list(layout.v_addrs),
-            layout.slot_bytes,
+            self.shape.layers,
+            self.shape.slot_bytes,
             prompt_len,
             start,
-            slots,
+            buffer.data_ptr(),
             self.timeout,
         )
+        address = f"tcp://{where.host}:{where.port}"
+        sock = self.bootstraps.get(address)
+        if sock is None:
+            sock = self.bootstraps[address] = push_socket(self.ctx, address)
         try:
             sock.send(encode(dest), zmq.NOBLOCK)
         except zmq.Again:  # its queue is full: it is gone; the request times out
             log.warning("the prefill server at %s takes no destinations", address)
 
+    def land(self, room: int) -> None:
+        """Copy the room's landed KV into its slots and free the buffer."""
+        landing = self.landings.pop(room)
+        scatter_kv(self.pool.k, self.pool.v, landing.slots, landing.buffer)
+        self.engine.unregister(landing.buffer)
+
+    def abandon(self, room: int) -> None:
+        """The room's request gave up (or failed): free its buffer once no write can come."""
+        landing = self.landings.pop(room, None)
+        if landing is not None:
+            landing.until = time.monotonic() + self.timeout
+            self.abandoned[room] = landing
+
     def arrivals(self) -> list[KVArrived]:
-        out = []
+        """The notices that came in; late ones free their abandoned buffers here."""
+        out, now = [], time.monotonic()
         while True:
             try:
-                out.append(self.arrived.get_nowait())
+                msg = self.arrived.get_nowait()
             except queue.Empty:
-                return out
+                break
+            if msg.room in self.abandoned:
+                self.engine.unregister(self.abandoned.pop(msg.room).buffer)
+            else:
+                out.append(msg)
+        for room in [r for r, landing in self.abandoned.items() if now > landing.until]:
+            self.engine.unregister(self.abandoned.pop(room).buffer)
+        return out
+
+    def busy(self) -> bool:
+        return bool(self.abandoned)
 
     def _listen(self, inbox: zmq.Socket) -> None:
         while True:

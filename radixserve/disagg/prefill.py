@@ -14,7 +14,7 @@ import zmq
 
 from ..ipc import decode, encode, pull_socket, push_socket
 from ..messages import KVArrived, KVDestination
-from .transfer import PoolLayout, make_engine, write_list
+from .transfer import PoolShape, gather_kv, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class TransferDone:
 class PrefillTransfers:
     def __init__(self, args, pool, ctx: zmq.Context):
         host = args.disaggregation_host
-        self.engine = make_engine(args.disaggregation_transfer_backend, host, pool.k, pool.v)
-        self.layout = PoolLayout.of(pool.k, pool.v)
+        self.engine = make_engine(args.disaggregation_transfer_backend, host)
+        self.pool, self.shape = pool, PoolShape.of(pool.k)
         self.timeout = args.disaggregation_transfer_timeout
         self.destinations: dict[int, tuple[KVDestination, float]] = {}  # room -> (it, arrived)
         self.arrived = threading.Condition()
@@ -116,22 +116,27 @@ class PrefillTransfers:
 
     def _write(self, job: TransferJob, dest: KVDestination, arrived: float) -> int:
         """Write the prompt tokens the decode server lacks; the bytes written."""
-        peer = PoolLayout(tuple(dest.k_addrs), tuple(dest.v_addrs), dest.slot_bytes)
-        if (problem := self.layout.problem_with(peer)) is not None:
+        if (
+            problem := self.shape.problem_with(PoolShape(dest.layers, dest.slot_bytes))
+        ) is not None:
             raise ValueError(problem)
-        if dest.prompt_len != len(job.slots) or len(dest.slots) != dest.prompt_len - dest.start:
+        if dest.prompt_len != len(job.slots):
             raise ValueError(
                 f"the decode server holds a {dest.prompt_len}-token prompt for room {job.room}, "
                 f"this one has {len(job.slots)} tokens"
             )
         if time.monotonic() > arrived + dest.valid_s:
             raise ValueError("the decode server stopped waiting for this room's KV")
-        sources, targets, lengths = write_list(
-            self.layout, peer, job.slots[dest.start :], dest.slots
-        )
-        if sources:
-            self.engine.write(dest.session, sources, targets, lengths)
-        return sum(lengths)
+        slots = job.slots[dest.start :]
+        if not slots:
+            return 0
+        staged = gather_kv(self.pool.k, self.pool.v, slots)
+        self.engine.register(staged)
+        try:
+            self.engine.write(dest.session, staged, dest.landing)
+        finally:
+            self.engine.unregister(staged)
+        return staged.numel()
 
     def _notify(self, address: str, msg: KVArrived) -> None:
         sock = self.notifiers.get(address)

@@ -1,9 +1,15 @@
-"""KV bytes between two servers' pools, through an existing transfer engine.
+"""KV bytes between two servers, through an existing transfer engine.
 
 The Mooncake transfer engine (`mooncake-transfer-engine-non-cuda`) moves registered CPU memory
 over TCP, with peers found by a handshake on their RPC ports (`P2PHANDSHAKE`: no metadata
 server); on GPU machines the same calls run over RDMA or NVLink. NIXL (UCX) would be a second
 `TransferEngine` here, chosen by `--disaggregation-transfer-backend`.
+
+A prompt's KV moves as one write: the prefill server gathers the rows the decode server lacks
+into one buffer, writes it into a landing buffer the decode server registered for that
+request, and the decode server copies it into its pool. Over TCP the engine costs ~40 us per
+write entry and rejects batches past ~2,000 of them, while a token's slots are scattered over
+the pool (page size 1): a write per slot run would cost more than the prompt (bench/README.md).
 """
 
 from __future__ import annotations
@@ -20,66 +26,63 @@ INSTALL_HINT = (
 
 
 @dataclass(frozen=True)
-class PoolLayout:
-    """Where a pool's KV lies: each layer's K and V base address, and the bytes of one slot
-    (one token's K, or V, in one layer)."""
+class PoolShape:
+    """What must match between the two servers' KV pools: the layers, and the bytes of one
+    slot (one token's K, or V, in one layer)."""
 
-    k_addrs: tuple[int, ...]
-    v_addrs: tuple[int, ...]
+    layers: int
     slot_bytes: int
 
     @classmethod
-    def of(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> PoolLayout:
-        slot_bytes = k[0].stride(0) * k[0].element_size()
-        return cls(tuple(t.data_ptr() for t in k), tuple(t.data_ptr() for t in v), slot_bytes)
+    def of(cls, k: list[torch.Tensor]) -> PoolShape:
+        return cls(len(k), k[0].stride(0) * k[0].element_size())
 
-    def problem_with(self, other: PoolLayout) -> str | None:
-        """Why KV cannot move from this pool to `other` (None: it can)."""
-        if len(self.k_addrs) != len(other.k_addrs) or self.slot_bytes != other.slot_bytes:
+    def problem_with(self, other: PoolShape) -> str | None:
+        """Why KV cannot move between this pool and `other` (None: it can)."""
+        if self != other:
             return (
-                f"the servers' KV pools differ: {len(self.k_addrs)} layers of "
-                f"{self.slot_bytes} bytes a slot here, {len(other.k_addrs)} of "
-                f"{other.slot_bytes} there (the same model, dtype and KV dtype are needed)"
+                f"the servers' KV pools differ: {self.layers} layers of {self.slot_bytes} bytes "
+                f"a slot here, {other.layers} of {other.slot_bytes} there (the same model, "
+                "dtype and KV dtype are needed)"
             )
         return None
 
-
-def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(source slot, destination slot, count) runs where both sides are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    def bytes_for(self, tokens: int) -> int:
+        return self.layers * 2 * tokens * self.slot_bytes
 
 
-def write_list(
-    src: PoolLayout, dst: PoolLayout, src_slots: list[int], dst_slots: list[int]
-) -> tuple[list[int], list[int], list[int]]:
-    """The (source addresses, destination addresses, lengths) that copy the K and V of
-    `src_slots` into `dst_slots`, every layer."""
-    runs = slot_runs(src_slots, dst_slots)
-    size = src.slot_bytes
-    sources, targets, lengths = [], [], []
-    for src_bases, dst_bases in ((src.k_addrs, dst.k_addrs), (src.v_addrs, dst.v_addrs)):
-        for src_base, dst_base in zip(src_bases, dst_bases):
-            for s, d, count in runs:
-                sources.append(src_base + s * size)
-                targets.append(dst_base + d * size)
-                lengths.append(count * size)
-    return sources, targets, lengths
+def _slot_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A pool tensor as raw rows, one per slot."""
+    return t.view(torch.uint8).view(t.shape[0], -1)
+
+
+def gather_kv(k: list[torch.Tensor], v: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    """The K and V rows of `slots`, every layer, in one buffer [layers, 2, tokens, slot bytes]:
+    what moves in one transfer (a write per slot costs the engine ~40 us on TCP)."""
+    index = torch.tensor(slots, dtype=torch.long)
+    rows = [_slot_bytes(t).index_select(0, index) for pair in zip(k, v) for t in pair]
+    return torch.stack(rows).view(len(k), 2, len(slots), -1)
+
+
+def scatter_kv(
+    k: list[torch.Tensor], v: list[torch.Tensor], slots: list[int], landed: torch.Tensor
+) -> None:
+    """Put a `gather_kv` buffer into `slots` of this pool."""
+    index = torch.tensor(slots, dtype=torch.long)
+    rows = landed.view(len(k), 2, len(slots), -1)
+    for layer, (kt, vt) in enumerate(zip(k, v)):
+        _slot_bytes(kt).index_copy_(0, index, rows[layer, 0])
+        _slot_bytes(vt).index_copy_(0, index, rows[layer, 1])
 
 
 class TransferEngine(Protocol):
     session: str  # how peers name this engine ("host:port")
 
-    def register(self, tensors: list[torch.Tensor]) -> None: ...
+    def register(self, t: torch.Tensor) -> None: ...
 
-    def write(
-        self, peer: str, sources: list[int], targets: list[int], lengths: list[int]
-    ) -> None: ...
+    def unregister(self, t: torch.Tensor) -> None: ...
+
+    def write(self, peer: str, source: torch.Tensor, target: int) -> None: ...
 
 
 class MooncakeEngine:
@@ -95,20 +98,21 @@ class MooncakeEngine:
             raise ValueError(f"the Mooncake transfer engine could not start on {host}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
 
-    def register(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
-                raise ValueError("the Mooncake transfer engine could not register the KV pool")
+    def register(self, t: torch.Tensor) -> None:
+        if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+            raise OSError("the Mooncake transfer engine could not register a KV buffer")
 
-    def write(self, peer: str, sources: list[int], targets: list[int], lengths: list[int]) -> None:
-        if self.engine.batch_transfer_sync_write(peer, sources, targets, lengths) != 0:
+    def unregister(self, t: torch.Tensor) -> None:
+        self.engine.unregister_memory(t.data_ptr())
+
+    def write(self, peer: str, source: torch.Tensor, target: int) -> None:
+        size = source.numel() * source.element_size()
+        if self.engine.transfer_sync_write(peer, source.data_ptr(), target, size) != 0:
             raise OSError(f"the Mooncake transfer to {peer} failed")
 
 
-def make_engine(backend: str, host: str, k: list[torch.Tensor], v: list[torch.Tensor]):
-    """The transfer engine `backend` names, with the KV pool registered."""
+def make_engine(backend: str, host: str) -> TransferEngine:
+    """The transfer engine `backend` names."""
     if backend != "mooncake":
         raise ValueError(f"disaggregation_transfer_backend {backend!r} is not supported")
-    engine = MooncakeEngine(host)
-    engine.register([*k, *v])
-    return engine
+    return MooncakeEngine(host)

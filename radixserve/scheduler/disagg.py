@@ -7,14 +7,13 @@
   matched in the radix tree, slots are reserved for the rest and the prefill server is told
   where they are; once the KV has arrived, the prompt enters the tree, the first token is
   appended and the request joins the running batch. One that waits past the timeout fails
-  with a 503, and its reserved slots stay out of use for one more timeout (a late write may
-  still land there) unless the prefill server's notice comes first.
+  with a 503 and gives its slots back at once: a late write lands in its landing buffer,
+  which `DecodeTransfers` keeps for one more timeout.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from ..disagg.prefill import TransferJob
 from ..messages import FinishReason, KVArrived, SchedulerStats
@@ -71,15 +70,6 @@ class PrefillStage:
         return len(self.handed)
 
 
-@dataclass
-class Quarantined:
-    """Slots a request reserved and gave up: out of use until `until` or the room's notice."""
-
-    room: int
-    slots: list[int]
-    until: float
-
-
 class DecodeStage:
     def __init__(
         self,
@@ -94,7 +84,6 @@ class DecodeStage:
         self.transfers, self.timeout = transfers, transfers.timeout
         self.queued: list[Req] = []  # not yet reserved
         self.awaiting: dict[int, tuple[Req, float]] = {}  # room -> (request, deadline)
-        self.quarantine: list[Quarantined] = []
 
     def add(self, req: Req) -> None:
         self.queued.append(req)
@@ -113,18 +102,15 @@ class DecodeStage:
         for room, (req, _) in list(self.awaiting.items()):
             if req.rid in rids:
                 del self.awaiting[room]
-                self._set_aside(req, room)
+                self._give_up(req, room)
                 gone.append(req)
         return gone
 
     def busy(self) -> bool:
-        return bool(self.queued or self.awaiting or self.quarantine)
+        return bool(self.queued or self.awaiting) or self.transfers.busy()
 
     def held(self) -> list[Req]:
         return [req for req, _ in self.awaiting.values()]
-
-    def quarantined_slots(self) -> int:
-        return sum(self.kv.allocator.held_slots(len(q.slots)) for q in self.quarantine)
 
     def waiting(self) -> int:
         return len(self.queued) + len(self.awaiting)
@@ -154,15 +140,15 @@ class DecodeStage:
 
     def _receive(self, arrived: KVArrived) -> None:
         entry = self.awaiting.pop(arrived.room, None)
-        if entry is None:  # late: its request timed out or was aborted
-            self._lift_quarantine(arrived.room)
+        if entry is None:  # not a room of this server's
             return
         req = entry[0]
         if arrived.error is not None:
             self.stats.kv_transfer_failures_total += 1
-            self.kv.drop(req)  # the prefill server writes no more
+            self._give_up(req, arrived.room)
             self._end(req, unavailable(f"prefill server: {arrived.error}"))
             return
+        self.transfers.land(arrived.room)
         self.stats.kv_transfers_total += 1
         self.stats.kv_received_tokens_total += len(req.input_ids) - req.cached_len
         req.cached_tokens = max(arrived.cached_tokens, req.cached_len)
@@ -183,24 +169,14 @@ class DecodeStage:
             if now > deadline:
                 del self.awaiting[room]
                 self.stats.kv_transfer_failures_total += 1
-                self._set_aside(req, room)
+                self._give_up(req, room)
                 message = f"the prompt's KV did not arrive within {self.timeout:g} s"
-                req.finish_reason = unavailable(message)
-                self.results.emit(req)
-        for q in [q for q in self.quarantine if now > q.until]:
-            self._lift_quarantine(q.room)
+                self._end(req, unavailable(message))
 
-    def _set_aside(self, req: Req, room: int) -> None:
-        """Give back a waiting request's lock and row; its own slots go to quarantine."""
-        own = req.kv_slots[req.cached_len :]
-        del req.kv_slots[req.cached_len :]
+    def _give_up(self, req: Req, room: int) -> None:
+        """Free what a waiting request holds; its landing buffer outlives it (a late write)."""
         self.kv.drop(req)
-        self.quarantine.append(Quarantined(room, own, time.monotonic() + self.timeout))
-
-    def _lift_quarantine(self, room: int) -> None:
-        for q in [q for q in self.quarantine if q.room == room]:
-            self.quarantine.remove(q)
-            self.kv.allocator.free(q.slots)
+        self.transfers.abandon(room)
 
     def _end(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason

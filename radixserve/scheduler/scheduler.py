@@ -380,6 +380,4 @@ class Scheduler:
 
     def check_memory(self) -> None:
         stage = self.prefill_stage or self.decode_stage
-        held = self.running + (stage.held() if stage is not None else [])
-        set_aside = self.decode_stage.quarantined_slots() if self.decode_stage else 0
-        self.kv.check_memory(held, set_aside)
+        self.kv.check_memory(self.running + (stage.held() if stage is not None else []))

@@ -13,6 +13,7 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
+from ..layers import DETERMINISTIC_ROW_BLOCK, set_row_blocks
 from ..lora import AdapterConfig, lora_spec
 from ..lora_weights import LoraPool
 from ..mem.huge_pages import release_pages
@@ -139,6 +140,13 @@ class ModelRunner:
             )
         )
         needs = self.model.attention_features() | ({"fp8_kv"} if self.pool.is_fp8 else frozenset())
+        deterministic = args.enable_deterministic_inference
+        if deterministic and self.model.attention_features() - {"scale"}:
+            raise ValueError(
+                "enable_deterministic_inference: this model's attention "
+                f"({', '.join(sorted(self.model.attention_features()))}) is not batch-invariant yet"
+            )
+        needs |= {"deterministic"} if deterministic else frozenset()
         backend = resolve_backend_name(args.attention_backend, self.device.type, needs)
         self.backend = create_backend(
             backend,
@@ -147,6 +155,7 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             device=self.device,
+            **({"deterministic": True} if deterministic else {}),
         )
         self.args, self.graph_cls, self.model_path = args, graph_cls, args.model
         self._prepare_forward()
@@ -171,6 +180,8 @@ class ModelRunner:
     def _prepare_forward(self) -> None:
         """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
         args = self.args
+        if args.enable_deterministic_inference:
+            set_row_blocks(self.model, DETERMINISTIC_ROW_BLOCK)
         if (
             self.device.type == "cpu"
             and not args.enable_torch_compile
