@@ -1,0 +1,91 @@
+"""The cost of `--enable-deterministic-inference` on the bundled model, per dtype.
+
+    python bench/deterministic.py [--dtypes float32 bfloat16] [--out results/deterministic.json]
+
+Eight client threads keep eight requests in flight (256-token random prompts, nothing shared,
+64 output tokens, 32 requests), in-process engines, the radix cache off; then one request of a
+1024-token prompt alone (its time to first token: prefill alone). Reported per dtype: output
+tokens per second and the prefill time, without and with the flag, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+from radixserve import Engine
+from radixserve.models.source import resolve_model
+
+CONCURRENCY, REQUESTS, PROMPT, OUTPUT, LONG = 8, 32, 256, 64, 1024
+
+
+def throughput(engine: Engine, vocab: int, seed: int) -> float:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(PROMPT)] for _ in range(REQUESTS)]
+    params = {"temperature": 0, "max_new_tokens": OUTPUT, "ignore_eos": True}
+    lock, made, next_index = threading.Lock(), [0], [0]
+
+    def client():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= REQUESTS:
+                return
+            out = engine.generate(input_ids=prompts[i], sampling_params=params)
+            with lock:
+                made[0] += len(out["output_ids"])
+
+    threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return made[0] / (time.perf_counter() - start)
+
+
+def prefill_seconds(engine: Engine, vocab: int) -> float:
+    rng = random.Random(5)
+    prompt = [rng.randrange(vocab) for _ in range(LONG)]
+    start = time.perf_counter()
+    engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1})
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    bundled = str(resolve_model(None).weights_dir)
+    vocab = json.loads((Path(bundled) / "config.json").read_text())["vocab_size"]
+    rows = []
+    for dtype in a.dtypes:
+        for deterministic in (False, True):
+            options = dict(model=bundled, dtype=dtype, disable_radix_cache=True)
+            with Engine(**options, enable_deterministic_inference=deterministic) as engine:
+                throughput(engine, vocab, 99)  # warm-up
+                tok_s = throughput(engine, vocab, 0)
+                prefill = prefill_seconds(engine, vocab)
+            rows.append({"dtype": dtype, "deterministic": deterministic, "tok_s": tok_s,
+                         "prefill_s": prefill})  # fmt: skip
+    print(f"| dtype | deterministic | output tok/s (c={CONCURRENCY}) | {LONG}-token prefill |")
+    print("|---|---|---:|---:|")
+    for r in rows:
+        base = next(b for b in rows if b["dtype"] == r["dtype"] and not b["deterministic"])
+        print(
+            f"| {r['dtype']} | {'on' if r['deterministic'] else 'off'} | {r['tok_s']:.1f} "
+            f"({r['tok_s'] / base['tok_s']:.2f}x) | {r['prefill_s']:.2f} s "
+            f"({r['prefill_s'] / base['prefill_s']:.2f}x) |"
+        )
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
