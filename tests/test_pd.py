@@ -147,6 +147,20 @@ def test_a_disaggregated_server_names_what_a_request_lacks(pd):
         assert two.status_code == 400 and "one prompt" in two.text
 
 
+def test_kv_that_never_comes_is_a_503_after_the_timeout_and_frees_the_slots(pd):
+    """A decode server told of a prefill server that is not there: the request waits for the
+    transfer timeout (3 s here), fails alone with a 503, and its reserved slots come back."""
+    _, _, decode, _ = pd
+    nowhere = {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 77}
+    with decode.client(timeout=30) as d:
+        started = time.time()
+        lost = generate(d, PROMPTS[2], **nowhere)
+        assert lost.status_code == 503 and "did not arrive within 3 s" in lost.text, lost.text
+        assert 2.5 < time.time() - started < 15
+        stats = wait_idle(d)
+        assert stats["kv_transfer_waiting"] == 0
+
+
 def test_a_prefill_server_killed_mid_request_is_retried_on_the_other(pd):
     """A prefill server holds the request (paused) while the decode server has reserved its
     slots; it is killed: the router closes the decode request and retries on the other prefill
