@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import threading
+import sys
 import time
 from pathlib import Path
 
 from radixserve import Engine
 from radixserve.models.source import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora import output_tok_s  # noqa: E402
 
 CONCURRENCY, REQUESTS, PROMPT, OUTPUT, LONG = 8, 32, 256, 64, 1024
 
@@ -27,26 +30,11 @@ def throughput(engine: Engine, vocab: int, seed: int) -> float:
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(PROMPT)] for _ in range(REQUESTS)]
     params = {"temperature": 0, "max_new_tokens": OUTPUT, "ignore_eos": True}
-    lock, made, next_index = threading.Lock(), [0], [0]
-
-    def client():
-        while True:
-            with lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= REQUESTS:
-                return
-            out = engine.generate(input_ids=prompts[i], sampling_params=params)
-            with lock:
-                made[0] += len(out["output_ids"])
-
-    threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return made[0] / (time.perf_counter() - start)
+    return output_tok_s(
+        CONCURRENCY,
+        REQUESTS,
+        lambda i: engine.generate(input_ids=prompts[i], sampling_params=params),
+    )
 
 
 def prefill_seconds(engine: Engine, vocab: int) -> float:

@@ -59,10 +59,23 @@ def write_adapter(config: dict, path: Path, seed: int) -> None:
 
 
 def run(engine: Engine, adapters: list[str | None], vocab: int, seed: int) -> float:
-    """Output tokens per second of REQUESTS requests, CONCURRENCY in flight."""
+    """Output tokens per second of REQUESTS requests, CONCURRENCY in flight, request i on
+    adapter i mod len(adapters)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(PROMPT)] for _ in range(REQUESTS)]
     params = {"temperature": 0, "max_new_tokens": OUTPUT, "ignore_eos": True}
+    return output_tok_s(
+        CONCURRENCY,
+        len(prompts),
+        lambda i: engine.generate(
+            input_ids=prompts[i], sampling_params=params, lora_path=adapters[i % len(adapters)]
+        ),
+    )
+
+
+def output_tok_s(concurrency: int, requests: int, generate) -> float:
+    """Output tokens per second of `generate(i)` for i in range(requests), `concurrency`
+    client threads taking the next one as they finish."""
     lock, made, next_index = threading.Lock(), [0], [0]
 
     def client():
@@ -70,15 +83,13 @@ def run(engine: Engine, adapters: list[str | None], vocab: int, seed: int) -> fl
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
-            if i >= REQUESTS:
+            if i >= requests:
                 return
-            out = engine.generate(
-                input_ids=prompts[i], sampling_params=params, lora_path=adapters[i % len(adapters)]
-            )
+            out = generate(i)
             with lock:
                 made[0] += len(out["output_ids"])
 
-    threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
     start = time.perf_counter()
     for t in threads:
         t.start()

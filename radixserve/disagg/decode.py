@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from ..ipc import decode, encode, push_socket
 from ..messages import Bootstrap, KVArrived, KVDestination
 from .transfer import PoolShape, make_engine, scatter_kv
+from .wire import Senders, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ class DecodeTransfers:
         self.engine = make_engine(args.disaggregation_transfer_backend, host)
         self.pool, self.shape = pool, PoolShape.of(pool.k)
         self.timeout = args.disaggregation_transfer_timeout
-        self.ctx = ctx
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)
         port = inbox.bind_to_random_port(f"tcp://{host}")
@@ -42,8 +41,13 @@ class DecodeTransfers:
         self.arrived: queue.Queue[KVArrived] = queue.Queue()
         self.landings: dict[int, Landing] = {}  # room -> its buffer (the scheduler thread's)
         self.abandoned: dict[int, Landing] = {}
-        self.bootstraps: dict[str, zmq.Socket] = {}  # used by the scheduler thread only
-        threading.Thread(target=self._listen, args=(inbox,), daemon=True, name="kv-notify").start()
+        self.bootstraps = Senders(ctx)  # used by the scheduler thread only
+        threading.Thread(
+            target=receive_forever,
+            args=(inbox, KVArrived, self.arrived.put),
+            daemon=True,
+            name="kv-notify",
+        ).start()
         log.info(
             "disaggregation (decode): notices on %s, transfer engine %s",
             self.notify,
@@ -66,14 +70,7 @@ class DecodeTransfers:
             buffer.data_ptr(),
             self.timeout,
         )
-        address = f"tcp://{where.host}:{where.port}"
-        sock = self.bootstraps.get(address)
-        if sock is None:
-            sock = self.bootstraps[address] = push_socket(self.ctx, address)
-        try:
-            sock.send(encode(dest), zmq.NOBLOCK)
-        except zmq.Again:  # its queue is full: it is gone; the request times out
-            log.warning("the prefill server at %s takes no destinations", address)
+        self.bootstraps.send(f"tcp://{where.host}:{where.port}", dest)
 
     def land(self, room: int) -> None:
         """Copy the room's landed KV into its slots and free the buffer."""
@@ -106,15 +103,3 @@ class DecodeTransfers:
 
     def busy(self) -> bool:
         return bool(self.abandoned)
-
-    def _listen(self, inbox: zmq.Socket) -> None:
-        while True:
-            raw = inbox.recv()
-            try:
-                msg = decode(raw)
-                if not isinstance(msg, KVArrived):
-                    raise ValueError(f"a {type(msg).__name__}")
-            except Exception as exc:  # noqa: BLE001 - a bad message is dropped, named
-                log.warning("ignored a notice that is not a KVArrived: %s", exc)
-                continue
-            self.arrived.put(msg)

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from ..ipc import decode, encode, pull_socket, push_socket
+from ..ipc import pull_socket
 from ..messages import KVArrived, KVDestination
 from .transfer import PoolShape, gather_kv, make_engine
+from .wire import Senders, receive_forever
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,11 @@ class PrefillTransfers:
         self.arrived = threading.Condition()
         self.jobs: queue.Queue[TransferJob] = queue.Queue()
         self.done: queue.Queue[TransferDone] = queue.Queue()
-        self.ctx = ctx
-        self.bootstrap = pull_socket(ctx, f"tcp://{host}:{args.disaggregation_bootstrap_port}")
-        self.notifiers: dict[str, zmq.Socket] = {}  # used by the worker thread only
-        for target, name in ((self._listen, "bootstrap"), (self._work, "kv-transfer")):
-            threading.Thread(target=target, daemon=True, name=name).start()
+        bootstrap = pull_socket(ctx, f"tcp://{host}:{args.disaggregation_bootstrap_port}")
+        self.notifiers = Senders(ctx)  # used by the transfer thread only
+        listen = (bootstrap, KVDestination, self._arrived)
+        threading.Thread(target=receive_forever, args=listen, daemon=True, name="bootstrap").start()
+        threading.Thread(target=self._work, daemon=True, name="kv-transfer").start()
         log.info(
             "disaggregation (prefill): bootstrap on %s:%d, transfer engine %s",
             host,
@@ -70,23 +71,14 @@ class PrefillTransfers:
                 return out
 
     # ---- threads -----------------------------------------------------------------
-    def _listen(self) -> None:
-        while True:
-            raw = self.bootstrap.recv()
-            try:
-                dest = decode(raw)
-                if not isinstance(dest, KVDestination):
-                    raise ValueError(f"a {type(dest).__name__}")
-            except Exception as exc:  # noqa: BLE001 - a bad message is dropped, named
-                log.warning("bootstrap: ignored a message that is not a KVDestination: %s", exc)
-                continue
-            now = time.monotonic()
-            with self.arrived:
-                self.destinations[dest.room] = (dest, now)
-                stale = [r for r, (_, t) in self.destinations.items() if now - t > 4 * self.timeout]
-                for room in stale:  # asked for by a decode server, never prefilled here
-                    del self.destinations[room]
-                self.arrived.notify_all()
+    def _arrived(self, dest: KVDestination) -> None:
+        now = time.monotonic()
+        with self.arrived:
+            self.destinations[dest.room] = (dest, now)
+            stale = [r for r, (_, t) in self.destinations.items() if now - t > 4 * self.timeout]
+            for room in stale:  # asked for by a decode server, never prefilled here
+                del self.destinations[room]
+            self.arrived.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -102,7 +94,8 @@ class PrefillTransfers:
                 error = f"the KV transfer failed: {exc}"
             if dest is not None:
                 first = job.first_token
-                self._notify(dest[0].notify, KVArrived(job.room, first, job.cached_tokens, error))
+                notice = KVArrived(job.room, first, job.cached_tokens, error)
+                self.notifiers.send(dest[0].notify, notice)
             self.done.put(TransferDone(job.room, error, sent, time.monotonic() - started))
 
     def _destination(self, job: TransferJob) -> tuple[KVDestination, float] | None:
@@ -137,12 +130,3 @@ class PrefillTransfers:
         finally:
             self.engine.unregister(staged)
         return staged.numel()
-
-    def _notify(self, address: str, msg: KVArrived) -> None:
-        sock = self.notifiers.get(address)
-        if sock is None:
-            sock = self.notifiers[address] = push_socket(self.ctx, address)
-        try:
-            sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:  # its queue is full: it is gone; the request times out there
-            log.warning("the decode server at %s takes no notices", address)
