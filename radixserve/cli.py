@@ -42,7 +42,7 @@ def add_flags(parser, cls, prefix: str = "", only=None) -> None:
         if kind is bool:
             kwargs["action"] = "store_true"
         elif f.metadata.get("repeat"):  # `--flag A [B]`, again for each item
-            kwargs.update(action="append", nargs="+", default=None)
+            kwargs.update(action="append", nargs="+", default=list(f.default))
         elif kind is tuple:
             kwargs.update(nargs="*", default=list(f.default))
         else:
