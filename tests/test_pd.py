@@ -147,6 +147,25 @@ def test_a_disaggregated_server_names_what_a_request_lacks(pd):
         assert two.status_code == 400 and "one prompt" in two.text
 
 
+def test_a_client_that_goes_away_mid_stream_ends_the_decode_request(pd):
+    _, _, decode, router = pd
+    body = {
+        "input_ids": PROMPTS[3],
+        "sampling_params": {**GREEDY, "max_new_tokens": 400},
+        "stream": True,
+    }
+    with router.client(timeout=60) as r, decode.client() as d:
+        aborted = wait_idle(d)["aborted_total"]
+        with r.stream("POST", "/generate", json=body) as stream:
+            events = 0
+            for line in stream.iter_lines():
+                events += line.startswith("data: {")
+                if events == 3:
+                    break
+        stats = wait_idle(d)  # nothing runs, no slot is held
+        assert stats["aborted_total"] == aborted + 1
+
+
 def test_kv_that_never_comes_is_a_503_after_the_timeout_and_frees_the_slots(pd):
     """A decode server told of a prefill server that is not there: the request waits for the
     transfer timeout (3 s here), fails alone with a 503, and its reserved slots come back."""
