@@ -218,3 +218,49 @@ def test_a_prefill_server_killed_mid_request_is_retried_on_the_other(pd):
         with server.client() as s:
             stats = wait_idle(s)
             assert stats["kv_transfer_waiting"] == 0
+
+
+def test_a_decode_server_killed_mid_stream_fails_its_request_and_is_routed_around(pd, tmp_path):
+    """A second decode server joins the router; the one streaming a request is SIGKILLed: the
+    stream ends with an error instead of hanging, and the next requests, through the other
+    decode server, give the co-located server's tokens. Runs last: it kills the decode server."""
+    colocated, prefills, decode, router = pd
+    with colocated.client() as c:
+        model_dir = c.get("/get_model_info").json()["model_path"]
+    spare = start_server(tmp_path, "--model", model_dir, *FLAGS, "--disaggregation-mode", "decode")
+    servers = {decode.url: decode, spare.url: spare}
+    try:
+        with router.client(timeout=60) as r, colocated.client() as c:
+            assert r.post("/add_worker", params={"url": spare.url}).status_code == 200
+            want = [generate(c, ids).json()["output_ids"] for ids in PROMPTS[:3]]
+            body = {
+                "input_ids": PROMPTS[4],
+                "sampling_params": {**GREEDY, "max_new_tokens": 400},
+                "stream": True,
+            }
+            started = time.time()
+            with r.stream("POST", "/generate", json=body) as stream:
+                victim = servers.pop(stream.headers["x-radixserve-worker"])
+                lines = stream.iter_lines()
+                while not next(lines).startswith("data: {"):
+                    pass
+                victim.proc.send_signal(signal.SIGKILL)
+                tail = "\n".join(lines)
+            assert time.time() - started < 30, "the stream hangs"
+            assert "failed mid-stream" in tail, tail
+            for _ in range(50):  # until the router's health check marks it down
+                if not any(
+                    w["url"] == victim.url and w["healthy"]
+                    for w in r.get("/list_workers").json()["workers"]
+                ):
+                    break
+                time.sleep(0.2)
+            got = [generate(r, ids) for ids in PROMPTS[:3]]
+            assert [g.status_code for g in got] == [200] * 3, [g.text for g in got]
+            assert [g.json()["output_ids"] for g in got] == want
+            (survivor,) = servers.values()
+            with survivor.client() as s:
+                wait_idle(s)
+    finally:
+        if spare.proc.poll() is None:
+            spare.stop()
