@@ -7,10 +7,13 @@ is checked here needs the model's limits (`WorkerInfo`). Each message names the 
 
 from __future__ import annotations
 
+import re
+
 from .messages import Bootstrap, GenerateReq, WorkerInfo
 
 MAX_TOP_LOGPROBS = 100
 PRIORITY_LIMIT = 2**31  # |priority| below this
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
 def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
@@ -72,6 +75,8 @@ def check_bootstrap(req: GenerateReq, mode: str, samples: int) -> None:
             "bootstrap_host, bootstrap_port and bootstrap_room; send them through "
             "`radixserve router --pd-disaggregation`"
         )
+    if not HOST_NAME.fullmatch(where.host):
+        raise ValueError("bootstrap_host must be a host name or an IP address")
     if not 0 <= where.room < 2**63:
         raise ValueError("bootstrap_room must be in [0, 2**63)")
     if not 0 < where.port <= 65535:

@@ -140,6 +140,10 @@ def test_a_disaggregated_server_names_what_a_request_lacks(pd):
         fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
         stray = generate(c, PROMPTS[0], **fields)
         assert stray.status_code == 400 and "not disaggregated" in stray.text
+        odd = generate(d, PROMPTS[0], **{**fields, "bootstrap_host": "no such host"})
+        assert odd.status_code == 400 and "bootstrap_host" in odd.text
+        unknown = generate(d, PROMPTS[0], **{**fields, "bootstrap_host": "nowhere.invalid"})
+        assert unknown.status_code == 503, unknown.text  # it fails alone, in time
         two = d.post(
             "/generate",
             json={"input_ids": [PROMPTS[0], PROMPTS[1]], "sampling_params": GREEDY, **fields},

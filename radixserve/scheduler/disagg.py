@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+import zmq
+
 from ..disagg.prefill import TransferJob
 from ..messages import FinishReason, KVArrived, SchedulerStats
 from .kv_manager import KVManager
@@ -136,7 +138,12 @@ class DecodeStage:
             room = req.bootstrap.room
             self.awaiting[room] = (req, time.monotonic() + self.timeout)
             start = len(slots)
-            self.transfers.ask(req.bootstrap, len(req.input_ids), start, req.kv_slots[start:])
+            try:
+                self.transfers.ask(req.bootstrap, len(req.input_ids), start, req.kv_slots[start:])
+            except (OSError, ValueError, zmq.ZMQError) as exc:
+                del self.awaiting[room]
+                self._give_up(req, room)
+                self._end(req, unavailable(f"cannot reach the prefill server: {exc}"))
 
     def _receive(self, arrived: KVArrived) -> None:
         entry = self.awaiting.pop(arrived.room, None)
