@@ -90,12 +90,15 @@ class PrefillTransfers:
                     error = f"no decode server asked for room {job.room} in {self.timeout:g} s"
                 else:
                     sent = self._write(job, *dest)
-            except (OSError, ValueError) as exc:
-                error = f"the KV transfer failed: {exc}"
+            except Exception as exc:  # noqa: BLE001 - the request fails, the thread goes on
+                error = f"the KV transfer failed: {type(exc).__name__}: {exc}"
             if dest is not None:
                 first = job.first_token
                 notice = KVArrived(job.room, first, job.cached_tokens, error)
-                self.notifiers.send(dest[0].notify, notice)
+                try:
+                    self.notifiers.send(dest[0].notify, notice)
+                except zmq.ZMQError as exc:  # a destination naming no usable address
+                    log.warning("room %d: cannot notify %r: %s", job.room, dest[0].notify, exc)
             self.done.put(TransferDone(job.room, error, sent, time.monotonic() - started))
 
     def _destination(self, job: TransferJob) -> tuple[KVDestination, float] | None:

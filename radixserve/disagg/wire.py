@@ -35,9 +35,11 @@ class Senders:
         self.ctx, self.sockets = ctx, {}
 
     def send(self, address: str, msg) -> None:
+        """Queue `msg` for `address`; raises zmq.ZMQError for an address ZeroMQ refuses."""
         sock = self.sockets.get(address)
         if sock is None:
-            sock = self.sockets[address] = push_socket(self.ctx, address)
+            sock = push_socket(self.ctx, address)
+            self.sockets[address] = sock
         try:
             sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # its queue is full: the peer is gone; the request times out
