@@ -140,6 +140,13 @@ def test_a_disaggregated_server_names_what_a_request_lacks(pd):
         fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
         stray = generate(c, PROMPTS[0], **fields)
         assert stray.status_code == 400 and "not disaggregated" in stray.text
+        waiting = {**fields, "bootstrap_port": free_port(), "bootstrap_room": 91}
+        first = threading.Thread(target=lambda: generate(d, PROMPTS[0], **waiting))
+        first.start()  # it waits for KV that never comes (3 s)
+        time.sleep(0.5)
+        again = generate(d, PROMPTS[1], **waiting)
+        assert again.status_code == 400 and "91 is in use" in again.text, again.text
+        first.join()
         odd = generate(d, PROMPTS[0], **{**fields, "bootstrap_host": "no such host"})
         assert odd.status_code == 400 and "bootstrap_host" in odd.text
         unknown = generate(d, PROMPTS[0], **{**fields, "bootstrap_host": "nowhere.invalid"})

@@ -68,6 +68,10 @@ class PrefillStage:
     def held(self) -> list[Req]:
         return list(self.handed.values())
 
+    def requests(self) -> list[Req]:
+        """The requests this stage holds (none of them in the queue or the batch)."""
+        return self.held()
+
     def waiting(self) -> int:
         return len(self.handed)
 
@@ -113,6 +117,10 @@ class DecodeStage:
 
     def held(self) -> list[Req]:
         return [req for req, _ in self.awaiting.values()]
+
+    def requests(self) -> list[Req]:
+        """The requests this stage holds (none of them in the queue or the batch)."""
+        return self.queued + self.held()
 
     def waiting(self) -> int:
         return len(self.queued) + len(self.awaiting)

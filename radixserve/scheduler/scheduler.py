@@ -106,6 +106,8 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> None:
         """Queue a request already checked by `validation.check_generate`; raises ValueError
         when its grammar does not compile."""
+        if msg.bootstrap is not None and self._room_taken(msg.bootstrap.room):
+            raise ValueError(f"bootstrap_room: {msg.bootstrap.room} is in use on this server")
         params = msg.sampling_params
         room = self._room_for_output(len(msg.input_ids))
         if self.prefill_stage is not None:  # the first token here, the rest on a decode server
@@ -131,6 +133,14 @@ class Scheduler:
             self.decode_stage.add(req)
         else:
             self.waiting.append(req)
+
+    def _room_taken(self, room: int) -> bool:
+        """Whether a request of this server already goes by this bootstrap room."""
+        stage = self.prefill_stage or self.decode_stage
+        staged = stage.requests() if stage is not None else []
+        return any(
+            r.bootstrap.room == room for r in self.waiting + self.running + staged if r.bootstrap
+        )
 
     def _grammar_matcher(self, params: SamplingParams):
         spec = GrammarSpec.from_params(params)
