@@ -502,6 +502,11 @@ class ServerArgs:
                 "dp_size with nnodes is not supported: start each multi-node replica on its own, "
                 "behind `radixserve router`"
             )
+        if self.dp_size > 1 and self.engine.disaggregation_mode != "null":
+            yield (
+                "disaggregation_mode with dp_size is not supported: start the prefill and decode "
+                "servers one by one behind `radixserve router --pd-disaggregation`"
+            )
         if self.dp_size > 1 and self.engine.kv_events_config is not None:
             yield (
                 "kv_events_config with dp_size is not supported (each replica needs its own "
