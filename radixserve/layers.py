@@ -170,18 +170,23 @@ def _packed_linear_shape(
     return x.new_empty(x.shape[0], out_features)
 
 
-# Rows a dense GEMM takes at a time with --enable-deterministic-inference: torch's CPU GEMM
-# gave each row the same bits for any row count up to this, not beyond (bench/README.md).
-DETERMINISTIC_ROW_BLOCK = 64
-
-
-def set_row_blocks(model: nn.Module, rows: int) -> None:
-    """Run every Linear's torch GEMM in blocks of at most `rows` rows, so that a row's result
-    does not depend on how many rows share the call (radixserve's packed CPU GEMM already
-    computes every row alike)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.row_block = rows
+def make_batch_invariant(model: nn.Module) -> None:
+    """--enable-deterministic-inference: every Linear runs radixserve's packed float32 CPU GEMM,
+    which gives a row the same bits however many rows share the call (torch's bf16 GEMM did
+    not, bench/README.md); a bf16 model keeps a float32 packed copy of each weight and rounds
+    the output back. ValueError for a quantized layer, whose GEMM is torch's."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.weight_packed is not None:
+            continue
+        if module.quantized is not None or module.cpu_ops is None:
+            raise ValueError(
+                f"enable_deterministic_inference: {name} is quantized (or the CPU kernels are "
+                "missing); quantized checkpoints are not batch-invariant yet"
+            )
+        module.invariant = module.cpu_ops.pack_linear_weight(
+            module.weight_t.t().float().contiguous()
+        )
+        module.invariant_bias = module.bias.float() if module.bias is not None else None
 
 
 class Linear(nn.Module):
@@ -213,15 +218,14 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.cpu_ops = None
         self.lora = None  # the adapters' deltas (lora_weights.LinearLora), when served
-        self.row_block: int | None = None  # set_row_blocks
+        self.invariant: torch.Tensor | None = None  # make_batch_invariant's packed weight
+        self.invariant_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.row_block is not None
-            and x.shape[0] > self.row_block
-            and self.weight_packed is None
-        ):
-            out = torch.cat([self._base(rows) for rows in x.split(self.row_block)])
+        if self.invariant is not None:
+            out = self.cpu_ops.packed_linear(
+                x.float(), self.invariant, self.invariant_bias, self.out_features
+            ).to(x.dtype)
         else:
             out = self._base(x)
         return out if self.lora is None else self.lora.add(x, out)

@@ -13,7 +13,7 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
-from ..layers import DETERMINISTIC_ROW_BLOCK, set_row_blocks
+from ..layers import make_batch_invariant
 from ..lora import AdapterConfig, lora_spec
 from ..lora_weights import LoraPool
 from ..mem.huge_pages import release_pages
@@ -181,7 +181,7 @@ class ModelRunner:
         """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
         args = self.args
         if args.enable_deterministic_inference:
-            set_row_blocks(self.model, DETERMINISTIC_ROW_BLOCK)
+            make_batch_invariant(self.model)
         if (
             self.device.type == "cpu"
             and not args.enable_torch_compile
