@@ -14,6 +14,8 @@ from ..layers import Linear, RMSNorm, fused
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
 from .registry import num_labels
 
+NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter rows
+
 
 class LlamaForCausalLM(CausalLM):
     """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`), LoRA adapters'
@@ -30,7 +32,7 @@ class LlamaForCausalLM(CausalLM):
         normed = self.model.layers[0].input_layernorm(x)
         inputs = backend.inputs
         runs = self.lora_segments.runs if self.lora_segments is not None else []
-        lora_runs = torch.tensor(runs, dtype=torch.long).reshape(-1, 3)
+        lora_runs = torch.tensor(runs, dtype=torch.long) if runs else NO_LORA_RUNS
         return self.cpu_decoder.forward(
             x, normed, cos, sin, inputs.out_cache_loc, inputs.req_to_token, groups, lora_runs
         )
