@@ -195,7 +195,7 @@ class Linear(nn.Module):
     On CPU a small-batch matmul against a contiguous `[in, out]` matrix runs about
     twice as fast as F.linear against `[out, in]` (measured: bench/decode_step.py).
     Checkpoint tensors arrive as `[out, in]`; `load` transposes them into place.
-    After loading, a float32 CPU model packs its weights for radixserve's CPU kernel
+    After loading, a float32 or bf16 CPU model packs its weights for radixserve's CPU kernel
     (`pack_for_cpu`), which is faster still at every row count.
     """
 
@@ -245,8 +245,9 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def pack_for_cpu(self) -> None:
-        """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 on CPU),
-        faster than oneDNN's prepacked weights in decode (bench/README.md)."""
+        """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 or bf16
+        on CPU; bf16 wants an even `in_features`), faster than oneDNN's prepacked weights in
+        decode (bench/README.md)."""
         packed = self.cpu_ops.pack_linear_weight(self.weight_t.t().contiguous())
         self.register_buffer("weight_packed", packed)
         self.weight_t = None

@@ -193,6 +193,31 @@ def test_packed_linear_matches_float64_reference(rows, out_features, in_features
     )
 
 
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 13, 97, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 100), (3, 2)])
+def test_packed_bf16_linear_accumulates_bf16_products_in_float32(rows, out_features, in_features):
+    """A bf16 weight's GEMM: inputs rounded to bf16, products summed in float32; bf16 in gives
+    bf16 out, float32 in gives float32 out."""
+    gen = torch.Generator().manual_seed(rows * 5 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = kernel.pack_linear_weight(weight)
+    assert packed.dtype == torch.bfloat16
+    for b in (None, bias):
+        expected = F.linear(
+            x.bfloat16().double(), weight.double(), None if b is None else b.double()
+        ).float()
+        out = kernel.packed_linear(x, packed, b, out_features)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        out16 = kernel.packed_linear(x.bfloat16(), packed, b, out_features)
+        assert out16.dtype == torch.bfloat16
+        torch.testing.assert_close(out16.float(), expected, atol=0.02, rtol=0.01)
+    with pytest.raises(RuntimeError, match="even number of inputs"):
+        kernel.pack_linear_weight(torch.ones(4, 3, dtype=torch.bfloat16))
+
 def test_a_build_killed_midway_does_not_block_later_loads():
     """torch's build guard is a `lock` file left behind by a process killed while it built;
     a later load must not wait on it forever."""

@@ -10,22 +10,29 @@
 namespace cpu_layer_ops {
 
 // y [rows, n] = x [rows, k] W^T + bias against a weight packed by pack_linear_weight, in
-// `units` units of work that any thread may run in any order (cpu_linear.cpp).
+// `units` units of work that any thread may run in any order (cpu_linear.cpp). A bf16 weight's
+// GEMM reads its input from x16, the rows in bf16: input_to_bf16 fills it from x first, unless
+// the caller holds the input in bf16 already.
 struct PackedGemm {
-  const float* x;
-  const float* w;
+  const float* x;     // float32 input rows (nullptr when only x16 holds them)
+  const float* w;     // the packed 32-bit elements: floats, or pairs of bf16
   const float* bias;  // or nullptr
   float* y;
   int64_t rows, k, n, blocks, units_per_chunk, units;
+  uint16_t* x16;      // bf16 weight: the input rows [rows, k] in bf16; nullptr for float32
+
+  // Rows [begin, end) of x rounded into x16.
+  void input_to_bf16(int64_t begin, int64_t end) const;
 
   // Unit `unit`; `front`: whether the thread runs through the units forwards (it prefetches the
   // weights of the one it most likely runs next).
   void run_unit(int64_t unit, bool front) const;
 };
 
-// Checks that `packed` holds an [n, k] weight; the GEMM of x [rows, k] (row stride k) into y.
+// Checks that `packed` holds an [n, k] weight; the GEMM of x [rows, k] (row stride k) into y;
+// x16 [rows, k] is needed for a bf16 weight (ignored for a float32 one).
 PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t rows, int64_t k, const float* bias,
-                            float* y, int64_t n);
+                            float* y, int64_t n, uint16_t* x16 = nullptr);
 
 // Per-thread buffers of the attention tasks, grown as needed.
 struct AttentionScratch {

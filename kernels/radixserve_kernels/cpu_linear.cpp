@@ -1,4 +1,5 @@
-// float32 y = x W^T + b against a weight packed once into column blocks, for the CPU forward.
+// y = x W^T + b against a weight packed once into column blocks, for the CPU forward: a float32
+// weight, or a bf16 one (below) whose products accumulate in float32.
 //
 // Packed layout: column blocks of kBlock outputs (block b holds columns b*kBlock .., zero-padded
 // past N), stored in the order the kernel reads them: [group of kGroup blocks][k chunk][block of
@@ -12,6 +13,12 @@
 // are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk at a time so a
 // group's slice of the weight stays in cache across the row tiles; fewer chunks are fewer passes
 // that reload a tile's accumulators. The measurements behind each choice: bench/README.md.
+//
+// A bf16 weight is packed the same way with each 32-bit element holding a pair of bf16 weights
+// of neighbouring k (the even one in the low half), and the GEMM reads its input rows as bf16
+// pairs too: where the CPU has AVX512-BF16 one dot-product instruction multiplies and adds a
+// vector of pairs (twice the float32 FMA's products, half its weight bytes); elsewhere each
+// half is widened to float32 for two FMAs.
 #include <torch/extension.h>
 #include "cpu_bindings.h"
 #include <ATen/Parallel.h>
@@ -49,9 +56,40 @@ constexpr int64_t kStreamRows = 32;
 constexpr int kStreamTileRows = 6;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 inline Vec load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
+
+template <typename To, typename From>
+inline To bits_as(From v) { static_assert(sizeof(To) == sizeof(From)); To out; std::memcpy(&out, &v, sizeof(To)); return out; }
+
+// The 32-bit word at p (a pair of bf16) in every lane, copied as bits: a float broadcast could
+// flush a pair whose high half is zero as a denormal.
+inline Vec broadcast_pair(const float* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return bits_as<Vec>(Words{} + word);
+}
+
+// acc + w.even * x.even + w.odd * x.odd, lane by lane, for vectors of bf16 pairs w and x.
+inline Vec dot_pairs(Vec acc, Vec w, Vec x) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return Vec(_mm512_dpbf16_ps(__m512(acc), bits_as<__m512bh>(w), bits_as<__m512bh>(x)));
+#elif defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return Vec(_mm256_dpbf16_ps(__m256(acc), bits_as<__m128bh>(w), bits_as<__m128bh>(x)));
+#else
+  const Words wi = bits_as<Words>(w), xi = bits_as<Words>(x), high = Words{} + 0xffff0000u;
+  return acc + bits_as<Vec>(wi << 16) * bits_as<Vec>(xi << 16) + bits_as<Vec>(wi & high) * bits_as<Vec>(xi & high);
+#endif
+}
+
+// x rounded to the nearest bf16 (ties to even).
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 // A row of a block's outputs (cols <= kBlock of them) as kVecs vectors, zero past cols.
 inline void load_row(const float* p, int64_t cols, Vec* out) {
@@ -89,7 +127,8 @@ struct Tile {
 
 inline int64_t block_cols(const Tile& t, int j) { return std::min<int64_t>(kBlock, t.cols - j * kBlock); }
 
-template <int Rows, int Blocks>
+// Bf16: x and the blocks hold bf16 pairs (see the top), k counts pairs.
+template <int Rows, int Blocks, bool Bf16>
 void micro(const Tile& t) {
   Vec acc[Rows][Blocks][kVecs];
   for (int m = 0; m < Rows; ++m)
@@ -104,7 +143,24 @@ void micro(const Tile& t) {
       for (int j = 0; j < Blocks; ++j)
         for (int line = 0; line < kBlock; line += 64 / static_cast<int>(sizeof(float)))
           __builtin_prefetch(t.prefetch + j * t.block_stride + k * kBlock + line, 0, kPrefetchLocality);
-    if constexpr (Rows <= Blocks * kVecs) {  // fewer x values than weight vectors: hold x in registers
+    if constexpr (Bf16 && Rows <= Blocks * kVecs) {
+      Vec xv[Rows];
+      for (int m = 0; m < Rows; ++m) xv[m] = broadcast_pair(t.x + m * t.ldx + k);
+      for (int j = 0; j < Blocks; ++j)
+        for (int v = 0; v < kVecs; ++v) {
+          const Vec w = load(t.block + j * t.block_stride + k * kBlock + v * kLanes);
+          for (int m = 0; m < Rows; ++m) acc[m][j][v] = dot_pairs(acc[m][j][v], w, xv[m]);
+        }
+    } else if constexpr (Bf16) {
+      Vec w[Blocks][kVecs];
+      for (int j = 0; j < Blocks; ++j)
+        for (int v = 0; v < kVecs; ++v) w[j][v] = load(t.block + j * t.block_stride + k * kBlock + v * kLanes);
+      for (int m = 0; m < Rows; ++m) {
+        const Vec xv = broadcast_pair(t.x + m * t.ldx + k);
+        for (int j = 0; j < Blocks; ++j)
+          for (int v = 0; v < kVecs; ++v) acc[m][j][v] = dot_pairs(acc[m][j][v], w[j][v], xv);
+      }
+    } else if constexpr (Rows <= Blocks * kVecs) {  // fewer x values than weight vectors: hold x in registers
       Vec xv[Rows];
       for (int m = 0; m < Rows; ++m) xv[m] = Vec{} + t.x[m * t.ldx + k];
       for (int j = 0; j < Blocks; ++j)
@@ -129,16 +185,18 @@ void micro(const Tile& t) {
 
 using Micro = void (*)(const Tile&);
 
-// kMicro[rows - 1][blocks - 1] for rows <= kGroup, blocks <= kGroup / rows (other entries unused).
-template <int Rows, int... B>
+// kMicro[rows - 1][blocks - 1] for rows <= kGroup, blocks <= kGroup / rows (other entries unused);
+// kMicroBf16 likewise for bf16 weights.
+template <bool Bf16, int Rows, int... B>
 constexpr std::array<Micro, kGroup> micro_row(std::integer_sequence<int, B...>) {
-  return {(B < kGroup / Rows ? &micro<Rows, (B < kGroup / Rows ? B + 1 : 1)> : nullptr)...};
+  return {(B < kGroup / Rows ? &micro<Rows, (B < kGroup / Rows ? B + 1 : 1), Bf16> : nullptr)...};
 }
-template <int... R>
+template <bool Bf16, int... R>
 constexpr std::array<std::array<Micro, kGroup>, kGroup> micro_table(std::integer_sequence<int, R...>) {
-  return {micro_row<R + 1>(std::make_integer_sequence<int, kGroup>{})...};
+  return {micro_row<Bf16, R + 1>(std::make_integer_sequence<int, kGroup>{})...};
 }
-constexpr auto kMicro = micro_table(std::make_integer_sequence<int, kGroup>{});
+constexpr auto kMicro = micro_table<false>(std::make_integer_sequence<int, kGroup>{});
+constexpr auto kMicroBf16 = micro_table<true>(std::make_integer_sequence<int, kGroup>{});
 
 // Tile heights for a chunk of rows: full kGroup-row tiles, then, on AVX2, heights that divide
 // kGroup (so that their tiles also fill kAcc accumulators), tallest first. On AVX-512 the rest
@@ -160,34 +218,44 @@ int next_height(int64_t rows) {
 
 }  // namespace
 
+// A float32 [out, in] weight as packed float32; a bf16 one (even `in`) as packed bf16 pairs,
+// [blocks, in / 2, 2 * kBlock] bf16.
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "weight must be [out, in] float32");
-  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
-  auto padded = torch::zeros({blocks * kBlock, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == torch::kFloat),
+              "weight must be [out, in] float32 or bfloat16");
+  TORCH_CHECK(!bf16 || weight.size(1) % 2 == 0, "a bfloat16 weight needs an even number of inputs");
+  // Packed as 32-bit elements: floats, or pairs of bf16 along k.
+  const auto words = bf16 ? weight.contiguous().view(torch::kInt) : weight.view(torch::kInt);
+  const int64_t n = words.size(0), k = words.size(1), blocks = (n + kBlock - 1) / kBlock;
+  auto padded = torch::zeros({blocks * kBlock, k}, words.options());
+  padded.narrow(0, 0, n).copy_(words);
   auto bk = padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();  // [blocks, K, kBlock]
-  auto out = torch::empty({blocks, k, kBlock}, weight.options());
-  float* o = out.data_ptr<float>();
-  const float* src = bk.data_ptr<float>();
+  auto out = torch::empty({blocks, k, kBlock}, words.options());
+  int32_t* o = out.data_ptr<int32_t>();
+  const int32_t* src = bk.data_ptr<int32_t>();
   for (int64_t g = 0; g < blocks; g += kGroup) {
     const int64_t group = std::min<int64_t>(kGroup, blocks - g);
     for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
       const int64_t kc = std::min(kChunk, k - k0);
       for (int64_t b = g; b < g + group; ++b) {
-        std::memcpy(o, src + (b * k + k0) * kBlock, kc * kBlock * sizeof(float));
+        std::memcpy(o, src + (b * k + k0) * kBlock, kc * kBlock * sizeof(int32_t));
         o += kc * kBlock;
       }
     }
   }
-  return out;
+  return out.view(bf16 ? torch::kBFloat16 : torch::kFloat);
 }
 
 namespace cpu_layer_ops {
 
 PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t rows, int64_t k, const float* bias,
-                            float* y, int64_t n) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.size(1) == k && packed.is_contiguous() &&
-              packed.scalar_type() == torch::kFloat, "packed weight does not match x (pack it with pack_linear_weight)");
+                            float* y, int64_t n, uint16_t* x16) {
+  const bool bf16 = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+              (bf16 ? packed.size(2) == 2 * kBlock && packed.size(1) * 2 == k && (x16 != nullptr || rows == 0)
+                    : packed.size(2) == kBlock && packed.size(1) == k && packed.scalar_type() == torch::kFloat),
+              "packed weight does not match x (pack it with pack_linear_weight)");
   TORCH_CHECK(packed.size(0) * kBlock >= n, "more outputs than the packed weight holds");
   // Work units: kUnitBlocks blocks of outputs for a chunk of rows, rows chunk by chunk, shared by
   // the threads from both ends (cpu_parallel.h). Split evenly in advance, a slower core held the
@@ -197,10 +265,25 @@ PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t
   const int64_t blocks = (n + kBlock - 1) / kBlock, units_per_chunk = (blocks + kUnitBlocks - 1) / kUnitBlocks;
   const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk;
   TORCH_CHECK(row_chunks * units_per_chunk < (int64_t{1} << 31), "too many work units");  // SharedUnits' limit
-  return {x, packed.data_ptr<float>(), bias, y, rows, k, n, blocks, units_per_chunk, row_chunks * units_per_chunk};
+  return {x, static_cast<const float*>(packed.data_ptr()), bias, y, rows, k, n, blocks, units_per_chunk,
+          row_chunks * units_per_chunk, bf16 ? x16 : nullptr};
+}
+
+void PackedGemm::input_to_bf16(int64_t begin, int64_t end) const {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* in = x + r * k;
+    uint16_t* out = x16 + r * k;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(in[i]);
+  }
 }
 
 void PackedGemm::run_unit(int64_t unit, bool front) const {
+  // In 32-bit elements: k of them a row, or k / 2 pairs for bf16 weights.
+  const bool bf16 = x16 != nullptr;
+  const int64_t k = bf16 ? this->k / 2 : this->k;
+  const float* x = bf16 ? reinterpret_cast<const float*>(x16) : this->x;
+  const auto& table = bf16 ? kMicroBf16 : kMicro;
   // Where block b's rows [k0, k0 + kc) start in the packed layout (kc = the chunk's size).
   auto block_chunk = [&](int64_t b, int64_t k0) {
     const int64_t g = b - b % kGroup, group = std::min<int64_t>(kGroup, blocks - g);
@@ -229,7 +312,7 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
         const Tile tile{x + r * k, k, block_chunk(b, k0) - k0 * kBlock, kc * kBlock, bias ? bias + b * kBlock : nullptr,
                         k0, k0 + kc, y + r * n + b * kBlock, n, n - b * kBlock,
                         after != nullptr ? after - k0 * kBlock : nullptr};
-        kMicro[height - 1][count - 1](tile);
+        table[height - 1][count - 1](tile);
       }
       r += height;
     }
@@ -238,19 +321,28 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
 
 }  // namespace cpu_layer_ops
 
+// x [rows, in] float32 against a float32 packed weight, or float32 or bf16 against a bf16 one;
+// y in x's dtype.
 torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "x must be [rows, in] float32");
+                            const c10::optional<torch::Tensor>& bias_in, int64_t n) {
+  const bool bf16_weight = packed.scalar_type() == torch::kBFloat16, bf16_x = x_in.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == torch::kFloat || (bf16_x && bf16_weight)),
+              "x must be [rows, in] float32, or bfloat16 against a bfloat16 weight");
   const auto x = x_in.contiguous();
-  auto y = torch::empty({x.size(0), n}, x.options());
-  const auto gemm = cpu_layer_ops::plan_packed_gemm(packed, x.data_ptr<float>(), x.size(0), x.size(1),
+  const auto bias = bias_in.has_value() ? c10::optional<torch::Tensor>(bias_in->to(torch::kFloat).contiguous()) : bias_in;
+  auto y = torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat));
+  torch::Tensor x16 = bf16_x ? x : torch::empty({bf16_weight ? x.size(0) : 0, x.size(1)}, x.options().dtype(torch::kBFloat16));
+  const float* x32 = bf16_x ? nullptr : x.data_ptr<float>();
+  const auto gemm = cpu_layer_ops::plan_packed_gemm(packed, x32, x.size(0), x.size(1),
                                                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                                     y.data_ptr<float>(), n);
+                                                     y.data_ptr<float>(), n, static_cast<uint16_t*>(x16.data_ptr()));
+  if (bf16_weight && !bf16_x)
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) { gemm.input_to_bf16(begin, end); });
   cpu_parallel::for_units_from_both_ends(gemm.units, [&](int64_t unit, bool front) { gemm.run_unit(unit, front); });
-  return y;
+  return bf16_x ? y.to(torch::kBFloat16) : y;
 }
 
 void bind_cpu_linear(pybind11::module& m) {
-  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 weight for packed_linear");
-  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 weight");
+  m.def("pack_linear_weight", &pack_linear_weight, "pack an [out, in] float32 or bfloat16 weight for packed_linear");
+  m.def("packed_linear", &packed_linear, "x W^T + b against a packed float32 or bfloat16 weight");
 }

@@ -21,6 +21,8 @@ from .moe import Experts
 from .registry import model_class
 from .source import ModelSource
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # dtypes radixserve's CPU GEMM packs (cpu_linear.cpp)
+
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The checkpoint's tensor files: those its `model.safetensors.index.json` maps (each one
@@ -83,7 +85,7 @@ def build_model(
     for linear in linears:
         if quantization is not None:
             linear.quantize(quantization)
-        elif cpu_ops is not None and dtype == torch.float32:
+        elif cpu_ops is not None and dtype in PACKED_DTYPES and linear.in_features % 2 == 0:
             linear.pack_for_cpu()
     packed = [m for m in linears if m.weight_packed is not None]
     for linear, weight in zip(packed, into_huge_pages([m.weight_packed for m in packed])):
