@@ -21,7 +21,7 @@ from .moe import Experts
 from .registry import model_class
 from .source import ModelSource
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)  # dtypes radixserve's CPU GEMM packs (cpu_linear.cpp)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU GEMM packs (cpu_linear.cpp)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
