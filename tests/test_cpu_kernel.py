@@ -193,7 +193,6 @@ def test_packed_linear_matches_float64_reference(rows, out_features, in_features
     )
 
 
-
 @pytest.mark.parametrize("rows", [0, 1, 5, 8, 13, 97, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 100), (3, 2)])
 def test_packed_bf16_linear_accumulates_bf16_products_in_float32(rows, out_features, in_features):
@@ -217,6 +216,7 @@ def test_packed_bf16_linear_accumulates_bf16_products_in_float32(rows, out_featu
         torch.testing.assert_close(out16.float(), expected, atol=0.02, rtol=0.01)
     with pytest.raises(RuntimeError, match="even number of inputs"):
         kernel.pack_linear_weight(torch.ones(4, 3, dtype=torch.bfloat16))
+
 
 def test_a_build_killed_midway_does_not_block_later_loads():
     """torch's build guard is a `lock` file left behind by a process killed while it built;
