@@ -88,3 +88,35 @@ def test_fused_layers_give_the_python_layers_bits(runner, mode, requests):
     )
     assert fused.shape == (sum(len(new) for _, _, new in requests), runner.config.hidden_size)
     assert torch.equal(fused, python)
+
+
+@pytest.fixture(scope="module")
+def bf16_runner() -> ModelRunner:
+    return ModelRunner(
+        resolve_model(None),
+        EngineArgs(max_total_tokens=4 * ROW_SLOTS + 8, max_running_requests=4, dtype="bfloat16"),
+    )
+
+
+def test_the_bf16_model_runs_in_one_call_closer_to_float32_than_its_python_layers(
+    runner, bf16_runner
+):
+    """bf16 weights and K/V with a float32 residual stream (cpu_decoder.cpp): the hidden states
+    of a prefill, then a decode step, stay nearer the float32 model's than those of the Python
+    layers, which round every activation to bf16."""
+    assert bf16_runner.model.cpu_decoder is not None
+    assert bf16_runner.pool.k[0].dtype == torch.bfloat16
+    prefill = step(ForwardMode.EXTEND, [(0, 0, list(range(100, 140))), (1, 0, [5, 6, 7])])
+    decode = step(ForwardMode.DECODE, [(0, 40, [11]), (1, 3, [12])])
+    for fb in (prefill, decode):
+        reference = hidden_states(runner, fb, fused=True)
+        python = hidden_states(bf16_runner, fb, fused=False).float()
+        fused = hidden_states(bf16_runner, fb, fused=True)
+        assert bf16_runner.backend.kernel_groups()
+        assert fused.dtype == torch.float32
+
+        def error(x):
+            return ((x - reference).norm() / reference.norm()).item()
+
+        assert error(fused) < 0.05
+        assert error(fused) < error(python)

@@ -79,12 +79,26 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
   }
 }
 
-// The fast path for float32 with head_dim = 8 * Vecs: register tiles of up to three query heads
-// of the group, so that each key and value vector is loaded once for them all.
+// The fast path for float32 queries with head_dim = 8 * Vecs: register tiles of up to three
+// query heads of the group, so that each key and value vector is loaded once for them all. E is
+// the cache's element type, float or bf16 (widened to float as it is loaded).
 
-// Ask for every cache line of a row of `floats` floats (a head's key or value row spans several).
-inline void prefetch_row(const float* row, int floats) {
-  for (int i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, kPrefetchLocality);
+// Eight cache values from p, as floats.
+inline Vec8 load_row8(const float* p) { return load8(p); }
+inline Vec8 load_row8(const c10::BFloat16* p) {
+  typedef uint16_t Half8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+  Half8 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const Int8 wide = __builtin_convertvector(bits, Int8) << 16;
+  Vec8 out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// Ask for every cache line of a row of `count` elements (a head's key or value row spans several).
+template <typename E>
+inline void prefetch_row(const E* row, int count) {
+  for (int i = 0; i < count; i += 64 / static_cast<int>(sizeof(E))) __builtin_prefetch(row + i, 0, kPrefetchLocality);
 }
 
 // The horizontal sums of four vectors, stored at out[0], out[1], out[2], out[3].
@@ -99,8 +113,8 @@ inline void store_sums4(Vec8 a, Vec8 b, Vec8 c, Vec8 d, float* out) {
 
 // scores[g * len + t + i] = q_g . key_i for G query heads and four keys: 4 x G accumulators,
 // each key vector loaded once for the G heads.
-template <int Vecs, int G>
-inline void score_tile(const float* qf, const float* const* keys, float* scores, int64_t len, int64_t t) {
+template <int Vecs, int G, typename E>
+inline void score_tile(const float* qf, const E* const* keys, float* scores, int64_t len, int64_t t) {
   Vec8 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = Vec8{};
@@ -108,7 +122,7 @@ inline void score_tile(const float* qf, const float* const* keys, float* scores,
     Vec8 qv[G];
     for (int g = 0; g < G; ++g) qv[g] = load8(qf + g * Vecs * 8 + 8 * v);
     for (int i = 0; i < 4; ++i) {
-      const Vec8 kv = load8(keys[i] + 8 * v);
+      const Vec8 kv = load_row8(keys[i] + 8 * v);
       for (int g = 0; g < G; ++g) acc[g][i] += kv * qv[g];
     }
   }
@@ -117,8 +131,8 @@ inline void score_tile(const float* qf, const float* const* keys, float* scores,
 
 // out[g][v0 + c] += sum over t in [t0, t1) of w[g * len + t] * (value row t)[v0 + c] for G heads
 // and C vectors: G x C accumulators, each value vector loaded once for the G heads.
-template <int G, int C>
-inline void value_tile(const float* w, int64_t len, const float* const* values, int64_t t0, int64_t t1, int v0,
+template <int G, int C, typename E>
+inline void value_tile(const float* w, int64_t len, const E* const* values, int64_t t0, int64_t t1, int v0,
                        float* out, int64_t out_head_stride) {
   Vec8 acc[G][C];
   for (int g = 0; g < G; ++g)
@@ -127,7 +141,7 @@ inline void value_tile(const float* w, int64_t len, const float* const* values, 
     Vec8 wv[G];
     for (int g = 0; g < G; ++g) wv[g] = Vec8{} + w[g * len + t];
     for (int c = 0; c < C; ++c) {
-      const Vec8 vv = load8(values[t - t0] + 8 * (v0 + c));
+      const Vec8 vv = load_row8(values[t - t0] + 8 * (v0 + c));
       for (int g = 0; g < G; ++g) acc[g][c] += wv[g] * vv;
     }
   }
@@ -142,25 +156,25 @@ struct KvRows {
 };
 
 // Attention of G query heads (qf, scaled) over the rows of `task`.
-template <int Vecs, int G>
-void attend_heads(const float* qf, const float* kp, const float* vp, const KvRows& task, int64_t slot_stride,
+template <int Vecs, int G, typename E>
+void attend_heads(const float* qf, const E* kp, const E* vp, const KvRows& task, int64_t slot_stride,
                   float* scores, float* out, int64_t out_head_stride) {
   const int64_t* slots = task.slots;
   const int64_t len = task.len, head_offset = task.head_offset;
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
-    const float* keys[4];
+    const E* keys[4];
     for (int i = 0; i < 4; ++i) {
       keys[i] = kp + slots[t + i] * slot_stride + head_offset;
       if (t + i + kPrefetch < len) prefetch_row(kp + slots[t + i + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
     }
-    score_tile<Vecs, G>(qf, keys, scores, len, t);
+    score_tile<Vecs, G, E>(qf, keys, scores, len, t);
   }
   for (; t < len; ++t) {
-    const float* key = kp + slots[t] * slot_stride + head_offset;
+    const E* key = kp + slots[t] * slot_stride + head_offset;
     for (int g = 0; g < G; ++g) {
       Vec8 acc = Vec8{};
-      for (int v = 0; v < Vecs; ++v) acc += load8(qf + g * Vecs * 8 + 8 * v) * load8(key + 8 * v);
+      for (int v = 0; v < Vecs; ++v) acc += load8(qf + g * Vecs * 8 + 8 * v) * load_row8(key + 8 * v);
       scores[g * len + t] = hsum8(acc);
     }
   }
@@ -170,14 +184,14 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
   constexpr int C = 12 / G > 4 ? 4 : 12 / G;  // value vectors a tile holds: 12 accumulators of 16 registers
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 across the tiles
     const int64_t t1 = std::min(len, t0 + kValueBlock);
-    const float* values[kValueBlock];
+    const E* values[kValueBlock];
     for (int64_t t = t0; t < t1; ++t) {
       values[t - t0] = vp + slots[t] * slot_stride + head_offset;
       if (t + kPrefetch < len) prefetch_row(vp + slots[t + kPrefetch] * slot_stride + head_offset, 8 * Vecs);
     }
     int v0 = 0;
-    for (; v0 + C <= Vecs; v0 += C) value_tile<G, C>(scores, len, values, t0, t1, v0, out, out_head_stride);
-    for (; v0 < Vecs; ++v0) value_tile<G, 1>(scores, len, values, t0, t1, v0, out, out_head_stride);
+    for (; v0 + C <= Vecs; v0 += C) value_tile<G, C, E>(scores, len, values, t0, t1, v0, out, out_head_stride);
+    for (; v0 < Vecs; ++v0) value_tile<G, 1, E>(scores, len, values, t0, t1, v0, out, out_head_stride);
   }
   for (int g = 0; g < G; ++g) {
     const Vec8 inv = Vec8{} + 1.f / sums[g];
@@ -187,31 +201,32 @@ void attend_heads(const float* qf, const float* kp, const float* vp, const KvRow
 
 // A (request, KV head) task: the group's query heads three at a time. In cache, 0.79x the time
 // of one query head at a time (batch 1, context 256).
-template <int Vecs>
-void attend_float(const float* qf, int64_t group, const float* kp, const float* vp, const KvRows& task,
+template <int Vecs, typename E>
+void attend_float(const float* qf, int64_t group, const E* kp, const E* vp, const KvRows& task,
                   int64_t slot_stride, float* scores, float* out, int64_t out_head_stride) {
   for (int64_t g = 0; g < group;) {
     const int64_t n = std::min<int64_t>(3, group - g);
     const float* q = qf + g * Vecs * 8;
     float* o = out + g * out_head_stride;
-    if (n == 3) attend_heads<Vecs, 3>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
-    else if (n == 2) attend_heads<Vecs, 2>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
-    else attend_heads<Vecs, 1>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
+    if (n == 3) attend_heads<Vecs, 3, E>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
+    else if (n == 2) attend_heads<Vecs, 2, E>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
+    else attend_heads<Vecs, 1, E>(q, kp, vp, task, slot_stride, scores, o, out_head_stride);
     g += n;
   }
 }
 
-using AttendFloat = void (*)(const float*, int64_t, const float*, const float*, const KvRows&, int64_t, float*,
-                             float*, int64_t);
+template <typename E>
+using AttendFloat = void (*)(const float*, int64_t, const E*, const E*, const KvRows&, int64_t, float*, float*, int64_t);
 
 // The fast path for this head_dim, or nullptr (head_dim not a multiple of 8 up to 128).
-AttendFloat attend_float_for(int64_t dim) {
+template <typename E>
+AttendFloat<E> attend_float_for(int64_t dim) {
   switch (dim) {
-    case 32: return attend_float<4>;
-    case 64: return attend_float<8>;
-    case 80: return attend_float<10>;
-    case 96: return attend_float<12>;
-    case 128: return attend_float<16>;
+    case 32: return attend_float<4, E>;
+    case 64: return attend_float<8, E>;
+    case 80: return attend_float<10, E>;
+    case 96: return attend_float<12, E>;
+    case 128: return attend_float<16, E>;
     default: return nullptr;
   }
 }
@@ -278,7 +293,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* len_of = seq_lens.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
   const int64_t q_stride = q.stride(0);
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+  if constexpr (std::is_same_v<T, float> && (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>)) {
     const cpu_layer_ops::DecodeAttention attention{
         {qp, q_stride, slot_stride, head_stride, table, table_stride, op, heads * dim, heads, kv_heads, dim,
          static_cast<float>(scale)},
@@ -312,16 +327,17 @@ constexpr int kScoreRows = 6;  // queries per register tile: 12 accumulators of 
 // out[m][0:16] = (out[m][0:16] if accumulate, else 0) + sum_i a[m][i] * b[i][0:16] for `Rows`
 // rows: a register tile of 2 * Rows accumulators; each step loads b[i]'s two vectors once and
 // broadcasts one value per row, so the FMA units (not the loads) set the pace. Scores are
-// a = queries, b = the transposed key tile's rows; weighted values are a = weights, b = values.
-template <int Rows>
-inline void broadcast_tile(const float* const* a, const float* const* b, int64_t n, float* const* out, bool accumulate) {
+// a = queries, b = the transposed key tile's rows; weighted values are a = weights, b = values
+// (cache rows of element type B).
+template <int Rows, typename B>
+inline void broadcast_tile(const float* const* a, const B* const* b, int64_t n, float* const* out, bool accumulate) {
   Vec8 acc[Rows][2];
   for (int m = 0; m < Rows; ++m) {
     acc[m][0] = accumulate ? load8(out[m]) : Vec8{};
     acc[m][1] = accumulate ? load8(out[m] + 8) : Vec8{};
   }
   for (int64_t i = 0; i < n; ++i) {
-    Vec8 lo = load8(b[i]), hi = load8(b[i] + 8);
+    Vec8 lo = load_row8(b[i]), hi = load_row8(b[i] + 8);
     asm("" : "+x"(lo), "+x"(hi));  // keep b's vectors in registers, not re-read per row
     for (int m = 0; m < Rows; ++m) {
       const Vec8 x = Vec8{} + a[m][i];
@@ -335,17 +351,20 @@ inline void broadcast_tile(const float* const* a, const float* const* b, int64_t
   }
 }
 
-using BroadcastTile = void (*)(const float* const*, const float* const*, int64_t, float* const*, bool);
-constexpr BroadcastTile kBroadcastTile[kScoreRows] = {broadcast_tile<1>, broadcast_tile<2>, broadcast_tile<3>,
-                                                      broadcast_tile<4>, broadcast_tile<5>, broadcast_tile<6>};
+template <typename B>
+using BroadcastTile = void (*)(const float* const*, const B* const*, int64_t, float* const*, bool);
+template <typename B>
+constexpr BroadcastTile<B> kBroadcastTile[kScoreRows] = {broadcast_tile<1, B>, broadcast_tile<2, B>,
+                                                         broadcast_tile<3, B>, broadcast_tile<4, B>,
+                                                         broadcast_tile<5, B>, broadcast_tile<6, B>};
 
 // kt[d][i] = key i's d-th value for the tile's keys (zero past `count`), 8 x 8 blocks at a time.
-inline void transpose_keys(const float* const* keys, int64_t count, int64_t dim, float* kt) {
-  static const float zeros[128] = {};
+template <typename E>
+inline void transpose_keys(const E* const* keys, int64_t count, int64_t dim, float* kt) {
   for (int64_t i0 = 0; i0 < kKeyTile; i0 += 8)
     for (int64_t d0 = 0; d0 < dim; d0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(i0 + i < count ? keys[i0 + i] + d0 : zeros);
+      for (int i = 0; i < 8; ++i) r[i] = __m256(i0 + i < count ? load_row8(keys[i0 + i] + d0) : Vec8{});
       const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
       const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
       const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -371,8 +390,8 @@ inline void transpose_keys(const float* const* keys, int64_t count, int64_t dim,
 // token-major ([tokens * group][dim], query j = token j / group, head j % group); `scores` has
 // room for [tokens * group][ld] with ld = first + tokens rounded up to kKeyTile, `kt` for
 // [dim][kKeyTile]. Output row of query j: out + (j / group) * out_token_stride + (j % group) * dim.
-template <int Vecs>
-void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first, const float* kp, const float* vp,
+template <int Vecs, typename E>
+void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first, const E* kp, const E* vp,
                   const int64_t* slots, int64_t slot_stride, int64_t head_offset, float* scores, float* kt,
                   float* out, int64_t out_token_stride) {
   constexpr int64_t dim = 8 * Vecs;
@@ -384,7 +403,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
   for (int64_t d = 0; d < dim; ++d) kt_rows[d] = kt + d * kKeyTile;
   for (int64_t t = 0; t < len; t += kKeyTile) {
     const int64_t count = std::min(kKeyTile, len - t);
-    const float* keys[kKeyTile];
+    const E* keys[kKeyTile];
     for (int64_t i = 0; i < count; ++i) {
       keys[i] = kp + slots[t + i] * slot_stride + head_offset;
       if (t + i + kKeyTile < len) prefetch_row(kp + slots[t + i + kKeyTile] * slot_stride + head_offset, dim);
@@ -395,7 +414,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
       float* o[kScoreRows];
       const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
       for (int m = 0; m < rows; ++m) q[m] = qf + (j + m) * dim, o[m] = scores + (j + m) * ld + t;
-      kBroadcastTile[rows - 1](q, kt_rows, dim, o, false);
+      kBroadcastTile<float>[rows - 1](q, kt_rows, dim, o, false);
       j += rows;
     }
   }
@@ -406,13 +425,13 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
   }
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {  // a block of value rows stays in L1 for all queries
     const int64_t count = std::min(kValueBlock, len - t0);
-    const float* values[kValueBlock];
+    const E* values[kValueBlock];
     for (int64_t t = 0; t < count; ++t) {
       values[t] = vp + slots[t0 + t] * slot_stride + head_offset;
       if (t0 + t + kValueBlock < len) prefetch_row(vp + slots[t0 + t + kValueBlock] * slot_stride + head_offset, dim);
     }
     for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-      const float* shifted[kValueBlock];
+      const E* shifted[kValueBlock];
       for (int64_t t = 0; t < count; ++t) shifted[t] = values[t] + d0;
       for (int64_t j = first_seeing(t0); j < queries;) {
         const float* w[kScoreRows];
@@ -420,7 +439,7 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
         const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, queries - j));
         for (int m = 0; m < rows; ++m)
           w[m] = scores + (j + m) * ld + t0, o[m] = out + ((j + m) / group) * out_token_stride + ((j + m) % group) * dim + d0;
-        kBroadcastTile[rows - 1](w, shifted, count, o, t0 > 0);  // every query sees the first block
+        kBroadcastTile<E>[rows - 1](w, shifted, count, o, t0 > 0);  // every query sees the first block
         j += rows;
       }
     }
@@ -429,18 +448,20 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
 
 #endif  // __AVX__
 
-using ExtendFloat = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, const int64_t*,
-                             int64_t, int64_t, float*, float*, float*, int64_t);
+template <typename E>
+using ExtendFloat = void (*)(const float*, int64_t, int64_t, int64_t, const E*, const E*, const int64_t*, int64_t,
+                             int64_t, float*, float*, float*, int64_t);
 
 // The extend kernel for this head_dim, or nullptr (head_dim not 32, 64, 80, 96 or 128; no AVX).
-ExtendFloat extend_float_for(int64_t dim) {
+template <typename E>
+ExtendFloat<E> extend_float_for(int64_t dim) {
 #if defined(__AVX__)
   switch (dim) {
-    case 32: return extend_float<4>;
-    case 64: return extend_float<8>;
-    case 80: return extend_float<10>;
-    case 96: return extend_float<12>;
-    case 128: return extend_float<16>;
+    case 32: return extend_float<4, E>;
+    case 64: return extend_float<8, E>;
+    case 80: return extend_float<10, E>;
+    case 96: return extend_float<12, E>;
+    case 128: return extend_float<16, E>;
   }
 #endif
   (void)dim;
@@ -451,15 +472,16 @@ ExtendFloat extend_float_for(int64_t dim) {
 
 namespace cpu_layer_ops {
 
-void DecodeAttention::run_task(int64_t task, const float* k_cache, const float* v_cache, AttentionScratch& s) const {
+template <typename E>
+void DecodeAttention::run_task(int64_t task, const E* k_cache, const E* v_cache, AttentionScratch& s) const {
   const int64_t b = task / io.kv_heads, kh = task % io.kv_heads, len = seq_lens[b];
   const int64_t group = io.heads / io.kv_heads, dim = io.dim, head_offset = kh * io.head_stride;
   const int64_t* slots = io.table + rows[b] * io.table_stride;
   const float* q = io.q + b * io.q_stride + kh * group * dim;
   float* out = io.out + b * io.out_stride + kh * group * dim;
-  const AttendFloat fast = attend_float_for(dim);
+  const AttendFloat<E> fast = attend_float_for<E>(dim);
   if (fast == nullptr) {
-    decode_task_generic<float, float>(q, k_cache, v_cache, slots, len, io.slot_stride, head_offset, group, dim,
+    decode_task_generic<float, E>(q, k_cache, v_cache, slots, len, io.slot_stride, head_offset, group, dim,
                                       io.scale, 1.f, out, s);
     return;
   }
@@ -474,7 +496,7 @@ void DecodeAttention::run_task(int64_t task, const float* k_cache, const float* 
 // so a static split would leave one thread with the long ones).
 ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows, const int64_t* prefix,
                                       const int64_t* extend, int64_t batch) {
-  TORCH_CHECK(extend_float_for(io.dim) != nullptr, "extend kernel: unsupported head dim ", io.dim);
+  TORCH_CHECK(extend_float_for<float>(io.dim) != nullptr, "extend kernel: unsupported head dim ", io.dim);
   std::vector<ExtendTask> tasks;
   for (int64_t b = 0, token0 = 0; b < batch; token0 += extend[b], ++b)
     for (int64_t i = 0; i < extend[b]; i += kQueryBlock) {
@@ -485,8 +507,8 @@ ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows
   return {io, rows, std::move(tasks)};
 }
 
-void ExtendAttention::run_task(const ExtendTask& task, const float* k_cache, const float* v_cache,
-                               AttentionScratch& s) const {
+template <typename E>
+void ExtendAttention::run_task(const ExtendTask& task, const E* k_cache, const E* v_cache, AttentionScratch& s) const {
   const int64_t group = io.heads / io.kv_heads, dim = io.dim;
   s.queries.resize(kQueryBlock * group * dim);
   s.keys_t.resize(kKeyTile * dim);
@@ -494,11 +516,17 @@ void ExtendAttention::run_task(const ExtendTask& task, const float* k_cache, con
     for (int64_t j = 0; j < group * dim; ++j)
       s.queries[i * group * dim + j] = io.q[(task.token0 + i) * io.q_stride + task.kv_head * group * dim + j] * io.scale;
   s.scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
-  extend_float_for(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
+  extend_float_for<E>(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
                         io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride,
                         s.scores.data(), s.keys_t.data(), io.out + task.token0 * io.out_stride + task.kv_head * group * dim,
                         io.out_stride);
 }
+
+template void DecodeAttention::run_task(int64_t, const float*, const float*, AttentionScratch&) const;
+template void DecodeAttention::run_task(int64_t, const c10::BFloat16*, const c10::BFloat16*, AttentionScratch&) const;
+template void ExtendAttention::run_task(const ExtendTask&, const float*, const float*, AttentionScratch&) const;
+template void ExtendAttention::run_task(const ExtendTask&, const c10::BFloat16*, const c10::BFloat16*,
+                                        AttentionScratch&) const;
 
 }  // namespace cpu_layer_ops
 
@@ -523,6 +551,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
   q = with_contiguous_heads(q);
+  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+      v_cache.scalar_type() == torch::kBFloat16) {  // the float32 fast path, its queries widened
+    const auto q32 = q.to(torch::kFloat);
+    auto out32 = torch::empty(q32.sizes(), q32.options());
+    decode_kernel<float, c10::BFloat16>(q32, k_cache, v_cache, req_to_token.contiguous(), rows.contiguous(),
+                                        seq_lens.contiguous(), out32, scale, 1.0, 1.0);
+    return out32.to(torch::kBFloat16);
+  }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const bool fp8 = k_cache.scalar_type() == torch::kByte;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
@@ -538,7 +574,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// q [T, H, D] float32 (strided as for decode): request b's extend_lens[b] new tokens follow request b-1's, and token i of
+// q [T, H, D] float32, or bf16 with bf16 caches (strided as for decode): request b's extend_lens[b] new tokens follow request b-1's, and token i of
 // request b is at position prefix_lens[b] + i; its K/V is already stored in the pool.
 // k_cache, v_cache [slots, KVH, D]; req_to_token [rows, max_len] int64; rows, prefix_lens,
 // extend_lens [B] int64. Head dims 32, 64, 80, 96 or 128 (`extend_supported`).
@@ -546,11 +582,14 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor req_to_token, torch::Tensor rows, torch::Tensor prefix_lens,
                                      torch::Tensor extend_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-d");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat, "extend kernel is float32");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (bf16 || k_cache.scalar_type() == torch::kFloat) &&
+                  q.scalar_type() == k_cache.scalar_type(),
+              "extend kernel: q and caches all float32 or all bf16");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides(),
               "caches must share a layout with contiguous head dims");
-  q = with_contiguous_heads(q);
+  q = bf16 ? with_contiguous_heads(q).to(torch::kFloat) : with_contiguous_heads(q);
   req_to_token = req_to_token.contiguous();
   rows = rows.contiguous(), prefix_lens = prefix_lens.contiguous(), extend_lens = extend_lens.contiguous();
   const int64_t batch = rows.size(0), heads = q.size(1), dim = q.size(2);
@@ -560,17 +599,22 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
       {q.data_ptr<float>(), q.stride(0), k_cache.stride(0), k_cache.stride(1), req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), out.data_ptr<float>(), heads * dim,
        heads, k_cache.size(1), dim, static_cast<float>(scale)},
       rows.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>(), extend_lens.data_ptr<int64_t>(), batch);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  std::atomic<size_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    cpu_layer_ops::AttentionScratch scratch;
-    for (size_t n = next++; n < attention.tasks.size(); n = next++) attention.run_task(attention.tasks[n], kp, vp, scratch);
-  });
-  return out;
+  auto run = [&](auto kp, auto vp) {
+    std::atomic<size_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      cpu_layer_ops::AttentionScratch scratch;
+      for (size_t n = next++; n < attention.tasks.size(); n = next++) attention.run_task(attention.tasks[n], kp, vp, scratch);
+    });
+  };
+  if (!bf16) {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    return out;
+  }
+  run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  return out.to(torch::kBFloat16);
 }
 
-bool extend_supported(int64_t head_dim) { return extend_float_for(head_dim) != nullptr; }
+bool extend_supported(int64_t head_dim) { return extend_float_for<float>(head_dim) != nullptr; }
 
 void bind_cpu_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)",

@@ -1,4 +1,4 @@
-// The decoder layers of a float32 Llama-family model in one call, for the CPU forward.
+// The decoder layers of a float32 or bf16 Llama-family model in one call, for the CPU forward.
 //
 // Each layer runs the same kernels the Python layers call one by one (packed GEMM, rotary, KV
 // store, paged attention, fused residual add and RMSNorm, SwiGLU), in the same order on the same
@@ -10,8 +10,12 @@
 // outputs and ran the small kernels alone. Attention groups come planned by the torch backend
 // (torch_native.py). With LoRA adapters (set_lora) a GEMM's output gets each adapter row's
 // delta x A^T B^T right after it, in two phases: the rank-sized shrink, then the expand.
+// A bf16 model runs the same way with its weights packed in bf16 (each GEMM first rounds its
+// input rows to bf16) and its K/V pool in bf16 (rows rounded as they are stored, widened as
+// attention reads them); the residual stream and everything between the GEMMs stay float32.
 #include <torch/extension.h>
 #include "cpu_bindings.h"
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <tuple>
@@ -96,12 +100,15 @@ class CpuDecoder {
     TORCH_CHECK(k_caches_.size() == weights.size() / kPerLayer && v_caches_.size() == k_caches_.size(),
                 "CpuDecoder: one K and one V cache per layer");
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "CpuDecoder: heads a multiple of KV heads, even head dim");
+    const auto cache_type = k_caches_[0].scalar_type();
+    TORCH_CHECK(cache_type == torch::kFloat || cache_type == torch::kBFloat16, "CpuDecoder: float32 or bf16 caches");
+    bf16_kv_ = cache_type == torch::kBFloat16;
     for (size_t l = 0; l < k_caches_.size(); ++l) {
       const auto& k = k_caches_[l];
-      TORCH_CHECK(k.scalar_type() == torch::kFloat && k.is_contiguous() && k.dim() == 3 && k.size(1) == kv_heads &&
+      TORCH_CHECK(k.scalar_type() == cache_type && k.is_contiguous() && k.dim() == 3 && k.size(1) == kv_heads &&
                   k.size(2) == head_dim && v_caches_[l].sizes() == k.sizes() && v_caches_[l].is_contiguous() &&
-                  v_caches_[l].scalar_type() == torch::kFloat && k.sizes() == k_caches_[0].sizes(),
-                  "CpuDecoder: float32 caches [slots, kv_heads, head_dim], all of one shape");
+                  v_caches_[l].scalar_type() == cache_type && k.sizes() == k_caches_[0].sizes(),
+                  "CpuDecoder: caches [slots, kv_heads, head_dim] of one dtype, all of one shape");
     }
     for (size_t i = 0; i < weights.size(); i += kPerLayer) {
       const int64_t* n = out_features.data() + i / kPerLayer * 4;
@@ -168,8 +175,11 @@ class CpuDecoder {
     std::vector<GroupPlan> plans = plan_groups(groups, tokens, qkv, attended, req_to_token);
     const std::vector<LoraRow> lora_rows = plan_lora_rows(lora_runs, tokens);
     auto shrunk = torch::empty({tokens, lora_rank_}, f32);
+    // A bf16 weight's GEMM input in bf16 (PackedGemm::x16), the widest input of the four.
+    auto x16 = torch::empty({tokens, std::max({hidden, q_size, first.gate_up_out / 2})}, x.options().dtype(torch::kBFloat16));
 
-    const std::vector<PackedGemm> gemms = plan_gemms(normed, qkv, attended, delta, post, gate_up, act, out);
+    const std::vector<PackedGemm> gemms =
+        plan_gemms(normed, qkv, attended, delta, post, gate_up, act, out, static_cast<uint16_t*>(x16.data_ptr()));
     std::vector<SharedUnits> units;  // one per GEMM, sized for the team that runs them
     units.reserve(gemms.size());
     std::vector<std::atomic<size_t>> next_extend_task(layers_.size() * plans.size());
@@ -185,6 +195,11 @@ class CpuDecoder {
       for (size_t l = 0; l < layers_.size(); ++l) {
         auto gemm = [&](size_t i) {
           const PackedGemm& g = gemms[l * 4 + i];
+          if (g.x16 != nullptr) {
+            const auto [begin, end] = team.share(g.rows);
+            g.input_to_bf16(begin, end);
+            team.barrier();
+          }
           units[l * 4 + i].take_all(team.thread, [&](int64_t u, bool front) { g.run_unit(u, front); });
           team.barrier();
           if (!step.lora_rows.empty() && lora_[l * 4 + i].a.defined()) add_lora(team, step, lora_[l * 4 + i], g);
@@ -221,7 +236,7 @@ class CpuDecoder {
   // buffers; the first layer reads `normed`, the others the previous layer's output.
   std::vector<PackedGemm> plan_gemms(const torch::Tensor& normed, const torch::Tensor& qkv, const torch::Tensor& attended,
                                      const torch::Tensor& delta, const torch::Tensor& post, const torch::Tensor& gate_up,
-                                     const torch::Tensor& act, const torch::Tensor& out) const {
+                                     const torch::Tensor& act, const torch::Tensor& out, uint16_t* x16) const {
     const int64_t tokens = normed.size(0), hidden = normed.size(1), q_size = heads_ * head_dim_;
     const int64_t kv_size = kv_heads_ * head_dim_;
     std::vector<PackedGemm> gemms;
@@ -231,13 +246,14 @@ class CpuDecoder {
                   w.down_out == hidden && w.qkv_out == q_size + 2 * kv_size, "CpuDecoder: layers of one shape");
       const float* in = l == 0 ? normed.data_ptr<float>() : out.data_ptr<float>();
       const float* bias = w.qkv_bias.defined() ? w.qkv_bias.data_ptr<float>() : nullptr;
-      gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.qkv, in, tokens, hidden, bias, qkv.data_ptr<float>(), w.qkv_out));
+      gemms.push_back(
+          cpu_layer_ops::plan_packed_gemm(w.qkv, in, tokens, hidden, bias, qkv.data_ptr<float>(), w.qkv_out, x16));
       gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.o, attended.data_ptr<float>(), tokens, q_size, nullptr,
-                                                      delta.data_ptr<float>(), hidden));
+                                                      delta.data_ptr<float>(), hidden, x16));
       gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.gate_up, post.data_ptr<float>(), tokens, hidden, nullptr,
-                                                      gate_up.data_ptr<float>(), w.gate_up_out));
+                                                      gate_up.data_ptr<float>(), w.gate_up_out, x16));
       gemms.push_back(cpu_layer_ops::plan_packed_gemm(w.down, act.data_ptr<float>(), tokens, act.size(1), nullptr,
-                                                      delta.data_ptr<float>(), hidden));
+                                                      delta.data_ptr<float>(), hidden, x16));
     }
     return gemms;
   }
@@ -359,15 +375,20 @@ class CpuDecoder {
   void rotate_and_store(const Team& team, const Step& s, size_t layer) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, half = head_dim_ / 2;
     const int64_t width = q_size + 2 * kv_size;
-    float* kc = k_caches_[layer].data_ptr<float>();
-    float* vc = v_caches_[layer].data_ptr<float>();
     const auto [begin, end] = team.share(s.tokens);
     for (int64_t t = begin; t < end; ++t) {
       float* row = s.qkv + t * width;
       cpu_layer_ops::rotate_token(row, heads_, head_dim_, half, s.cos + t * half, s.sin + t * half);
       cpu_layer_ops::rotate_token(row + q_size, kv_heads_, head_dim_, half, s.cos + t * half, s.sin + t * half);
-      std::memcpy(kc + s.slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
-      std::memcpy(vc + s.slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      if (bf16_kv_) {
+        auto* kc = k_caches_[layer].data_ptr<at::BFloat16>() + s.slots[t] * kv_size;
+        auto* vc = v_caches_[layer].data_ptr<at::BFloat16>() + s.slots[t] * kv_size;
+        for (int64_t i = 0; i < kv_size; ++i) kc[i] = row[q_size + i], vc[i] = row[q_size + kv_size + i];
+      } else {
+        std::memcpy(k_caches_[layer].data_ptr<float>() + s.slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
+        std::memcpy(v_caches_[layer].data_ptr<float>() + s.slots[t] * kv_size, row + q_size + kv_size,
+                    kv_size * sizeof(float));
+      }
       if (!s.gathered.empty()) std::memcpy(s.gathered[t].q, row, q_size * sizeof(float));
     }
     team.barrier();
@@ -377,8 +398,23 @@ class CpuDecoder {
   // threads finish; then gathered outputs go back to their tokens' rows.
   void attend(const Team& team, size_t layer, const std::vector<GroupPlan>& plans, std::atomic<size_t>* next_extend,
               AttentionScratch& scratch, const Step& s) const {
-    const float* kc = k_caches_[layer].data_ptr<float>();
-    const float* vc = v_caches_[layer].data_ptr<float>();
+    if (bf16_kv_)
+      attend_with(team, plans, next_extend, scratch, k_caches_[layer].data_ptr<at::BFloat16>(),
+                  v_caches_[layer].data_ptr<at::BFloat16>());
+    else
+      attend_with(team, plans, next_extend, scratch, k_caches_[layer].data_ptr<float>(),
+                  v_caches_[layer].data_ptr<float>());
+    if (s.gathered.empty()) return;
+    const int64_t q_size = heads_ * head_dim_;
+    const auto [begin, end] = team.share(s.tokens);
+    for (int64_t t = begin; t < end; ++t) std::memcpy(s.attended + t * q_size, s.gathered[t].out, q_size * sizeof(float));
+    team.barrier();
+  }
+
+  // The groups' tasks against one layer's caches of element type E.
+  template <typename E>
+  void attend_with(const Team& team, const std::vector<GroupPlan>& plans, std::atomic<size_t>* next_extend,
+                   AttentionScratch& scratch, const E* kc, const E* vc) const {
     for (size_t g = 0; g < plans.size(); ++g) {
       const auto& p = plans[g];
       if (p.is_extend) {
@@ -389,11 +425,6 @@ class CpuDecoder {
         for (int64_t task = begin; task < end; ++task) p.decode.run_task(task, kc, vc, scratch);
       }
     }
-    team.barrier();
-    if (s.gathered.empty()) return;
-    const int64_t q_size = heads_ * head_dim_;
-    const auto [begin, end] = team.share(s.tokens);
-    for (int64_t t = begin; t < end; ++t) std::memcpy(s.attended + t * q_size, s.gathered[t].out, q_size * sizeof(float));
     team.barrier();
   }
 
@@ -423,12 +454,13 @@ class CpuDecoder {
   std::vector<LoraPair> lora_;  // per layer and GEMM, once set_lora ran
   int64_t lora_rank_ = 0;       // the widest A's rank
   std::vector<torch::Tensor> k_caches_, v_caches_;
+  bool bf16_kv_;  // the caches hold bf16, else float32
   int64_t heads_, kv_heads_, head_dim_;
   float eps_, scale_;
 };
 
 void bind_cpu_decoder(pybind11::module& m) {
-  pybind11::class_<CpuDecoder>(m, "CpuDecoder", "the decoder layers of a float32 model in one call (CPU)")
+  pybind11::class_<CpuDecoder>(m, "CpuDecoder", "the decoder layers of a float32 or bf16 model in one call (CPU)")
       .def(pybind11::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double>())
       .def("set_lora", &CpuDecoder::set_lora)

@@ -1,4 +1,4 @@
-// The float32 kernels as work that a thread of a team does (cpu_parallel.h): the GEMM by units,
+// The float32 kernels (K/V caches of float32 or bf16) as work that a thread of a team does (cpu_parallel.h): the GEMM by units,
 // attention by tasks, the elementwise ops by rows. The torch-facing functions in the .cpp files
 // share these same pieces over at::parallel_for; the decoder (cpu_decoder.cpp) runs them all in
 // one parallel region. Plans hold raw pointers; whoever builds one has checked the shapes.
@@ -61,8 +61,10 @@ struct DecodeAttention {
   int64_t batch;
 
   int64_t tasks() const { return batch * io.kv_heads; }
-  // Task `task` against one layer's K and V pool tensors.
-  void run_task(int64_t task, const float* k_cache, const float* v_cache, AttentionScratch& scratch) const;
+  // Task `task` against one layer's K and V pool tensors, of element type E: float or
+  // c10::BFloat16 (queries and outputs stay float32).
+  template <typename E>
+  void run_task(int64_t task, const E* k_cache, const E* v_cache, AttentionScratch& scratch) const;
 };
 
 // Extend: request b's extend_lens[b] new tokens follow request b-1's, token i of it at position
@@ -77,7 +79,8 @@ struct ExtendAttention {
   const int64_t* rows;
   std::vector<ExtendTask> tasks;
 
-  void run_task(const ExtendTask& task, const float* k_cache, const float* v_cache, AttentionScratch& scratch) const;
+  template <typename E>  // float or c10::BFloat16, as for DecodeAttention
+  void run_task(const ExtendTask& task, const E* k_cache, const E* v_cache, AttentionScratch& scratch) const;
 };
 
 // Builds the task list; checks that the head dim has an extend kernel.

@@ -3,11 +3,11 @@
 A step's requests are split into a decode group (one new token each) and an extend group (several
 new tokens), so that a mixed step does not pad every decode query to the longest prompt chunk. On
 CPU both groups run kernels that read K/V straight from the pool
-(`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32, paged extend (causal new
-tokens after a cached prefix: prompt chunks). Requests with a few new tokens (speculative verify
-rows, short chunks) join the decode kernel's group as one query per token, which measured faster
-than a second, extend group (bench/README.md). Without a compiler, a group gathers its K/V and runs
-one padded, masked SDPA."""
+(`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32 and bf16, paged extend
+(causal new tokens after a cached prefix: prompt chunks). Requests with a few new tokens
+(speculative verify rows, short chunks) join the decode kernel's group as one query per token,
+which measured faster than a second, extend group (bench/README.md). Without a compiler, a group
+gathers its K/V and runs one padded, masked SDPA."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class TorchNativeBackend:
         self.kernels = load_cpu_kernels() if pool.k[0].device.type == "cpu" else None
         self.paged_extend = (
             self.kernels is not None
-            and pool.k[0].dtype == torch.float32
+            and pool.k[0].dtype in (torch.float32, torch.bfloat16)
             and self.kernels.extend_supported(head_dim)
         )
         self.deterministic = deterministic

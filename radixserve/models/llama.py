@@ -18,8 +18,8 @@ NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter row
 
 
 class LlamaForCausalLM(CausalLM):
-    """On CPU in float32 its layers can run as one C++ call (`fuse_cpu_layers`), LoRA adapters'
-    deltas included."""
+    """On CPU in float32 or bf16 its layers can run as one C++ call (`fuse_cpu_layers`), LoRA
+    adapters' deltas included (float32)."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
@@ -27,9 +27,10 @@ class LlamaForCausalLM(CausalLM):
         groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
         if not groups:
             return super().forward(input_ids, positions, backend)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotaries[0].cos_sin(positions, x.dtype)
-        normed = self.model.layers[0].input_layernorm(x)
+        embedded = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotaries[0].cos_sin(positions, torch.float32)
+        normed = self.model.layers[0].input_layernorm(embedded).float()
+        x = embedded.float()  # the decoder's residual stream is float32 in either dtype
         inputs = backend.inputs
         runs = self.lora_segments.runs if self.lora_segments is not None else []
         lora_runs = torch.tensor(runs, dtype=torch.long) if runs else NO_LORA_RUNS
@@ -41,8 +42,8 @@ class LlamaForCausalLM(CausalLM):
         """Run the decoder layers through one C++ call (`CpuDecoder`,
         radixserve_kernels/cpu_decoder.cpp) in the steps whose attention the backend runs through
         its paged CPU kernels: the same kernels in the same order, without Python between them.
-        Needs every linear layer packed for the CPU GEMM (float32), one rank and a backend that
-        offers `kernel_groups`."""
+        Needs every linear layer packed for the CPU GEMM (float32 or bf16, with a pool of the
+        same dtype), one rank and a backend that offers `kernel_groups`; LoRA needs float32."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         cpu_ops = self.lm_head.cpu_ops
         if (
@@ -52,7 +53,9 @@ class LlamaForCausalLM(CausalLM):
             or self.attention_features()
             or any(getattr(layer.mlp, "act_name", None) != "silu" for layer in self.model.layers)
             or any(m.weight_packed is None for m in linears)
-            or backend.pool.k[0].dtype != torch.float32
+            or backend.pool.k[0].dtype not in (torch.float32, torch.bfloat16)
+            or any(m.weight_packed.dtype != backend.pool.k[0].dtype for m in linears)
+            or (self.lora_segments is not None and backend.pool.k[0].dtype != torch.float32)
         ):
             return False
         layers = self.model.layers
@@ -62,12 +65,12 @@ class LlamaForCausalLM(CausalLM):
             bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
             weights += [
                 attn.qkv_proj.weight_packed,
-                bias,
+                bias.float(),
                 attn.o_proj.weight_packed,
-                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.weight.float(),
                 mlp.gate_up_proj.weight_packed,
                 mlp.down_proj.weight_packed,
-                self.norm_after(i).weight,
+                self.norm_after(i).weight.float(),
             ]
             out_features += [
                 m.out_features
