@@ -19,6 +19,13 @@
 // pairs too: where the CPU has AVX512-BF16 one dot-product instruction multiplies and adds a
 // vector of pairs (twice the float32 FMA's products, half its weight bytes); elsewhere each
 // half is widened to float32 for two FMAs.
+//
+// On a CPU with AMX-BF16 the bf16 GEMM runs every 16 rows of a tile through AMX instead: the
+// packed layout is already the one AMX multiplies (a block's k-pair rows of kBlock words, two
+// 16-column B tiles side by side), so a 32-row x 32-column tile of outputs is 4 accumulator
+// tiles, fed by two 16-row A tiles of the input rows and the block's two B tiles, 16 pairs of k
+// at a time; what does not fill tiles (rows past the last 16, a partial last block, k pairs past
+// the last 16) takes the vector kernel.
 #include <torch/extension.h>
 #include "cpu_bindings.h"
 #include <ATen/Parallel.h>
@@ -28,6 +35,11 @@
 #include "cpu_layer_ops.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define RADIXSERVE_AMX 1
+#endif
 
 namespace {
 
@@ -216,6 +228,88 @@ int next_height(int64_t rows) {
 #endif
 }
 
+#if RADIXSERVE_AMX
+constexpr int kAmxRows = 16;   // rows of an A and a C tile
+constexpr int kAmxPairs = 16;  // k pairs of an A tile (64 bytes of bf16 a row) and rows of a B tile
+static_assert(kBlock == 32, "AMX: a block is two 16-column B tiles");
+
+// Whether this process may use AMX tiles: Linux hands out the tile state only on request
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return ready;
+}
+
+// Tiles 0-3 accumulate C (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a block), 4-5 hold A (the
+// two row halves), 6-7 B (the block's two 16-column halves); a row is 64 bytes. The first half
+// has `upper` rows, the second `lower` (fewer than 16 at the end of a row chunk), B 16. The
+// configuration is per thread.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int upper, int lower) {
+  TileConfig cfg;
+  const int rows[8] = {upper, upper, lower, lower, upper, lower, kAmxPairs, kAmxPairs};
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = rows[t] ? 64 : 0, cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+  _tile_loadconfig(&cfg);
+}
+
+// The outputs of Halves row halves (configure_tiles) x one block, over the block's first `pairs`
+// k pairs of a chunk: started from the bias (a row repeated: stride 0) or zero at the first
+// chunk, else from y.
+template <int Halves>
+void amx_block(const uint16_t* x16, int64_t ldx, const float* block, const float* bias, bool first_chunk, float* y,
+               int64_t ldy, int64_t pairs) {
+  const int64_t ldy_bytes = ldy * sizeof(float), ldx_bytes = ldx * sizeof(uint16_t);
+  if (!first_chunk) {
+    _tile_loadd(0, y, ldy_bytes);
+    _tile_loadd(1, y + 16, ldy_bytes);
+    if (Halves == 2) {
+      _tile_loadd(2, y + kAmxRows * ldy, ldy_bytes);
+      _tile_loadd(3, y + kAmxRows * ldy + 16, ldy_bytes);
+    }
+  } else if (bias != nullptr) {
+    _tile_loadd(0, bias, 0);
+    _tile_loadd(1, bias + 16, 0);
+    if (Halves == 2) {
+      _tile_loadd(2, bias, 0);
+      _tile_loadd(3, bias + 16, 0);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (Halves == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    _tile_loadd(6, block + p * kBlock, kBlock * sizeof(float));
+    _tile_loadd(7, block + p * kBlock + 16, kBlock * sizeof(float));
+    _tile_loadd(4, x16 + 2 * p, ldx_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (Halves == 2) {
+      _tile_loadd(5, x16 + 2 * p + kAmxRows * ldx, ldx_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, y, ldy_bytes);
+  _tile_stored(1, y + 16, ldy_bytes);
+  if (Halves == 2) {
+    _tile_stored(2, y + kAmxRows * ldy, ldy_bytes);
+    _tile_stored(3, y + kAmxRows * ldy + 16, ldy_bytes);
+  }
+}
+#endif
+
 }  // namespace
 
 // A float32 [out, in] weight as packed float32; a bf16 one (even `in`) as packed bf16 pairs,
@@ -301,21 +395,46 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
     if (next_unit < 0 || next_unit >= units) return nullptr;
     return block_chunk(next_unit % units_per_chunk * kUnitBlocks, 0);
   };
-  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-    const int64_t kc = std::min(kChunk, k - k0);
-    for (int64_t r = r0; r < r_end;) {
-      const int height = next_height(r_end - r);
+  // The vector kernel over rows [ra, rb) x blocks [ba, bb) of the chunk at k0, from its pair k0 + skip on.
+  auto vector_tiles = [&](int64_t ra, int64_t rb, int64_t ba, int64_t bb, int64_t k0, int64_t kc, int64_t skip) {
+    for (int64_t r = ra; r < rb;) {
+      const int height = next_height(rb - r);
       const int64_t span = kGroup / height;
-      for (int64_t b = first_block; b < last_block; b += span) {
-        const int64_t count = std::min(span, last_block - b);
+      for (int64_t b = ba; b < bb; b += span) {
+        const int64_t count = std::min(span, bb - b);
         const float* after = r == r0 && rows <= kStreamRows ? read_after(b + count - 1, k0, kc) : nullptr;
         const Tile tile{x + r * k, k, block_chunk(b, k0) - k0 * kBlock, kc * kBlock, bias ? bias + b * kBlock : nullptr,
-                        k0, k0 + kc, y + r * n + b * kBlock, n, n - b * kBlock,
+                        k0 + skip, k0 + kc, y + r * n + b * kBlock, n, n - b * kBlock,
                         after != nullptr ? after - k0 * kBlock : nullptr};
         table[height - 1][count - 1](tile);
       }
       r += height;
     }
+  };
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k - k0);
+    int64_t r = r0;
+#if RADIXSERVE_AMX
+    // Every row through AMX, over the blocks whose columns are all outputs and the k pairs that
+    // fill tiles; the vector kernel does the rest of the columns and pairs. Each output is one
+    // row's sum whatever the other rows, as in the vector kernel: a row's bits do not depend
+    // on the batch (deterministic inference relies on it).
+    const int64_t full_end = std::min(last_block, n / kBlock), pairs = kc / kAmxPairs * kAmxPairs;
+    if (bf16 && full_end > first_block && pairs > 0 && amx_ready()) {
+      for (int64_t rr = r0; rr < r_end; rr += 2 * kAmxRows) {
+        const int64_t upper = std::min<int64_t>(kAmxRows, r_end - rr), lower = std::min<int64_t>(kAmxRows, r_end - rr - upper);
+        configure_tiles(upper, lower);
+        for (int64_t b = first_block; b < full_end; ++b)
+          (lower > 0 ? amx_block<2> : amx_block<1>)(x16 + rr * this->k + 2 * k0, this->k, block_chunk(b, k0),
+                                                    bias ? bias + b * kBlock : nullptr, k0 == 0, y + rr * n + b * kBlock,
+                                                    n, pairs);
+      }
+      if (pairs < kc) vector_tiles(r0, r_end, first_block, full_end, k0, kc, pairs);
+      r = r_end;
+      vector_tiles(r0, r_end, full_end, last_block, k0, kc, 0);
+    }
+#endif
+    vector_tiles(r, r_end, first_block, last_block, k0, kc, 0);
   }
 }
 

@@ -1,6 +1,7 @@
 """radixserve's CPU kernels, built on first use: paged decode and extend attention
 (`cpu_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
-(`cpu_fused_ops.cpp`), the float32 GEMM against packed weights (`cpu_linear.cpp`) and the
+(`cpu_fused_ops.cpp`), the float32 and bf16 GEMM against packed weights (AMX tiles where the
+CPU has AMX-BF16; `cpu_linear.cpp`) and the
 decoder layers' loop over them in one call (`cpu_decoder.cpp`), and the FP8 weight GEMM
 (`cpu_quant.cpp`).
 
@@ -46,10 +47,21 @@ HEADERS = [
 ]
 
 
+def cpu_flags() -> bytes:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "").encode()
+
+
 def headers_flag() -> str:
-    """A define that carries the headers' hash: torch rebuilds when a source or a build flag
-    changes, but it does not look into included headers."""
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
+    """A define that carries the headers' hash and the CPU's flags: torch rebuilds when a
+    source or a build flag changes, but it does not look into included headers, and
+    `-march=native` reads the same on a machine whose CPU lacks what the cached build uses
+    (AMX, AVX-512)."""
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in HEADERS) + cpu_flags()).hexdigest()[:16]
     return f"-DRADIXSERVE_HEADERS={digest}"
 
 
