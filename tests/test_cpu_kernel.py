@@ -103,6 +103,52 @@ def test_extend_kernel_matches_causal_sdpa_after_a_cached_prefix(heads, kv_heads
         torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (10, 2, 80)])
+def test_bf16_extend_kernel_is_near_sdpa_and_the_same_for_a_token_alone(heads, kv_heads, dim):
+    """bf16 caches (AMX tiles on a CPU with AMX-BF16, head dims a multiple of 32): near causal
+    SDPA in float32, and each token's row the same bits when it is attended alone (what
+    deterministic inference relies on)."""
+    if not kernel.extend_supported(dim):
+        pytest.skip("no extend kernel on this CPU")
+    gen = torch.Generator().manual_seed(dim)
+    prefix_lens, extend_lens = torch.tensor([0, 37, 300]), torch.tensor([50, 1, 129])
+    rows = torch.tensor([2, 0, 1])
+    table = torch.stack([torch.randperm(2999, generator=gen)[:800] + 1 for _ in range(3)])
+    k_cache = torch.randn(3000, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(3000, kv_heads, dim, generator=gen).bfloat16()
+    q = torch.randn(int(extend_lens.sum()), heads, dim, generator=gen).bfloat16()
+    out = kernel.paged_extend_attention(
+        q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, dim**-0.5
+    )
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for row, prefix, n in zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        slots = table[row, : prefix + n]
+        causal = torch.arange(prefix + n).view(1, -1) <= (prefix + torch.arange(n)).view(-1, 1)
+        expected = F.scaled_dot_product_attention(
+            q[start : start + n].float().transpose(0, 1),
+            k_cache[slots].float().transpose(0, 1),
+            v_cache[slots].float().transpose(0, 1),
+            attn_mask=causal,
+            scale=dim**-0.5,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[start : start + n].float(), expected, atol=3e-2, rtol=3e-2)
+        for i in (0, n // 2, n - 1):
+            alone = kernel.paged_extend_attention(
+                q[start + i : start + i + 1],
+                k_cache,
+                v_cache,
+                table,
+                torch.tensor([row]),
+                torch.tensor([prefix + i]),
+                torch.tensor([1]),
+                dim**-0.5,
+            )
+            assert torch.equal(alone[0], out[start + i])
+        start += n
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_ops_match_torch(dtype, tol):
     gen = torch.Generator().manual_seed(3)

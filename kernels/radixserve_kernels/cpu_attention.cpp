@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
+#include "cpu_amx.h"
 #include "cpu_layer_ops.h"
 #include "cpu_quant.h"
 #include "cpu_simd.h"
@@ -448,6 +449,117 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
 
 #endif  // __AVX__
 
+#if RADIXSERVE_AMX
+// Extend against a bf16 cache through AMX tiles, for head dims that are a multiple of 32: the
+// task's queries (rounded to bf16) times each 16-key tile of K^T, the softmax of each query's
+// row in float32, then its weights (rounded to bf16) times V, 32 keys a step. Both products take
+// their B operand as pairs of bf16 along the summed dimension: K^T pairs dims (a 16 x 16
+// transpose of 32-bit words per 16 keys and 32 dims), V pairs neighbouring keys (two rows
+// interleaved). Every query's row is computed over the key tiles from 0 on, and the tiles past
+// its own position weigh zero, so its output does not depend on which task or batch it came in.
+constexpr int64_t kAmxKeyTile = 16, kAmxValueStep = 32;
+
+// out[w][j] = word w of row j (w < 16, j < 16), from 16 rows of 32-bit words (rows past `count`
+// zero), their words word0 .. word0 + 15.
+inline void transpose_words(const uint32_t* const* rows, int64_t count, int64_t word0, uint32_t* out) {
+  __m512i r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < count ? _mm512_loadu_si512(rows[i] + word0) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], lane L: rows g .. g + 3 of word 4L + c
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_si512(out + c * 16, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_storeu_si512(out + (c + 4) * 16, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_storeu_si512(out + (c + 8) * 16, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_storeu_si512(out + (c + 12) * 16, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+
+// out[d] = (a[d], b[d]) as one 32-bit word for d < dim (a multiple of 32); a or b nullptr: zeros.
+inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t dim, uint32_t* out) {
+  static const __m512i low = [] {
+    alignas(64) uint16_t idx[32];
+    for (int m = 0; m < 16; ++m) idx[2 * m] = m, idx[2 * m + 1] = 32 + m;
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512i x = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+    const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(x, low, y));
+    _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(x, high, y));
+  }
+}
+
+// As extend_float (the same arguments, queries already scaled), for a bf16 cache.
+void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, const c10::BFloat16* kp,
+                const c10::BFloat16* vp, const int64_t* slots, int64_t slot_stride, int64_t head_offset, int64_t dim,
+                float* out, int64_t out_token_stride, cpu_layer_ops::AttentionScratch& s) {
+  using cpu_amx::kRows;
+  const int64_t queries = tokens * group, padded = (queries + kRows - 1) / kRows * kRows, len = first + tokens;
+  const int64_t ld = (len + kAmxValueStep - 1) / kAmxValueStep * kAmxValueStep, slabs = dim / 32;
+  auto seen = [&](int64_t j) { return first + j / group + 1; };  // keys query j attends over
+  auto key_row = [&](const c10::BFloat16* cache, int64_t t) { return cache + slots[t] * slot_stride + head_offset; };
+
+  s.queries16.assign(padded * dim, 0);
+  for (int64_t i = 0; i < queries * dim; ++i) s.queries16[i] = c10::BFloat16(qf[i]).x;
+  s.key_pairs.resize(ld * dim / 2);  // per 16-key tile and 32-dim slab, a [16 words][16 keys] B tile
+  for (int64_t t = 0; t < ld; t += kAmxKeyTile) {
+    const uint32_t* rows[kAmxKeyTile];
+    const int64_t count = std::clamp<int64_t>(len - t, 0, kAmxKeyTile);
+    for (int64_t i = 0; i < count; ++i) rows[i] = reinterpret_cast<const uint32_t*>(key_row(kp, t + i));
+    for (int64_t slab = 0; slab < slabs; ++slab)
+      transpose_words(rows, count, slab * 16, s.key_pairs.data() + (t / kAmxKeyTile * slabs + slab) * 256);
+  }
+  s.value_pairs.resize(ld / 2 * dim);  // per pair of keys, their rows interleaved
+  for (int64_t t = 0; t < ld; t += 2)
+    interleave_rows(t < len ? &key_row(vp, t)->x : nullptr, t + 1 < len ? &key_row(vp, t + 1)->x : nullptr, dim,
+                    s.value_pairs.data() + t / 2 * dim);
+
+  cpu_amx::configure_tiles({kRows, kRows, cpu_amx::kPairs, 0, 0, 0, 0, 0});
+  s.scores.resize(padded * ld);
+  s.weights16.assign(padded * ld, 0);
+  s.values.resize(padded * dim);
+  for (int64_t q0 = 0; q0 < padded; q0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, queries - q0), keys = seen(q0 + rows - 1);
+    float* scores = s.scores.data() + q0 * ld;
+    for (int64_t t = 0; t < keys; t += kAmxKeyTile) {
+      _tile_zero(0);
+      for (int64_t slab = 0; slab < slabs; ++slab) {
+        _tile_loadd(1, s.queries16.data() + q0 * dim + slab * 32, dim * 2);
+        _tile_loadd(2, s.key_pairs.data() + (t / kAmxKeyTile * slabs + slab) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, scores + t, ld * 4);
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      float* row = scores + j * ld;
+      const int64_t n = seen(q0 + j);
+      softmax_rows(row, 1, n, ld);
+      uint16_t* weights = s.weights16.data() + (q0 + j) * ld;
+      for (int64_t i = 0; i < n; ++i) weights[i] = c10::BFloat16(row[i]).x;
+    }
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      _tile_zero(0);
+      for (int64_t t = 0; t < keys; t += kAmxValueStep) {
+        _tile_loadd(1, s.weights16.data() + q0 * ld + t, ld * 2);
+        _tile_loadd(2, s.value_pairs.data() + t / 2 * dim + d0, dim * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s.values.data() + q0 * dim + d0, dim * 4);
+    }
+  }
+  for (int64_t j = 0; j < queries; ++j)
+    std::memcpy(out + j / group * out_token_stride + j % group * dim, s.values.data() + j * dim, dim * sizeof(float));
+}
+#endif
+
 template <typename E>
 using ExtendFloat = void (*)(const float*, int64_t, int64_t, int64_t, const E*, const E*, const int64_t*, int64_t,
                              int64_t, float*, float*, float*, int64_t);
@@ -515,6 +627,15 @@ void ExtendAttention::run_task(const ExtendTask& task, const E* k_cache, const E
   for (int64_t i = 0; i < task.tokens; ++i)
     for (int64_t j = 0; j < group * dim; ++j)
       s.queries[i * group * dim + j] = io.q[(task.token0 + i) * io.q_stride + task.kv_head * group * dim + j] * io.scale;
+#if RADIXSERVE_AMX
+  if constexpr (std::is_same_v<E, c10::BFloat16>)
+    if (dim % 32 == 0 && cpu_amx::amx_ready()) {
+      extend_amx(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
+                 io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride, dim,
+                 io.out + task.token0 * io.out_stride + task.kv_head * group * dim, io.out_stride, s);
+      return;
+    }
+#endif
   s.scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
   extend_float_for<E>(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
                         io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride,

@@ -37,6 +37,10 @@ PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t
 // Per-thread buffers of the attention tasks, grown as needed.
 struct AttentionScratch {
   std::vector<float> scores, queries, values, keys_t;
+  // The AMX extend kernel's operands (cpu_attention.cpp): bf16 queries and weights, K and V as
+  // bf16 pairs.
+  std::vector<uint16_t> queries16, weights16;
+  std::vector<uint32_t> key_pairs, value_pairs;
 };
 
 // Where attention reads and writes: queries q [T, heads, dim] (token stride q_stride, heads

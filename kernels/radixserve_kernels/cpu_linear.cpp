@@ -34,12 +34,8 @@
 #include <utility>
 #include "cpu_layer_ops.h"
 #include "cpu_parallel.h"
+#include "cpu_amx.h"
 #include "cpu_simd.h"
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define RADIXSERVE_AMX 1
-#endif
 
 namespace {
 
@@ -229,35 +225,15 @@ int next_height(int64_t rows) {
 }
 
 #if RADIXSERVE_AMX
-constexpr int kAmxRows = 16;   // rows of an A and a C tile
-constexpr int kAmxPairs = 16;  // k pairs of an A tile (64 bytes of bf16 a row) and rows of a B tile
+using cpu_amx::kPairs;
+using cpu_amx::kRows;
 static_assert(kBlock == 32, "AMX: a block is two 16-column B tiles");
 
-// Whether this process may use AMX tiles: Linux hands out the tile state only on request
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once.
-bool amx_ready() {
-  static const bool ready = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ready;
-}
-
 // Tiles 0-3 accumulate C (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a block), 4-5 hold A (the
-// two row halves), 6-7 B (the block's two 16-column halves); a row is 64 bytes. The first half
-// has `upper` rows, the second `lower` (fewer than 16 at the end of a row chunk), B 16. The
-// configuration is per thread.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles(int upper, int lower) {
-  TileConfig cfg;
-  const int rows[8] = {upper, upper, lower, lower, upper, lower, kAmxPairs, kAmxPairs};
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = rows[t] ? 64 : 0, cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-  _tile_loadconfig(&cfg);
+// two row halves), 6-7 B (the block's two 16-column halves). The first half has `upper` rows,
+// the second `lower` (fewer than 16 at the end of a row chunk).
+void configure_gemm_tiles(int upper, int lower) {
+  cpu_amx::configure_tiles({upper, upper, lower, lower, upper, lower, kPairs, kPairs});
 }
 
 // The outputs of Halves row halves (configure_tiles) x one block, over the block's first `pairs`
@@ -271,8 +247,8 @@ void amx_block(const uint16_t* x16, int64_t ldx, const float* block, const float
     _tile_loadd(0, y, ldy_bytes);
     _tile_loadd(1, y + 16, ldy_bytes);
     if (Halves == 2) {
-      _tile_loadd(2, y + kAmxRows * ldy, ldy_bytes);
-      _tile_loadd(3, y + kAmxRows * ldy + 16, ldy_bytes);
+      _tile_loadd(2, y + kRows * ldy, ldy_bytes);
+      _tile_loadd(3, y + kRows * ldy + 16, ldy_bytes);
     }
   } else if (bias != nullptr) {
     _tile_loadd(0, bias, 0);
@@ -289,14 +265,14 @@ void amx_block(const uint16_t* x16, int64_t ldx, const float* block, const float
       _tile_zero(3);
     }
   }
-  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+  for (int64_t p = 0; p < pairs; p += kPairs) {
     _tile_loadd(6, block + p * kBlock, kBlock * sizeof(float));
     _tile_loadd(7, block + p * kBlock + 16, kBlock * sizeof(float));
     _tile_loadd(4, x16 + 2 * p, ldx_bytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (Halves == 2) {
-      _tile_loadd(5, x16 + 2 * p + kAmxRows * ldx, ldx_bytes);
+      _tile_loadd(5, x16 + 2 * p + kRows * ldx, ldx_bytes);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -304,8 +280,8 @@ void amx_block(const uint16_t* x16, int64_t ldx, const float* block, const float
   _tile_stored(0, y, ldy_bytes);
   _tile_stored(1, y + 16, ldy_bytes);
   if (Halves == 2) {
-    _tile_stored(2, y + kAmxRows * ldy, ldy_bytes);
-    _tile_stored(3, y + kAmxRows * ldy + 16, ldy_bytes);
+    _tile_stored(2, y + kRows * ldy, ldy_bytes);
+    _tile_stored(3, y + kRows * ldy + 16, ldy_bytes);
   }
 }
 #endif
@@ -419,11 +395,11 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
     // fill tiles; the vector kernel does the rest of the columns and pairs. Each output is one
     // row's sum whatever the other rows, as in the vector kernel: a row's bits do not depend
     // on the batch (deterministic inference relies on it).
-    const int64_t full_end = std::min(last_block, n / kBlock), pairs = kc / kAmxPairs * kAmxPairs;
-    if (bf16 && full_end > first_block && pairs > 0 && amx_ready()) {
-      for (int64_t rr = r0; rr < r_end; rr += 2 * kAmxRows) {
-        const int64_t upper = std::min<int64_t>(kAmxRows, r_end - rr), lower = std::min<int64_t>(kAmxRows, r_end - rr - upper);
-        configure_tiles(upper, lower);
+    const int64_t full_end = std::min(last_block, n / kBlock), pairs = kc / kPairs * kPairs;
+    if (bf16 && full_end > first_block && pairs > 0 && cpu_amx::amx_ready()) {
+      for (int64_t rr = r0; rr < r_end; rr += 2 * kRows) {
+        const int64_t upper = std::min<int64_t>(kRows, r_end - rr), lower = std::min<int64_t>(kRows, r_end - rr - upper);
+        configure_gemm_tiles(upper, lower);
         for (int64_t b = first_block; b < full_end; ++b)
           (lower > 0 ? amx_block<2> : amx_block<1>)(x16 + rr * this->k + 2 * k0, this->k, block_chunk(b, k0),
                                                     bias ? bias + b * kBlock : nullptr, k0 == 0, y + rr * n + b * kBlock,

@@ -43,6 +43,7 @@ HEADERS = [
         "cpu_layer_ops.h",
         "cpu_bindings.h",
         "cpu_quant.h",
+        "cpu_amx.h",
     )
 ]
 
