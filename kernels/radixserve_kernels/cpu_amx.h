@@ -3,7 +3,7 @@
 // amx_ready() then also says whether the kernel lets this process use the tiles.
 #pragma once
 #include <cstdint>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -497,6 +497,41 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t dim, u
   }
 }
 
+// e^x for 16 lanes of x <= 0 (scores less their row's max), clamped below at -87: as exp8
+// (cpu_simd.h), twice as wide.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// weights[0:n] = softmax(scores[0:n]) rounded to bf16; scores is overwritten.
+inline void softmax_to_bf16(float* scores, int64_t n, uint16_t* weights) {
+  auto mask = [&](int64_t i) { return static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1); };
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) top = _mm512_mask_max_ps(top, mask(i), top, _mm512_maskz_loadu_ps(mask(i), scores + i));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(mask(i), exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), max)));
+    _mm512_mask_storeu_ps(scores + i, mask(i), e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256bh w = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), inv));
+    _mm256_mask_storeu_epi16(weights + i, mask(i), reinterpret_cast<const __m256i&>(w));
+  }
+}
+
 // As extend_float (the same arguments, queries already scaled), for a bf16 cache.
 void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, const c10::BFloat16* kp,
                 const c10::BFloat16* vp, const int64_t* slots, int64_t slot_stride, int64_t head_offset, int64_t dim,
@@ -522,37 +557,70 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
     interleave_rows(t < len ? &key_row(vp, t)->x : nullptr, t + 1 < len ? &key_row(vp, t + 1)->x : nullptr, dim,
                     s.value_pairs.data() + t / 2 * dim);
 
-  cpu_amx::configure_tiles({kRows, kRows, cpu_amx::kPairs, 0, 0, 0, 0, 0});
+  // Scores: tiles 0 and 7 accumulate two key tiles, 2-5 hold the query tile's slabs, 1 and 6 K^T.
+  // Weighted values: 0-3 accumulate 64 dims, 4 holds weights, 5 and 6 take V in turn.
+  const int tiles[8] = {kRows, kRows, kRows, kRows, kRows, kRows, kRows, kRows};
+  cpu_amx::configure_tiles(tiles);
   s.scores.resize(padded * ld);
   s.weights16.assign(padded * ld, 0);
   s.values.resize(padded * dim);
   for (int64_t q0 = 0; q0 < padded; q0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, queries - q0), keys = seen(q0 + rows - 1);
     float* scores = s.scores.data() + q0 * ld;
-    for (int64_t t = 0; t < keys; t += kAmxKeyTile) {
+    const uint16_t* q = s.queries16.data() + q0 * dim;
+    _tile_loadd(2, q, dim * 2);
+    if (slabs > 1) _tile_loadd(3, q + 32, dim * 2);
+    if (slabs > 2) _tile_loadd(4, q + 64, dim * 2);
+    if (slabs > 3) _tile_loadd(5, q + 96, dim * 2);
+    for (int64_t t = 0; t < keys; t += 2 * kAmxKeyTile) {  // two key tiles a step: two chains of products
+      const uint32_t* kt = s.key_pairs.data() + t / kAmxKeyTile * slabs * 256;
+      const uint32_t* next = kt + slabs * 256;
       _tile_zero(0);
+      _tile_zero(7);
       for (int64_t slab = 0; slab < slabs; ++slab) {
-        _tile_loadd(1, s.queries16.data() + q0 * dim + slab * 32, dim * 2);
-        _tile_loadd(2, s.key_pairs.data() + (t / kAmxKeyTile * slabs + slab) * 256, 64);
-        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, kt + slab * 256, 64);
+        _tile_loadd(6, next + slab * 256, 64);
+        switch (slab) {  // tile numbers are immediates
+          case 0: _tile_dpbf16ps(0, 2, 1); _tile_dpbf16ps(7, 2, 6); break;
+          case 1: _tile_dpbf16ps(0, 3, 1); _tile_dpbf16ps(7, 3, 6); break;
+          case 2: _tile_dpbf16ps(0, 4, 1); _tile_dpbf16ps(7, 4, 6); break;
+          default: _tile_dpbf16ps(0, 5, 1); _tile_dpbf16ps(7, 5, 6); break;
+        }
       }
       _tile_stored(0, scores + t, ld * 4);
+      _tile_stored(7, scores + t + kAmxKeyTile, ld * 4);
     }
-    for (int64_t j = 0; j < rows; ++j) {
-      float* row = scores + j * ld;
-      const int64_t n = seen(q0 + j);
-      softmax_rows(row, 1, n, ld);
-      uint16_t* weights = s.weights16.data() + (q0 + j) * ld;
-      for (int64_t i = 0; i < n; ++i) weights[i] = c10::BFloat16(row[i]).x;
-    }
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    for (int64_t j = 0; j < rows; ++j)
+      softmax_to_bf16(scores + j * ld, seen(q0 + j), s.weights16.data() + (q0 + j) * ld);
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      const bool wide = dim - d0 >= 64;  // 4 tiles of 16 dims, else 2
       _tile_zero(0);
-      for (int64_t t = 0; t < keys; t += kAmxValueStep) {
-        _tile_loadd(1, s.weights16.data() + q0 * ld + t, ld * 2);
-        _tile_loadd(2, s.value_pairs.data() + t / 2 * dim + d0, dim * 4);
-        _tile_dpbf16ps(0, 1, 2);
+      _tile_zero(1);
+      if (wide) {
+        _tile_zero(2);
+        _tile_zero(3);
       }
-      _tile_stored(0, s.values.data() + q0 * dim + d0, dim * 4);
+      for (int64_t t = 0; t < keys; t += kAmxValueStep) {
+        const uint32_t* v = s.value_pairs.data() + t / 2 * dim + d0;
+        _tile_loadd(4, s.weights16.data() + q0 * ld + t, ld * 2);
+        _tile_loadd(5, v, dim * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + 16, dim * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        if (wide) {
+          _tile_loadd(5, v + 32, dim * 4);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, v + 48, dim * 4);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+      }
+      float* o = s.values.data() + q0 * dim + d0;
+      _tile_stored(0, o, dim * 4);
+      _tile_stored(1, o + 16, dim * 4);
+      if (wide) {
+        _tile_stored(2, o + 32, dim * 4);
+        _tile_stored(3, o + 48, dim * 4);
+      }
     }
   }
   for (int64_t j = 0; j < queries; ++j)
@@ -629,7 +697,7 @@ void ExtendAttention::run_task(const ExtendTask& task, const E* k_cache, const E
       s.queries[i * group * dim + j] = io.q[(task.token0 + i) * io.q_stride + task.kv_head * group * dim + j] * io.scale;
 #if RADIXSERVE_AMX
   if constexpr (std::is_same_v<E, c10::BFloat16>)
-    if (dim % 32 == 0 && cpu_amx::amx_ready()) {
+    if (dim % 32 == 0 && dim <= 128 && cpu_amx::amx_ready()) {
       extend_amx(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
                  io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride, dim,
                  io.out + task.token0 * io.out_stride + task.kv_head * group * dim, io.out_stride, s);
