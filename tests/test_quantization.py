@@ -144,7 +144,14 @@ def test_a_context_that_cannot_fit_one_request_is_refused(tmp_path):
     model = random_llama()
     model.save_pretrained(tmp_path / "llama")
     lines = _serve_error(
-        "--model", str(tmp_path / "llama"), "--max-total-tokens", "256", "--max-context-len", "512"
+        "--model",
+        str(tmp_path / "llama"),
+        "--dtype",
+        "float32",  # 1024 B a token whatever `auto` picks on this CPU
+        "--max-total-tokens",
+        "256",
+        "--max-context-len",
+        "512",
     )
     assert lines[-1] == (
         "radixserve: --max-context-len 512: one request of that length needs 512 tokens x 1024 B "
