@@ -39,6 +39,7 @@ constexpr int64_t kPrefetch = 8;
 #endif
 constexpr int64_t kValueBlock = 32;  // value rows a query group accumulates before the next block (8 KiB at head dim 64)
 constexpr int64_t kQueryBlock = 16;  // new tokens an extend task attends for (times the group's heads)
+constexpr int64_t kAmxQueryBlock = 64;  // the same for a task on AMX tiles (extend_amx)
 
 inline float hsum8(Vec8 v) {
   const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
@@ -513,8 +514,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// weights[0:n] = softmax(scores[0:n]) rounded to bf16; scores is overwritten.
-inline void softmax_to_bf16(float* scores, int64_t n, uint16_t* weights) {
+// weights[0:n] = softmax(scores[0:n]) rounded to bf16, weights[n:width] = 0; scores is overwritten.
+inline void softmax_to_bf16(float* scores, int64_t n, int64_t width, uint16_t* weights) {
   auto mask = [&](int64_t i) { return static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1); };
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) top = _mm512_mask_max_ps(top, mask(i), top, _mm512_maskz_loadu_ps(mask(i), scores + i));
@@ -530,20 +531,34 @@ inline void softmax_to_bf16(float* scores, int64_t n, uint16_t* weights) {
     const __m256bh w = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), inv));
     _mm256_mask_storeu_epi16(weights + i, mask(i), reinterpret_cast<const __m256i&>(w));
   }
+  std::fill(weights + n, weights + width, uint16_t{0});
 }
 
-// As extend_float (the same arguments, queries already scaled), for a bf16 cache.
-void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, const c10::BFloat16* kp,
-                const c10::BFloat16* vp, const int64_t* slots, int64_t slot_stride, int64_t head_offset, int64_t dim,
-                float* out, int64_t out_token_stride, cpu_layer_ops::AttentionScratch& s) {
+// out[0:n] = round_to_bf16(x[0:n] * scale), n a multiple of 16.
+inline void scale_to_bf16(const float* x, int64_t n, float scale, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(scale)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(v));
+  }
+}
+
+// One extend task (cpu_layer_ops::ExtendTask) against a bf16 cache: its queries come from io.q
+// (scaled and rounded to bf16 here), its outputs go to io.out.
+void extend_amx(const cpu_layer_ops::AttentionIo& io, const cpu_layer_ops::ExtendTask& task, const int64_t* slots,
+                const c10::BFloat16* kp, const c10::BFloat16* vp, cpu_layer_ops::AttentionScratch& s) {
   using cpu_amx::kRows;
-  const int64_t queries = tokens * group, padded = (queries + kRows - 1) / kRows * kRows, len = first + tokens;
+  const int64_t group = io.heads / io.kv_heads, dim = io.dim, tokens = task.tokens, first = task.keys - tokens;
+  const int64_t queries = tokens * group, padded = (queries + kRows - 1) / kRows * kRows, len = task.keys;
   const int64_t ld = (len + kAmxValueStep - 1) / kAmxValueStep * kAmxValueStep, slabs = dim / 32;
+  const int64_t head_offset = task.kv_head * io.head_stride, slot_stride = io.slot_stride;
   auto seen = [&](int64_t j) { return first + j / group + 1; };  // keys query j attends over
   auto key_row = [&](const c10::BFloat16* cache, int64_t t) { return cache + slots[t] * slot_stride + head_offset; };
 
-  s.queries16.assign(padded * dim, 0);
-  for (int64_t i = 0; i < queries * dim; ++i) s.queries16[i] = c10::BFloat16(qf[i]).x;
+  s.queries16.resize(padded * dim);  // query j = token j / group, head j % group of the KV head's group
+  for (int64_t i = 0; i < tokens; ++i)
+    scale_to_bf16(io.q + (task.token0 + i) * io.q_stride + task.kv_head * group * dim, group * dim, io.scale,
+                  s.queries16.data() + i * group * dim);
+  std::fill(s.queries16.begin() + queries * dim, s.queries16.end(), uint16_t{0});
   s.key_pairs.resize(ld * dim / 2);  // per 16-key tile and 32-dim slab, a [16 words][16 keys] B tile
   for (int64_t t = 0; t < ld; t += kAmxKeyTile) {
     const uint32_t* rows[kAmxKeyTile];
@@ -561,12 +576,14 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
   // Weighted values: 0-3 accumulate 64 dims, 4 holds weights, 5 and 6 take V in turn.
   const int tiles[8] = {kRows, kRows, kRows, kRows, kRows, kRows, kRows, kRows};
   cpu_amx::configure_tiles(tiles);
-  s.scores.resize(padded * ld);
-  s.weights16.assign(padded * ld, 0);
-  s.values.resize(padded * dim);
+  s.scores.resize(kRows * ld);  // one query tile's scores, then its weights
+  s.weights16.assign(kRows * ld, 0);
+  s.values.resize(kRows * dim);
+  float* out = io.out + task.token0 * io.out_stride + task.kv_head * group * dim;
   for (int64_t q0 = 0; q0 < padded; q0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, queries - q0), keys = seen(q0 + rows - 1);
-    float* scores = s.scores.data() + q0 * ld;
+    const int64_t width = (keys + kAmxValueStep - 1) / kAmxValueStep * kAmxValueStep;
+    float* scores = s.scores.data();
     const uint16_t* q = s.queries16.data() + q0 * dim;
     _tile_loadd(2, q, dim * 2);
     if (slabs > 1) _tile_loadd(3, q + 32, dim * 2);
@@ -590,8 +607,7 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
       _tile_stored(0, scores + t, ld * 4);
       _tile_stored(7, scores + t + kAmxKeyTile, ld * 4);
     }
-    for (int64_t j = 0; j < rows; ++j)
-      softmax_to_bf16(scores + j * ld, seen(q0 + j), s.weights16.data() + (q0 + j) * ld);
+    for (int64_t j = 0; j < rows; ++j) softmax_to_bf16(scores + j * ld, seen(q0 + j), width, s.weights16.data() + j * ld);
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
       const bool wide = dim - d0 >= 64;  // 4 tiles of 16 dims, else 2
       _tile_zero(0);
@@ -602,7 +618,7 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
       }
       for (int64_t t = 0; t < keys; t += kAmxValueStep) {
         const uint32_t* v = s.value_pairs.data() + t / 2 * dim + d0;
-        _tile_loadd(4, s.weights16.data() + q0 * ld + t, ld * 2);
+        _tile_loadd(4, s.weights16.data() + t, ld * 2);
         _tile_loadd(5, v, dim * 4);
         _tile_dpbf16ps(0, 4, 5);
         _tile_loadd(6, v + 16, dim * 4);
@@ -614,7 +630,7 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
           _tile_dpbf16ps(3, 4, 6);
         }
       }
-      float* o = s.values.data() + q0 * dim + d0;
+      float* o = s.values.data() + d0;
       _tile_stored(0, o, dim * 4);
       _tile_stored(1, o + 16, dim * 4);
       if (wide) {
@@ -622,9 +638,10 @@ void extend_amx(const float* qf, int64_t tokens, int64_t group, int64_t first, c
         _tile_stored(3, o + 48, dim * 4);
       }
     }
+    for (int64_t j = 0; j < rows; ++j)
+      std::memcpy(out + (q0 + j) / group * io.out_stride + (q0 + j) % group * dim, s.values.data() + j * dim,
+                  dim * sizeof(float));
   }
-  for (int64_t j = 0; j < queries; ++j)
-    std::memcpy(out + j / group * out_token_stride + j % group * dim, s.values.data() + j * dim, dim * sizeof(float));
 }
 #endif
 
@@ -672,43 +689,54 @@ void DecodeAttention::run_task(int64_t task, const E* k_cache, const E* v_cache,
        out, dim);
 }
 
+// Whether extend tasks over a cache of this kind run on AMX tiles (extend_amx).
+bool extend_on_amx(bool bf16_cache, int64_t dim) {
+#if RADIXSERVE_AMX
+  return bf16_cache && dim % 32 == 0 && dim <= 128 && cpu_amx::amx_ready();
+#else
+  (void)bf16_cache, (void)dim;
+  return false;
+#endif
+}
+
 // Tasks costliest first; threads take the next one as they finish (causal blocks differ in cost,
-// so a static split would leave one thread with the long ones).
+// so a static split would leave one thread with the long ones). An AMX task takes more tokens:
+// it transforms its keys and values once for all of them.
 ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows, const int64_t* prefix,
-                                      const int64_t* extend, int64_t batch) {
+                                      const int64_t* extend, int64_t batch, bool bf16_cache) {
   TORCH_CHECK(extend_float_for<float>(io.dim) != nullptr, "extend kernel: unsupported head dim ", io.dim);
+  const bool amx = extend_on_amx(bf16_cache, io.dim);
+  const int64_t block = amx ? kAmxQueryBlock : kQueryBlock;
   std::vector<ExtendTask> tasks;
   for (int64_t b = 0, token0 = 0; b < batch; token0 += extend[b], ++b)
-    for (int64_t i = 0; i < extend[b]; i += kQueryBlock) {
-      const int64_t tokens = std::min(kQueryBlock, extend[b] - i);
+    for (int64_t i = 0; i < extend[b]; i += block) {
+      const int64_t tokens = std::min(block, extend[b] - i);
       for (int64_t kh = 0; kh < io.kv_heads; ++kh) tasks.push_back({b, token0 + i, tokens, kh, prefix[b] + i + tokens});
     }
   std::stable_sort(tasks.begin(), tasks.end(), [](const ExtendTask& a, const ExtendTask& b) { return a.keys > b.keys; });
-  return {io, rows, std::move(tasks)};
+  return {io, rows, std::move(tasks), amx};
 }
 
 template <typename E>
 void ExtendAttention::run_task(const ExtendTask& task, const E* k_cache, const E* v_cache, AttentionScratch& s) const {
   const int64_t group = io.heads / io.kv_heads, dim = io.dim;
+  const int64_t* slots = io.table + rows[task.request] * io.table_stride;
+#if RADIXSERVE_AMX
+  if constexpr (std::is_same_v<E, c10::BFloat16>)
+    if (amx) {
+      extend_amx(io, task, slots, k_cache, v_cache, s);
+      return;
+    }
+#endif
   s.queries.resize(kQueryBlock * group * dim);
   s.keys_t.resize(kKeyTile * dim);
   for (int64_t i = 0; i < task.tokens; ++i)
     for (int64_t j = 0; j < group * dim; ++j)
       s.queries[i * group * dim + j] = io.q[(task.token0 + i) * io.q_stride + task.kv_head * group * dim + j] * io.scale;
-#if RADIXSERVE_AMX
-  if constexpr (std::is_same_v<E, c10::BFloat16>)
-    if (dim % 32 == 0 && dim <= 128 && cpu_amx::amx_ready()) {
-      extend_amx(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
-                 io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride, dim,
-                 io.out + task.token0 * io.out_stride + task.kv_head * group * dim, io.out_stride, s);
-      return;
-    }
-#endif
   s.scores.resize(task.tokens * group * ((task.keys + kKeyTile - 1) / kKeyTile * kKeyTile));
-  extend_float_for<E>(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache,
-                        io.table + rows[task.request] * io.table_stride, io.slot_stride, task.kv_head * io.head_stride,
-                        s.scores.data(), s.keys_t.data(), io.out + task.token0 * io.out_stride + task.kv_head * group * dim,
-                        io.out_stride);
+  extend_float_for<E>(dim)(s.queries.data(), task.tokens, group, task.keys - task.tokens, k_cache, v_cache, slots,
+                        io.slot_stride, task.kv_head * io.head_stride, s.scores.data(), s.keys_t.data(),
+                        io.out + task.token0 * io.out_stride + task.kv_head * group * dim, io.out_stride);
 }
 
 template void DecodeAttention::run_task(int64_t, const float*, const float*, AttentionScratch&) const;
@@ -787,7 +815,7 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const auto attention = cpu_layer_ops::plan_extend_attention(
       {q.data_ptr<float>(), q.stride(0), k_cache.stride(0), k_cache.stride(1), req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), out.data_ptr<float>(), heads * dim,
        heads, k_cache.size(1), dim, static_cast<float>(scale)},
-      rows.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>(), extend_lens.data_ptr<int64_t>(), batch);
+      rows.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>(), extend_lens.data_ptr<int64_t>(), batch, bf16);
   auto run = [&](auto kp, auto vp) {
     std::atomic<size_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {

@@ -357,7 +357,7 @@ class CpuDecoder {
           total += extend[i];
         }
         TORCH_CHECK(total == p.count, "CpuDecoder: extend_lens must add up to the group's tokens");
-        p.extend = cpu_layer_ops::plan_extend_attention(io, rows, prefix, extend, g[3].size(0));
+        p.extend = cpu_layer_ops::plan_extend_attention(io, rows, prefix, extend, g[3].size(0), bf16_kv_);
       } else {
         const int64_t* lens = int64_data(g[2], "seq_lens");
         for (int64_t i = 0; i < p.count; ++i)

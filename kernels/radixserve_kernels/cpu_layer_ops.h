@@ -82,14 +82,16 @@ struct ExtendAttention {
   AttentionIo io;
   const int64_t* rows;
   std::vector<ExtendTask> tasks;
+  bool amx;  // tasks run on AMX tiles (a bf16 cache on a CPU with AMX-BF16), else the float kernel
 
   template <typename E>  // float or c10::BFloat16, as for DecodeAttention
   void run_task(const ExtendTask& task, const E* k_cache, const E* v_cache, AttentionScratch& scratch) const;
 };
 
-// Builds the task list; checks that the head dim has an extend kernel.
+// Builds the task list for a float32 or (bf16_cache) bf16 cache, on AMX tiles where the CPU and
+// head dim allow; checks that the head dim has an extend kernel.
 ExtendAttention plan_extend_attention(const AttentionIo& io, const int64_t* rows, const int64_t* prefix_lens,
-                                      const int64_t* extend_lens, int64_t batch);
+                                      const int64_t* extend_lens, int64_t batch, bool bf16_cache);
 
 // Row by row (cpu_fused_ops.cpp): x += delta, then out = rmsnorm(x) * weight.
 void add_rms_norm_row(float* x, const float* delta, const float* weight, float* out, int64_t width, float eps);
