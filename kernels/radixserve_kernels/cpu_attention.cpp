@@ -453,11 +453,12 @@ void extend_float(const float* qf, int64_t tokens, int64_t group, int64_t first,
 #if RADIXSERVE_AMX
 // Extend against a bf16 cache through AMX tiles, for head dims that are a multiple of 32: the
 // task's queries (rounded to bf16) times each 16-key tile of K^T, the softmax of each query's
-// row in float32, then its weights (rounded to bf16) times V, 32 keys a step. Both products take
-// their B operand as pairs of bf16 along the summed dimension: K^T pairs dims (a 16 x 16
-// transpose of 32-bit words per 16 keys and 32 dims), V pairs neighbouring keys (two rows
-// interleaved). Every query's row is computed over the key tiles from 0 on, and the tiles past
-// its own position weigh zero, so its output does not depend on which task or batch it came in.
+// row in float32 (its division left to the output), then its weights (rounded to bf16) times
+// V, 32 keys a step. Both products take their B operand as pairs of bf16 along the summed
+// dimension: K^T pairs dims (a 16 x 16 transpose of 32-bit words per 16 keys and 32 dims), V
+// pairs neighbouring keys (two rows interleaved). Every query's row is computed over the key
+// tiles from 0 on, and the tiles past its own position weigh zero, so its output does not
+// depend on which task or batch it came in.
 constexpr int64_t kAmxKeyTile = 16, kAmxValueStep = 32;
 
 // out[w][j] = word w of row j (w < 16, j < 16), from 16 rows of 32-bit words (rows past `count`
@@ -514,8 +515,10 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// weights[0:n] = softmax(scores[0:n]) rounded to bf16, weights[n:width] = 0; scores is overwritten.
-inline void softmax_to_bf16(float* scores, int64_t n, int64_t width, uint16_t* weights) {
+// weights[0:n] = e^(scores[0:n] - their max) rounded to bf16, weights[n:width] = 0; returns the
+// sum of the e^ in float32, by which the weighted values are divided (the softmax, one pass over
+// the scores less than dividing them first).
+inline float exp_to_bf16(const float* scores, int64_t n, int64_t width, uint16_t* weights) {
   auto mask = [&](int64_t i) { return static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1); };
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) top = _mm512_mask_max_ps(top, mask(i), top, _mm512_maskz_loadu_ps(mask(i), scores + i));
@@ -523,15 +526,12 @@ inline void softmax_to_bf16(float* scores, int64_t n, int64_t width, uint16_t* w
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 e = _mm512_maskz_mov_ps(mask(i), exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), max)));
-    _mm512_mask_storeu_ps(scores + i, mask(i), e);
     total = _mm512_add_ps(total, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256bh w = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), inv));
+    const __m256bh w = _mm512_cvtneps_pbh(e);
     _mm256_mask_storeu_epi16(weights + i, mask(i), reinterpret_cast<const __m256i&>(w));
   }
   std::fill(weights + n, weights + width, uint16_t{0});
+  return _mm512_reduce_add_ps(total);
 }
 
 // out[0:n] = round_to_bf16(x[0:n] * scale), n a multiple of 16.
@@ -607,7 +607,8 @@ void extend_amx(const cpu_layer_ops::AttentionIo& io, const cpu_layer_ops::Exten
       _tile_stored(0, scores + t, ld * 4);
       _tile_stored(7, scores + t + kAmxKeyTile, ld * 4);
     }
-    for (int64_t j = 0; j < rows; ++j) softmax_to_bf16(scores + j * ld, seen(q0 + j), width, s.weights16.data() + j * ld);
+    float totals[kRows];
+    for (int64_t j = 0; j < rows; ++j) totals[j] = exp_to_bf16(scores + j * ld, seen(q0 + j), width, s.weights16.data() + j * ld);
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
       const bool wide = dim - d0 >= 64;  // 4 tiles of 16 dims, else 2
       _tile_zero(0);
@@ -638,9 +639,11 @@ void extend_amx(const cpu_layer_ops::AttentionIo& io, const cpu_layer_ops::Exten
         _tile_stored(3, o + 48, dim * 4);
       }
     }
-    for (int64_t j = 0; j < rows; ++j)
-      std::memcpy(out + (q0 + j) / group * io.out_stride + (q0 + j) % group * dim, s.values.data() + j * dim,
-                  dim * sizeof(float));
+    for (int64_t j = 0; j < rows; ++j) {
+      float* row = out + (q0 + j) / group * io.out_stride + (q0 + j) % group * dim;
+      const float inv = 1.f / totals[j];
+      for (int64_t d = 0; d < dim; ++d) row[d] = s.values[j * dim + d] * inv;
+    }
   }
 }
 #endif

@@ -193,9 +193,12 @@ class CpuDecoder {
       team.barrier();
       AttentionScratch scratch;
       for (size_t l = 0; l < layers_.size(); ++l) {
+        // A bf16 GEMM's input rows are rounded into x16 by the phase that wrote them (the norms,
+        // SwiGLU), as each row or span is done, or else in a phase of their own here.
         auto gemm = [&](size_t i) {
           const PackedGemm& g = gemms[l * 4 + i];
-          if (g.x16 != nullptr) {
+          const bool rounded = (i == 0 && l > 0) || i == 2 || i == 3;
+          if (g.x16 != nullptr && !rounded) {
             const auto [begin, end] = team.share(g.rows);
             g.input_to_bf16(begin, end);
             team.barrier();
@@ -208,11 +211,11 @@ class CpuDecoder {
         rotate_and_store(team, step, l);
         attend(team, l, plans, next_extend_task.data() + l * plans.size(), scratch, step);
         gemm(1);
-        add_norm(team, step, step.post, layers_[l].post_norm);
+        add_norm(team, step, step.post, layers_[l].post_norm, &gemms[l * 4 + 2]);
         gemm(2);
-        swiglu(team, step, layers_[l].gate_up_out / 2);
+        swiglu(team, step, layers_[l].gate_up_out / 2, gemms[l * 4 + 3]);
         gemm(3);
-        add_norm(team, step, step.out, layers_[l].out_norm);
+        add_norm(team, step, step.out, layers_[l].out_norm, l + 1 < layers_.size() ? &gemms[(l + 1) * 4] : nullptr);
       }
     });
     return out;
@@ -429,23 +432,30 @@ class CpuDecoder {
   }
 
   // x += delta, then normed_out = rmsnorm(x) * weight, rows split between the threads.
-  void add_norm(const Team& team, const Step& s, float* normed_out, const torch::Tensor& weight) const {
+  // x += delta, then normed_out = rmsnorm(x) * weight, rows split between the threads; each row
+  // also rounded for `next` (the GEMM that reads normed_out) when its weight is bf16.
+  void add_norm(const Team& team, const Step& s, float* normed_out, const torch::Tensor& weight,
+                const PackedGemm* next) const {
     const float* w = weight.data_ptr<float>();
     const auto [begin, end] = team.share(s.tokens);
-    for (int64_t r = begin; r < end; ++r)
+    for (int64_t r = begin; r < end; ++r) {
       cpu_layer_ops::add_rms_norm_row(s.x + r * s.hidden, s.delta + r * s.hidden, w, normed_out + r * s.hidden, s.hidden,
                                       eps_);
+      if (next != nullptr && next->x16 != nullptr) next->round_span(r, 0, s.hidden);
+    }
     team.barrier();
   }
 
-  // act = silu(gate) * up, in spans of kSiluSpan values split between the threads.
-  void swiglu(const Team& team, const Step& s, int64_t width) const {
+  // act = silu(gate) * up, in spans of kSiluSpan values split between the threads, each span also
+  // rounded for `next` (the down projection) when its weight is bf16.
+  void swiglu(const Team& team, const Step& s, int64_t width, const PackedGemm& next) const {
     const int64_t spans = (width + kSiluSpan - 1) / kSiluSpan;
     const auto [begin, end] = team.share(s.tokens * spans);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / spans, c0 = i % spans * kSiluSpan, c1 = std::min(width, c0 + kSiluSpan);
       const float* gate = s.gate_up + r * 2 * width;
       cpu_layer_ops::silu_mul_span(gate, gate + width, s.act + r * width, c0, c1);
+      if (next.x16 != nullptr) next.round_span(r, c0, c1);
     }
     team.barrier();
   }

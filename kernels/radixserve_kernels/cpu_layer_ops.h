@@ -23,6 +23,8 @@ struct PackedGemm {
 
   // Rows [begin, end) of x rounded into x16.
   void input_to_bf16(int64_t begin, int64_t end) const;
+  // Columns [c0, c1) of row r of x rounded into x16.
+  void round_span(int64_t r, int64_t c0, int64_t c1) const;
 
   // Unit `unit`; `front`: whether the thread runs through the units forwards (it prefetches the
   // weights of the one it most likely runs next).

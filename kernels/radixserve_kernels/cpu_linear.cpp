@@ -340,12 +340,14 @@ PackedGemm plan_packed_gemm(const torch::Tensor& packed, const float* x, int64_t
 }
 
 void PackedGemm::input_to_bf16(int64_t begin, int64_t end) const {
-  for (int64_t r = begin; r < end; ++r) {
-    const float* in = x + r * k;
-    uint16_t* out = x16 + r * k;
+  for (int64_t r = begin; r < end; ++r) round_span(r, 0, k);
+}
+
+void PackedGemm::round_span(int64_t r, int64_t c0, int64_t c1) const {
+  const float* in = x + r * k;
+  uint16_t* out = x16 + r * k;
 #pragma omp simd
-    for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(in[i]);
-  }
+  for (int64_t i = c0; i < c1; ++i) out[i] = to_bf16(in[i]);
 }
 
 void PackedGemm::run_unit(int64_t unit, bool front) const {
