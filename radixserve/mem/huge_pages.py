@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
+import threading
 
 import torch
 
@@ -47,6 +49,39 @@ def _mapping(nbytes: int) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return memory
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
+POPULATE_CHUNK_ROWS = 256  # rows of every tensor a populate round covers
+
+
+def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
+    """Fault in the pages under CPU tensors of one row count (a KV pool's per-layer K and V) from
+    a daemon thread at the lowest priority, a chunk of rows of every tensor at a time, lowest rows
+    first (the allocator hands out the lowest pages first). Contents are left as they are, so the
+    rows may already be in use. On the VMs measured here a page's first touch costs ~3 ms a MiB
+    (bench/README.md); without this, the first requests after start-up paid it in their prefill."""
+    thread = threading.Thread(
+        target=_populate, args=(tensors,), name="radixserve-populate-kv", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _populate(tensors: list[torch.Tensor]) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    rows = tensors[0].shape[0] if tensors else 0
+    for first in range(0, rows, POPULATE_CHUNK_ROWS):
+        for t in tensors:
+            row_bytes = t.stride(0) * t.element_size()
+            start = t.data_ptr() + first * row_bytes
+            end = t.data_ptr() + min(rows, first + POPULATE_CHUNK_ROWS) * row_bytes
+            start -= start % page
+            length = ctypes.c_size_t(end - start)
+            if libc.madvise(ctypes.c_void_p(start), length, MADV_POPULATE_WRITE):
+                return  # a kernel without MADV_POPULATE_WRITE: pages fault in on first use
 
 
 def release_pages(tensor: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .huge_pages import anonymous_zeros
+from .huge_pages import anonymous_zeros, populate_in_background
 
 
 class KVPool:
@@ -16,7 +16,8 @@ class KVPool:
     layer (`value_dim` 0: a latent pool, whose values are read from the keys).
 
     Zero-initialised so that padded gathers (slot 0) and stale table entries
-    only ever read finite values, which masking then removes exactly.
+    only ever read finite values, which masking then removes exactly. On CPU its pages are
+    faulted in by a background thread (`populate_in_background`), not by the first requests.
     """
 
     FP8 = torch.uint8  # the storage dtype of an FP8 pool
@@ -36,6 +37,8 @@ class KVPool:
         self.k = [_zeros((num_slots, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(value_shape, dtype, device) for _ in range(num_layers)]
         self.is_fp8 = dtype == self.FP8
+        if device.type == "cpu" and num_slots > 0:
+            populate_in_background(self.k + self.v)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
 
