@@ -53,14 +53,19 @@ def _mapping(nbytes: int) -> mmap.mmap:
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
 POPULATE_CHUNK_ROWS = 256  # rows of every tensor a populate round covers
+# The most a pool has faulted in ahead of use: its lowest rows, which the first requests take. The
+# rest faults in as it is used, as before, so that servers sized from the same free memory (dp
+# replicas, several test servers) never make all of their pools resident at once.
+POPULATE_BUDGET_BYTES = 512 << 20
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
     """Fault in the pages under CPU tensors of one row count (a KV pool's per-layer K and V) from
     a daemon thread at the lowest priority, a chunk of rows of every tensor at a time, lowest rows
-    first (the allocator hands out the lowest pages first). Contents are left as they are, so the
-    rows may already be in use. On the VMs measured here a page's first touch costs ~3 ms a MiB
-    (bench/README.md); without this, the first requests after start-up paid it in their prefill."""
+    first (the allocator hands out the lowest pages first), up to POPULATE_BUDGET_BYTES. Contents
+    are left as they are, so the rows may already be in use. On the VMs measured here a page's
+    first touch costs ~3 ms a MiB (bench/README.md); without this, the first requests after
+    start-up paid it in their prefill."""
     thread = threading.Thread(
         target=_populate, args=(tensors,), name="radixserve-populate-kv", daemon=True
     )
@@ -72,7 +77,10 @@ def _populate(tensors: list[torch.Tensor]) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     libc = ctypes.CDLL(None, use_errno=True)
     page = mmap.PAGESIZE
-    rows = tensors[0].shape[0] if tensors else 0
+    if not tensors:
+        return
+    row_bytes_all = sum(t.stride(0) * t.element_size() for t in tensors)
+    rows = min(tensors[0].shape[0], POPULATE_BUDGET_BYTES // max(row_bytes_all, 1))
     for first in range(0, rows, POPULATE_CHUNK_ROWS):
         for t in tensors:
             row_bytes = t.stride(0) * t.element_size()
