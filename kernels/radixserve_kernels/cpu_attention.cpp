@@ -499,22 +499,6 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t dim, u
   }
 }
 
-// e^x for 16 lanes of x <= 0 (scores less their row's max), clamped below at -87: as exp8
-// (cpu_simd.h), twice as wide.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // weights[0:n] = e^(scores[0:n] - their max) rounded to bf16, weights[n:width] = 0; returns the
 // sum of the e^ in float32, by which the weighted values are divided (the softmax, one pass over
 // the scores less than dividing them first).
@@ -525,7 +509,7 @@ inline float exp_to_bf16(const float* scores, int64_t n, int64_t width, uint16_t
   const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 e = _mm512_maskz_mov_ps(mask(i), exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), max)));
+    const __m512 e = _mm512_maskz_mov_ps(mask(i), __m512(exp16(Vec16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(i), scores + i), max)))));
     total = _mm512_add_ps(total, e);
     const __m256bh w = _mm512_cvtneps_pbh(e);
     _mm256_mask_storeu_epi16(weights + i, mask(i), reinterpret_cast<const __m256i&>(w));

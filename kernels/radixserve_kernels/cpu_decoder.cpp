@@ -431,7 +431,6 @@ class CpuDecoder {
     team.barrier();
   }
 
-  // x += delta, then normed_out = rmsnorm(x) * weight, rows split between the threads.
   // x += delta, then normed_out = rmsnorm(x) * weight, rows split between the threads; each row
   // also rounded for `next` (the GEMM that reads normed_out) when its weight is bf16.
   void add_norm(const Team& team, const Step& s, float* normed_out, const torch::Tensor& weight,

@@ -20,12 +20,11 @@
 // vector of pairs (twice the float32 FMA's products, half its weight bytes); elsewhere each
 // half is widened to float32 for two FMAs.
 //
-// On a CPU with AMX-BF16 the bf16 GEMM runs every 16 rows of a tile through AMX instead: the
-// packed layout is already the one AMX multiplies (a block's k-pair rows of kBlock words, two
-// 16-column B tiles side by side), so a 32-row x 32-column tile of outputs is 4 accumulator
-// tiles, fed by two 16-row A tiles of the input rows and the block's two B tiles, 16 pairs of k
-// at a time; what does not fill tiles (rows past the last 16, a partial last block, k pairs past
-// the last 16) takes the vector kernel.
+// On a CPU with AMX-BF16 the bf16 GEMM runs every row through AMX instead: the packed layout is
+// already the one AMX multiplies (a block's k-pair rows of kBlock words, two 16-column B tiles
+// side by side), so a 32-row x 32-column tile of outputs is 4 accumulator tiles, fed by two A
+// tiles of up to 16 input rows each and the block's two B tiles, 16 pairs of k at a time; what
+// does not fill B tiles (a partial last block, k pairs past the last 16) takes the vector kernel.
 #include <torch/extension.h>
 #include "cpu_bindings.h"
 #include <ATen/Parallel.h>
@@ -391,7 +390,6 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
   };
   for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
     const int64_t kc = std::min(kChunk, k - k0);
-    int64_t r = r0;
 #if RADIXSERVE_AMX
     // Every row through AMX, over the blocks whose columns are all outputs and the k pairs that
     // fill tiles; the vector kernel does the rest of the columns and pairs. Each output is one
@@ -408,11 +406,11 @@ void PackedGemm::run_unit(int64_t unit, bool front) const {
                                                     n, pairs);
       }
       if (pairs < kc) vector_tiles(r0, r_end, first_block, full_end, k0, kc, pairs);
-      r = r_end;
       vector_tiles(r0, r_end, full_end, last_block, k0, kc, 0);
+      continue;
     }
 #endif
-    vector_tiles(r, r_end, first_block, last_block, k0, kc, 0);
+    vector_tiles(r0, r_end, first_block, last_block, k0, kc, 0);
   }
 }
 

@@ -74,11 +74,10 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
 
 
 def _populate(tensors: list[torch.Tensor]) -> None:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
     if not tensors:
         return
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    page = mmap.PAGESIZE
     row_bytes_all = sum(t.stride(0) * t.element_size() for t in tensors)
     rows = min(tensors[0].shape[0], POPULATE_BUDGET_BYTES // max(row_bytes_all, 1))
     for first in range(0, rows, POPULATE_CHUNK_ROWS):
@@ -87,8 +86,7 @@ def _populate(tensors: list[torch.Tensor]) -> None:
             start = t.data_ptr() + first * row_bytes
             end = t.data_ptr() + min(rows, first + POPULATE_CHUNK_ROWS) * row_bytes
             start -= start % page
-            length = ctypes.c_size_t(end - start)
-            if libc.madvise(ctypes.c_void_p(start), length, MADV_POPULATE_WRITE):
+            if _madvise(start, end - start, MADV_POPULATE_WRITE):
                 return  # a kernel without MADV_POPULATE_WRITE: pages fault in on first use
 
 
@@ -99,7 +97,12 @@ def release_pages(tensor: torch.Tensor) -> None:
     start = tensor.data_ptr()
     first = -(-start // page) * page
     last = (start + tensor.numel() * tensor.element_size()) // page * page
-    if last > first:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED):
-            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+    if last > first and _madvise(first, last - first, mmap.MADV_DONTNEED):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+
+
+def _madvise(start: int, length: int, advice: int) -> int:
+    """libc's madvise on raw addresses (mmap.mmap.madvise wants a mapping object): 0, or -1
+    with errno set."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
