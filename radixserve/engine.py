@@ -12,15 +12,17 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import fields
 from typing import Any, Iterator
 
 from .config import EngineArgs
 from .constrained import grammar_backend
 from .detokenizer import Detokenizer
-from .messages import GenerateReq, ReqOutput
+from .messages import ControlReq, GenerateReq, ReqOutput, SchedulerStats
 from .models.source import resolve_model
 from .responses import RequestState
 from .sampling_params import SamplingParams
+from .scheduler.control import run_control
 from .scheduler.scheduler import Scheduler
 from .tokenizer import encode_prompt, eos_ids, load_tokenizer_or_none
 from .validation import check_cache_salt, check_generate
@@ -136,31 +138,36 @@ class Engine:
         self._post(("abort", rid))
 
     def flush_cache(self) -> bool:
-        return self._call("flush")
+        return self._control("flush_cache")["success"]
 
     def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> int:
-        """Serve the checkpoint at `model_path` from the next step on (Scheduler.update_weights);
+        """Serve the checkpoint at `model_path` from the next step on (`control.update_weights`);
         returns how many in-flight requests were ended or retracted."""
-        return self._call("update_weights", model_path, abort_all_requests)
+        reply = self._control("update_weights", int(abort_all_requests), model_path)
+        return reply["num_paused_requests"]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Serve one more LoRA adapter; ValueError with the reason when it does not fit."""
-        self._call("load_lora", lora_name, lora_path)
+        self._control("load_lora", text=f"{lora_name}\n{lora_path}")
 
     def unload_lora_adapter(self, lora_name: str, timeout: float = 300.0) -> None:
         """Unload an adapter once the requests that use it finish (it takes no new ones);
         TimeoutError when they outlast `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        while (busy := self._call("unload_lora", lora_name)) > 0:
+        while (busy := self._control("unload_lora", text=lora_name)["in_use"]) > 0:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"LoRA adapter {lora_name!r} is still used by {busy} requests")
             time.sleep(0.02)
 
-    def get_stats(self):
-        return self._call("stats")
+    def get_stats(self) -> SchedulerStats:
+        figures = self._control("stats")
+        return SchedulerStats(**{f.name: figures[f.name] for f in fields(SchedulerStats)})
 
     def check_memory(self) -> None:
-        self._call("check")
+        """AssertionError naming the broken capacity invariant."""
+        reply = self._control("check_memory")
+        if not reply["ok"]:
+            raise AssertionError(reply["error"])
 
     def encode(self, text: str) -> list[int]:
         self._need_tokenizer()
@@ -272,12 +279,18 @@ class Engine:
             self._inbox.append(item)
             self._wake.notify()
 
-    def _call(self, kind: str, *args):
+    def _control(self, kind: str, arg: int = 0, text: str = "") -> dict:
+        """Run a command of `scheduler.control` on the scheduler thread; a command refused for
+        a reason raises ValueError with it."""
         reply: queue.Queue = queue.Queue()
-        self._post((kind, (reply, *args)))
+        self._post(("control", (reply, ControlReq(kind, "", arg, text))))
         result = reply.get()
         if isinstance(result, BaseException):
             raise result
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        if result.get("success") is False and "message" in result:
+            raise ValueError(result["message"])
         return result
 
     # ---- the scheduler thread ------------------------------------------------
@@ -332,26 +345,11 @@ class Engine:
         elif kind == "abort":
             sched.abort(payload)
         else:
-            reply, *args = payload
+            reply, msg = payload
             try:
-                reply.put(self._control(kind, *args))
+                reply.put(run_control(sched, msg))
             except BaseException as exc:
                 reply.put(exc)
-
-    def _control(self, kind: str, *args):
-        if kind == "flush":
-            return self.scheduler.flush_cache()
-        if kind == "stats":
-            return self.scheduler.snapshot()
-        if kind == "check":
-            return self.scheduler.check_memory()
-        if kind == "update_weights":
-            return self.scheduler.update_weights(*args)
-        if kind == "load_lora":
-            return self.scheduler.load_lora_adapter(*args)
-        if kind == "unload_lora":
-            return self.scheduler.unload_lora_adapter(*args)
-        raise ValueError(kind)
 
     def _deliver(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:

@@ -70,7 +70,7 @@ def test_cache_batch_and_chunking_never_change_an_answer(model_dir, tmp_path, dt
         _, seen["alone"] = run(engine, [PROMPT])
         meta, seen["radix cache"] = run(engine, [PROMPT])
         assert meta["meta_info"]["cached_tokens"] >= len(PROMPT) - 64
-        engine.scheduler.hicache.storage.flush()
+        engine.scheduler.kv.hicache.storage.flush()
     with Engine(chunked_prefill_size=64, **common, **tiers) as engine:
         meta, seen["disk tier"] = run(engine, [PROMPT])
         assert meta["meta_info"]["cached_tokens"] >= len(PROMPT) - 64

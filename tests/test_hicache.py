@@ -241,7 +241,7 @@ def test_the_dashboard_names_the_tiers_holding_each_prefix(tmp_path):
         hicache_storage_dir=str(tmp_path),
     ) as engine:
         engine.generate([PROMPTS[0]], {"max_new_tokens": 2, "temperature": 0})
-        engine.scheduler.hicache.storage.flush()
+        engine.scheduler.kv.hicache.storage.flush()
         top = engine.scheduler.top_prefixes(1)[0]
     assert top["tiers"] == ["device", "host", "disk"] and top["num_tokens"] >= BLOCK
 

@@ -155,7 +155,7 @@ def test_small_pool_retracts_and_still_matches():
         assert res[str(i)]["ids"] == reference(p, 40)
     assert sched.stats.retractions_total > 0
     allocator = sched.kv.allocator
-    assert allocator.available() + sched.cache.total_size() == allocator.num_slots
+    assert allocator.available() + sched.kv.cache.total_size() == allocator.num_slots
 
 
 def test_eviction_under_pressure_with_pages():
@@ -178,7 +178,7 @@ def test_abort_waiting_and_running_frees_everything():
     res = run(sched)
     assert res["run"]["out"].finish_reason.kind == "abort"
     assert res["wait"]["out"].finish_reason.kind == "abort"
-    assert not sched.running and sched.kv.rows.available() == sched.kv.rows.num_rows
+    assert not sched.queues.running and sched.kv.rows.available() == sched.kv.rows.num_rows
 
 
 def test_stop_tokens_eos_and_min_new_tokens():
@@ -244,12 +244,12 @@ def test_a_failing_step_aborts_its_requests_and_the_scheduler_goes_on():
         reason = res[rid]["out"].finish_reason
         assert reason.kind == "abort" and "injected worker failure" in reason.message, reason
     assert (
-        sched.cache.total_size() == 20
+        sched.kv.cache.total_size() == 20
     )  # the healthy prompt's KV was cached; nothing of the failed step
     after = prompts(1, 12, seed=4)[0]
     submit(sched, "after", after, max_new=6)
     assert run(sched)["after"]["ids"] == reference(after, 6)
-    assert not sched.running and sched.kv.rows.available() == sched.kv.rows.num_rows
+    assert not sched.queues.running and sched.kv.rows.available() == sched.kv.rows.num_rows
 
 
 def first_output_steps(sched, max_steps=10_000) -> dict[str, int]:
@@ -292,7 +292,7 @@ def test_retraction_picks_the_lowest_priority_first():
     retract = sched.retraction.retract
 
     def recording_retract(req):
-        victims.append((req.priority, sorted(r.priority for r in sched.running)))
+        victims.append((req.priority, sorted(r.priority for r in sched.queues.running)))
         retract(req)
 
     sched.retraction.retract = recording_retract

@@ -7,10 +7,11 @@ finish; `unload` reports how many still run, and the caller asks again until non
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from ..config import EngineArgs
 from ..lora import AdapterConfig, lora_spec, parse_lora_path, read_adapter
-from .kv_manager import Executor
+from .executor import Executor
 from .req import Req
 
 
@@ -55,7 +56,7 @@ class AdapterTable:
         self.adapters[adapter.name] = adapter
         return adapter
 
-    def unload(self, name: str, reqs: list[Req]) -> int:
+    def unload(self, name: str, reqs: Sequence[Req]) -> int:
         """Unload `name` if no request in `reqs` uses it; else stop it taking new requests.
         Returns how many requests still use it (0: unloaded)."""
         if name not in self.adapters:

@@ -19,6 +19,7 @@ from .decode import OutOfMemory, Retraction
 from .kv_manager import KVManager
 from .metrics import SchedulerMetrics
 from .policy import order_waiting
+from .queues import RequestQueues
 from .req import Req
 
 IN_BATCH_SHARE_MIN = 32  # shared tokens that make a request wait for a prefix being computed
@@ -33,13 +34,12 @@ class Admission:
         kv: KVManager,
         retraction: Retraction,
         metrics: SchedulerMetrics,
-        waiting: list[Req],
-        running: list[Req],
+        queues: RequestQueues,
         max_loras_per_batch: int | None = None,
     ):
         self.args, self.kv, self.retraction, self.metrics = args, kv, retraction, metrics
         self.max_loras = max_loras_per_batch
-        self.waiting, self.running = waiting, running
+        self.queues = queues
         self.prefill_budget = args.prefill_budget(device)
         self.admit_limit = args.prefill_admit_limit(device)
         self.window_s = args.batch_wait_ms / 1000
@@ -50,7 +50,7 @@ class Admission:
         Returns the requests, their chunk lengths and the prompt tokens they reuse."""
         budget = self.prefill_budget
         reqs, lens, reused = [], [], 0
-        prefilling = [r for r in self.running if r.is_prefilling]
+        prefilling = [r for r in self.queues.running if r.is_prefilling]
         for req in prefilling:
             n = min(req.pending, self.args.chunked_prefill_size, budget)
             if n <= 0 or not self.kv.alloc(req, n):
@@ -68,25 +68,26 @@ class Admission:
         """With --batch-wait-ms: while the running batch is small and the queue has room to
         grow, admission waits until the oldest waiting request has waited that long, so that
         arrivals close together start together. Returns the seconds left (0: admit now)."""
-        if self.window_s <= 0 or not self.waiting or len(self.running) >= self.small_batch:
+        queued, running = self.queues.num_waiting(), self.queues.num_running()
+        if self.window_s <= 0 or not queued or running >= self.small_batch:
             return 0.0
-        if len(self.waiting) + len(self.running) >= self.kv.rows.num_rows:
+        if queued + running >= self.kv.rows.num_rows:
             return 0.0
-        oldest = min(r.arrival for r in self.waiting)
+        oldest = min(r.arrival for r in self.queues.waiting)
         return max(0.0, oldest + self.window_s - time.monotonic())
 
     def queue_order(self) -> list[Req]:
         """The schedule policy's order; with priority scheduling, higher priority first (a
         stable sort, so the policy still orders requests of one level)."""
         ordered = order_waiting(
-            self.args.schedule_policy, self.waiting, self.kv.cache, self.kv.match_length
+            self.args.schedule_policy, self.queues.waiting, self.kv.cache, self.kv.match_length
         )
         if self.args.enable_priority_scheduling:
             ordered.sort(key=lambda r: -r.priority)
         return ordered
 
     def _admit(self, budget: int, batch_started: bool, prefilling: list[Req]) -> Iterator:
-        if not self.waiting:
+        if not self.queues.num_waiting():
             return
         shared = RadixCache(self.kv.page_size)  # prompt parts computed now: later sharers wait
         for req in prefilling:
@@ -96,7 +97,7 @@ class Admission:
         admitted = (
             0  # prompt tokens of the requests this step admits (continued chunks not counted)
         )
-        adapters = {r.lora for r in self.running if r.lora is not None}
+        adapters = {r.lora for r in self.queues.running if r.lora is not None}
         for req in self.queue_order():
             if budget <= 0 or self.kv.rows.available() == 0:
                 break
@@ -112,12 +113,16 @@ class Admission:
             growth = req.remaining_new_tokens * ratio if n == len(uncached) else 0
             self.kv.cache.inc_lock_ref(node)
             need = self.kv.allocator.pages_needed(len(slots), n) * self.kv.page_size
-            if not self.kv.fits(need + reserved + growth) and (batch_started or self.running):
+            if not self.kv.fits(need + reserved + growth) and (
+                batch_started or self.queues.num_running()
+            ):
                 self.kv.cache.dec_lock_ref(node)
                 break
             self._start(req, slots, node)
             if not self.kv.alloc(req, n):
-                if len(self.running) == 1:  # alone, it would be retracted and admitted forever
+                if (
+                    self.queues.num_running() == 1
+                ):  # alone, it would be retracted and admitted forever
                     raise OutOfMemory(req, self.kv.allocator.available())
                 self.retraction.retract(req)
                 break
@@ -140,13 +145,12 @@ class Admission:
         )
 
     def _start(self, req: Req, slots: list[int], node) -> None:
-        self.waiting.remove(req)
+        self.queues.admit(req)
         self.kv.attach(req, slots, node)
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = len(slots)
             self.metrics.admitted(req, len(slots))
-        self.running.append(req)
 
     def _mark_shared(self, shared: RadixCache, req: Req, tokens: list[int]) -> None:
         aligned = len(tokens) - len(tokens) % self.kv.page_size

@@ -10,6 +10,7 @@ from ..constrained import GrammarBackend
 from ..messages import SchedulerStats
 from .draft_model import ModelDrafter
 from .kv_manager import KVManager
+from .queues import RequestQueues
 from .req import Req
 from .speculative import NgramDrafter, StepCost, budget_drafts
 
@@ -38,12 +39,10 @@ class Retraction:
         self,
         args: EngineArgs,
         kv: KVManager,
-        waiting: list[Req],
-        running: list[Req],
+        queues: RequestQueues,
         stats: SchedulerStats,
     ):
-        self.args, self.kv, self.stats = args, kv, stats
-        self.waiting, self.running = waiting, running
+        self.args, self.kv, self.queues, self.stats = args, kv, queues, stats
         self.new_token_ratio = args.new_token_ratio
 
     def decay(self) -> None:
@@ -51,29 +50,28 @@ class Retraction:
         self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - step)
 
     def reserved_decode_slots(self) -> float:
-        return sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio
+        return sum(r.remaining_new_tokens for r in self.queues.running) * self.new_token_ratio
 
     def pick_victim(self) -> Req | None:
         """The running request to retract: the lowest priority, then the cheapest to redo
         (fewest own computed tokens); never the last one."""
-        if len(self.running) <= 1:
+        if self.queues.num_running() <= 1:
             return None
         return min(
-            self.running,
+            self.queues.running,
             key=lambda r: (r.priority, len(r.kv_slots) - r.cached_len, -len(r.input_ids)),
         )
 
     def retract(self, req: Req, reason: str = "for lack of KV memory") -> None:
         """Send a running request back to the queue; its computed KV stays cached (evictable)."""
         self.kv.release(req)
-        self.running.remove(req)
         req.kv_slots, req.cached_len, req.node, req.row, req.synced = [], 0, None, None, 0
         req.pooled = None  # an embedding request pools its prompt again from the start
         if req.spec is not None:
             req.spec.drafts = []
         if not req.prompt_logprobs_done:
             req.input_logprobs, req.input_top_logprobs = [], []
-        self.waiting.insert(0, req)
+        self.queues.retract(req)
         self.stats.retractions_total += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP)
         log.info("retracted %s (%d tokens) %s", req.rid, len(req.fill_ids), reason)

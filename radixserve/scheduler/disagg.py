@@ -21,6 +21,7 @@ from ..disagg.prefill import TransferJob
 from ..messages import FinishReason, KVArrived, SchedulerStats
 from .kv_manager import KVManager
 from .metrics import SchedulerMetrics
+from .queues import RequestQueues
 from .req import Req
 from .results import ResultProcessor
 
@@ -82,10 +83,10 @@ class DecodeStage:
         kv: KVManager,
         results: ResultProcessor,
         metrics: SchedulerMetrics,
-        running: list[Req],
+        queues: RequestQueues,
         transfers,
     ):
-        self.kv, self.results, self.metrics, self.running = kv, results, metrics, running
+        self.kv, self.results, self.metrics, self.queues = kv, results, metrics, queues
         self.stats = metrics.stats
         self.transfers, self.timeout = transfers, transfers.timeout
         self.queued: list[Req] = []  # not yet reserved
@@ -136,7 +137,7 @@ class DecodeStage:
             if not self.kv.alloc(req, len(req.input_ids) - len(slots)):
                 self.kv.drop(req)
                 req.row, req.node, req.kv_slots, req.cached_len = None, None, [], 0
-                if not self.running and not self.awaiting:
+                if not self.queues.num_running() and not self.awaiting:
                     self.queued.pop(0)
                     self._end(req, unavailable("the prompt does not fit in this server's KV pool"))
                 return
@@ -177,7 +178,7 @@ class DecodeStage:
         if req.finished:
             self.kv.release(req)
         else:
-            self.running.append(req)
+            self.queues.join(req)
 
     def _expire(self, now: float) -> None:
         for room, (req, deadline) in list(self.awaiting.items()):

@@ -8,38 +8,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Protocol
+from typing import Sequence
 
 from ..config import EngineArgs
-from ..lora import AdapterConfig
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
-from ..mem.kv_pool import KVPool
 from ..mem.radix_cache import RadixCache, TreeNode
-from ..messages import ForwardBatch, ForwardResult, WorkerInfo
+from ..messages import SchedulerStats
+from .executor import Executor
 from .req import Req
 
 log = logging.getLogger(__name__)
-
-
-class Executor(Protocol):
-    """What the scheduler needs from the model worker(s); `pool` (the device KV) only with the
-    hierarchical cache, which copies blocks in and out of it between steps."""
-
-    info: WorkerInfo
-    pool: KVPool
-
-    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
-
-    def update_weights(self, model_path: str) -> None: ...
-
-    def release_memory(self, tags: frozenset[str]) -> None: ...
-
-    def resume_memory(self, tags: frozenset[str]) -> None: ...
-
-    def load_lora(self, adapter: AdapterConfig) -> None: ...
-
-    def unload_lora(self, name: str) -> None: ...
 
 
 class KVManager:
@@ -185,6 +164,28 @@ class KVManager:
         if req.row is not None:
             self.rows.free(req.row)
 
+    # ---- figures -----------------------------------------------------------------
+    def fill_figures(self, s: SchedulerStats, running: Sequence[Req]) -> None:
+        """The memory figures of a stats snapshot."""
+        s.free_slots = self.allocator.available()
+        s.cached_slots = self.cache.total_size()
+        s.evictable_slots = self.cache.evictable_size()
+        s.running_slots = self.held_slots(running)
+        s.radix_nodes = self.cache.num_nodes()
+        s.evicted_tokens_total = self.evicted_tokens
+        if self.hicache is not None:
+            s.hicache = self.hicache.snapshot()
+
+    def top_prefixes(self, limit: int) -> list[dict]:
+        """The dashboard's biggest cached prefixes, each with the tiers that hold it."""
+        rows = []
+        for prefix in self.cache.top_prefixes(limit):
+            tiers = ["device"]
+            if self.hicache is not None:
+                tiers += self.hicache.tiers_of(prefix.tokens)
+            rows.append(dict(vars(prefix), tiers=tiers))
+        return rows
+
     # ---- the whole pool -------------------------------------------------------
     def flush(self) -> None:
         self.cache.evict(self.cache.total_size())
@@ -201,13 +202,13 @@ class KVManager:
             args = replace(self.args, model=model_path)
             self.hicache = make_hicache(args, self.executor, self.weight_updates)
 
-    def held_slots(self, running: list[Req]) -> int:
+    def held_slots(self, running: Sequence[Req]) -> int:
         return sum(self.allocator.held_slots(len(r.kv_slots) - r.cached_len) for r in running)
 
     def usage(self) -> float:
         return 1 - self.allocator.available() / self.allocator.num_slots
 
-    def check_memory(self, running: list[Req], set_aside: int = 0) -> None:
+    def check_memory(self, running: Sequence[Req], set_aside: int = 0) -> None:
         """Capacity invariant: free + cached + held by running requests (+ `set_aside` slots
         out of use) == pool size; every request in `running` holds a row."""
         free, cached, held = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..mem.radix_cache import RadixCache, TreeNode
 from .req import Req
@@ -13,7 +13,10 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting(
-    policy: str, waiting: list[Req], cache: RadixCache, match: Callable[[Req], tuple[int, TreeNode]]
+    policy: str,
+    waiting: Sequence[Req],
+    cache: RadixCache,
+    match: Callable[[Req], tuple[int, TreeNode]],
 ) -> list[Req]:
     """`match(req)` gives (cached prefix length, deepest node) without changing the tree."""
     if policy == "fcfs" or cache.disable or len(waiting) > LPM_MAX_QUEUE:
@@ -25,7 +28,7 @@ def order_waiting(
 
 
 def _dfs_weight_order(
-    waiting: list[Req], cache: RadixCache, last_node: dict[int, TreeNode]
+    waiting: Sequence[Req], cache: RadixCache, last_node: dict[int, TreeNode]
 ) -> list[Req]:
     """Visit the tree heaviest subtree first, so requests under one prefix run together."""
     by_node: dict[int, list[Req]] = defaultdict(list)

@@ -35,6 +35,7 @@ from ..messages import (
 from ..models.source import resolve_model
 from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
 from ..worker.process import start_rank0
+from .control import run_control
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
 def stop(scheduler: Scheduler) -> None:
     """On SIGTERM: let the storage tier's writer finish the blocks it has queued (briefly), then
     exit."""
-    if scheduler.hicache is not None and scheduler.hicache.storage is not None:
-        scheduler.hicache.storage.flush(timeout=STORAGE_FLUSH_S)
+    if scheduler.kv.hicache is not None and scheduler.kv.hicache.storage is not None:
+        scheduler.kv.hicache.storage.flush(timeout=STORAGE_FLUSH_S)
     raise SystemExit(0)
 
 
@@ -135,7 +136,7 @@ class SchedulerLoop:
             if outputs:
                 self.outbox.send(encode(BatchOut(outputs)))
             if self.kv_events is not None:  # this turn's stores, evictions and flushes
-                self.kv_events.publish(self.scheduler.cache.take_events())
+                self.kv_events.publish(self.scheduler.kv.cache.take_events())
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
@@ -144,7 +145,7 @@ class SchedulerLoop:
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, ControlReq):
             try:
-                data = self.control(msg)
+                data = run_control(self.scheduler, msg)
             except Exception as exc:  # noqa: BLE001 - a failed query must not stop the scheduler
                 log.exception("control %r failed", msg.kind)
                 data = {"error": f"{type(exc).__name__}: {exc}"}
@@ -159,54 +160,3 @@ class SchedulerLoop:
             reason = FinishReason("abort", message=str(exc), rejected=isinstance(exc, ValueError))
             out = ReqOutput(msg.rid, [], True, reason, len(msg.input_ids), 0, 0)
             self.outbox.send(encode(BatchOut([out])))
-
-    def control(self, msg: ControlReq) -> dict:
-        if msg.kind == "flush_cache":
-            return {"success": self.scheduler.flush_cache()}
-        if msg.kind == "stats":
-            stats = self.scheduler.snapshot()
-            return dict(vars(stats), cache_hit_rate=stats.cache_hit_rate)
-        if msg.kind == "top_prefixes":
-            return {"top_prefixes": self.scheduler.top_prefixes(msg.arg)}
-        if msg.kind == "check_memory":
-            try:
-                self.scheduler.check_memory()
-                return {"ok": True}
-            except AssertionError as exc:
-                return {"ok": False, "error": str(exc)}
-        if msg.kind == "pause":
-            return {"success": True, "num_paused_requests": self.scheduler.pause(msg.text)}
-        if msg.kind == "resume":
-            self.scheduler.resume()
-            return {"success": True}
-        if msg.kind == "update_weights":
-            try:
-                touched = self.scheduler.update_weights(msg.text, abort_all=bool(msg.arg))
-            except (ValueError, OSError) as exc:
-                return {"success": False, "message": str(exc)}
-            return {"success": True, "message": "weights updated", "num_paused_requests": touched}
-        if msg.kind in ("load_lora", "unload_lora"):
-            return self.lora_control(msg)
-        if msg.kind in ("release_memory", "resume_memory"):
-            tags = frozenset(msg.text.split(","))
-            try:
-                getattr(self.scheduler, msg.kind)(tags)
-            except (ValueError, OSError) as exc:
-                return {"success": False, "message": str(exc)}
-            return {"success": True}
-        return {"error": f"unknown control {msg.kind!r}"}
-
-    def lora_control(self, msg: ControlReq) -> dict:
-        """`load_lora` (text: name, a newline, path) or `unload_lora` (text: name); the reply
-        lists the adapters served after it."""
-        try:
-            if msg.kind == "load_lora":
-                name, _, path = msg.text.partition("\n")
-                self.scheduler.load_lora_adapter(name, path)
-                busy = 0
-            else:
-                busy = self.scheduler.unload_lora_adapter(msg.text)
-        except (ValueError, OSError) as exc:
-            return {"success": False, "message": str(exc)}
-        names = self.scheduler.adapters.names()
-        return {"success": busy == 0, "in_use": busy, "loaded_adapters": names}

@@ -1,0 +1,30 @@
+"""The scheduler's one view of the model: what it asks of the model runner (or of the test
+suite's fake one), so the scheduler runs and is tested without a model."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..lora import AdapterConfig
+from ..mem.kv_pool import KVPool
+from ..messages import ForwardBatch, ForwardResult, WorkerInfo
+
+
+class Executor(Protocol):
+    """What the scheduler needs from the model worker(s); `pool` (the device KV) only with the
+    hierarchical cache, which copies blocks in and out of it between steps."""
+
+    info: WorkerInfo
+    pool: KVPool
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+
+    def update_weights(self, model_path: str) -> None: ...
+
+    def release_memory(self, tags: frozenset[str]) -> None: ...
+
+    def resume_memory(self, tags: frozenset[str]) -> None: ...
+
+    def load_lora(self, adapter: AdapterConfig) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
