@@ -30,9 +30,9 @@ import servers  # noqa: E402
 from loadgen import run_workload  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-from radixserve.cache_sim import Setting, Trace, sweep  # noqa: E402
-from radixserve.replay import plot  # noqa: E402
 from radixserve.request_log import read_log  # noqa: E402
+from radixserve.sizing.cache_sim import Setting, Trace, sweep  # noqa: E402
+from radixserve.sizing.replay import plot  # noqa: E402
 
 # big enough that C = 4096 tokens evicts, and every request fits the window of 200
 SIZES = {

@@ -83,7 +83,7 @@ def sync(runner: ModelRunner) -> None:
 
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes a decode step streams: the weights of every linear layer, LM head included."""
-    from radixserve.layers import Linear
+    from radixserve.models.layers import Linear
 
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     tensors = [t for m in linears for t in list(m.parameters()) + list(m.buffers())]

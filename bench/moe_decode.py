@@ -18,8 +18,8 @@ import torch
 from decode_step import decode_batch, read_bandwidth, sync, time_steps
 
 from radixserve.config import EngineArgs
-from radixserve.layers import Linear
 from radixserve.model_config import ModelConfig
+from radixserve.models.layers import Linear
 from radixserve.models.moe import Experts
 from radixserve.models.source import ModelSource
 from radixserve.worker.model_runner import ModelRunner

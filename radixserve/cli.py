@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_replay_parser(sub) -> None:
-    from .replay import SYNTHETIC
+    from .sizing.replay import SYNTHETIC
 
     replay = sub.add_parser(
         "replay",
@@ -164,7 +164,7 @@ def _add_replay_parser(sub) -> None:
 
 
 def replay_args_from(ns: argparse.Namespace):
-    from .replay import ReplayArgs, parse_tokens
+    from .sizing.replay import ReplayArgs, parse_tokens
 
     def listed(flag: str, text: str | None, convert, allowed=None) -> tuple:
         """A comma-separated flag's values; a bad one is refused naming the flag."""
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "replay":
-            from .replay import run_replay
+            from .sizing.replay import run_replay
 
             return run_replay(replay_args_from(ns))
         if ns.command == "router":
@@ -231,7 +231,7 @@ def _serve(ns: argparse.Namespace, server_args: ServerArgs) -> int:
 
 def _plan(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from .memory_plan import parse_bytes
-    from .planning import plan_for, plan_report
+    from .sizing.planning import plan_for, plan_report
 
     try:
         memory = parse_bytes(ns.memory)

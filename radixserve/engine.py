@@ -20,7 +20,7 @@ from .constrained import grammar_backend
 from .detokenizer import Detokenizer
 from .messages import ControlReq, GenerateReq, ReqOutput, SchedulerStats
 from .models.source import resolve_model
-from .responses import RequestState
+from .request_state import RequestState
 from .sampling_params import SamplingParams
 from .scheduler.control import run_control
 from .scheduler.scheduler import Scheduler

@@ -19,14 +19,11 @@ import logging
 import logging.handlers
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import msgspec
 
 from .kv_events import chain_hashes, salt_hash, salted_parent
-
-if TYPE_CHECKING:
-    from .scheduler.req import Req
 
 HASH_BLOCK = 16  # tokens per hashed block at level `hashes`
 LOG_NAME = "requests.jsonl"
@@ -62,6 +59,19 @@ class RequestRecord(msgspec.Struct, frozen=True):
     salt: int | None = None  # a salted request's `kv_events.salt_hash` (never the salt itself)
 
 
+class LoggedRequest(Protocol):
+    """What the log reads of a finished request (the scheduler's `Req`)."""
+
+    rid: str
+    arrival: float  # time.monotonic() at arrival
+    admitted: bool
+    queue_time: float
+    input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    cached_tokens: int
+    cache_salt: str | None
+
+
 class RequestLog:
     """Appends finished requests to the rotating log of one server."""
 
@@ -78,7 +88,7 @@ class RequestLog:
         )
         self.handler.setFormatter(logging.Formatter("%(message)s"))
 
-    def write(self, req: "Req", finish_reason: str) -> None:
+    def write(self, req: LoggedRequest, finish_reason: str) -> None:
         now = time.monotonic()
         full = self.level == "full"
         record = RequestRecord(
@@ -96,7 +106,7 @@ class RequestLog:
             block_hashes=None
             if full
             else chain_hashes(
-                req.input_ids + req.output_ids, HASH_BLOCK, salted_parent(None, req.cache_salt)
+                [*req.input_ids, *req.output_ids], HASH_BLOCK, salted_parent(None, req.cache_salt)
             ),
             salt=None if req.cache_salt is None else salt_hash(req.cache_salt),
         )

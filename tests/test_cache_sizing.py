@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from server_utils import start_server
 
-from radixserve.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
 from radixserve.config import EVICTION_POLICIES
 from radixserve.kv_events import chain_hashes, salted_parent
 from radixserve.mem.shadow import LiveEstimates, ReplicaCache
-from radixserve.replay import synthetic_trace
 from radixserve.request_log import HASH_BLOCK, read_log
+from radixserve.sizing.cache_sim import Setting, Trace, optimal_hit_rate, replay, sweep
+from radixserve.sizing.replay import synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from loadgen import Target, run_workload  # noqa: E402

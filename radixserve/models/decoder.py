@@ -15,8 +15,8 @@ from torch import nn
 
 from ..attention import PLAIN, AttentionBackend, LayerAttention
 from ..distributed import TPGroup
-from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from ..model_config import ModelConfig
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 # checkpoint leaf -> (our fused module, shard index)
 FUSED_SHARDS = {

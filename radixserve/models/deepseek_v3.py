@@ -21,9 +21,9 @@ from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
 from ..distributed import TPGroup
-from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from .moe import Experts, Routing, SparseMoE
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

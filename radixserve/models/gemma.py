@@ -11,9 +11,9 @@ from torch import nn
 
 from ..attention import LayerAttention
 from ..distributed import TPGroup
-from ..layers import RMSNorm, RotaryEmbedding, SwiGLU
 from ..model_config import ModelConfig, rope_scaling_of
 from .decoder import Attention, CausalLM
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 GemmaNorm = partial(RMSNorm, weight_offset=1.0)
 

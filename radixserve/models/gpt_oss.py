@@ -14,9 +14,9 @@ from torch import nn
 
 from ..attention import LayerAttention
 from ..distributed import TPGroup
-from ..layers import SwiGLU
 from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
+from .layers import SwiGLU
 from .moe import Experts, Routing, SparseMoE
 
 

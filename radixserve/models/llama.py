@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
-from ..layers import Linear, RMSNorm, fused
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
+from .layers import Linear, RMSNorm, fused
 from .registry import num_labels
 
 NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter rows

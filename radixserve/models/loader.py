@@ -11,12 +11,12 @@ import torch
 from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
 from ..distributed import TPGroup
-from ..layers import Linear, use_cpu_ops
 from ..mem.huge_pages import into_huge_pages
 from ..model_config import ModelConfig
 from ..quant import QuantScheme, scheme_of, unquantized_modules
 from ..quant.weights import planned_linear_bytes
 from .decoder import checkpoint_name
+from .layers import Linear, use_cpu_ops
 from .moe import Experts
 from .registry import model_class
 from .source import ModelSource

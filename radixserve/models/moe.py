@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPGroup
-from ..layers import SwiGLU
+from .layers import SwiGLU
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..attention import LayerAttention
-from ..layers import RMSNorm
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
+from .layers import RMSNorm
 from .moe import Experts, Routing, SparseMoE
 
 

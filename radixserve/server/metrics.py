@@ -15,7 +15,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..responses import RequestState
+from ..request_state import RequestState
 from .tokenizer_manager import TokenizerManager
 
 log = logging.getLogger(__name__)

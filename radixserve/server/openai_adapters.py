@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from ..messages import GenerateReq
 from ..reasoning import ReasoningParser, StreamingReasoningParser
-from ..responses import RequestState
+from ..request_state import RequestState
 from ..tool_calls import StreamingToolParser, ToolCall
 from .tokenizer_manager import TokenizerManager
 

@@ -21,7 +21,7 @@ from ..messages import (
     GenerateReq,
     SchedulerReady,
 )
-from ..responses import RequestState
+from ..request_state import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
 from ..validation import (

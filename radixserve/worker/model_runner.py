@@ -13,14 +13,14 @@ import torch
 from ..attention import AttentionInputs, create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..distributed import TPGroup
-from ..layers import make_batch_invariant
 from ..lora import AdapterConfig, lora_spec
-from ..lora_weights import LoraPool
 from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..memory_plan import context_problem, kv_pages
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
+from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
+from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 from .sampler import sample, verify

@@ -15,8 +15,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..request_log import read_log
 from .cache_sim import Result, Setting, Trace, TraceRequest, sweep
-from .request_log import read_log
 
 SYNTHETIC = ("agent", "rag", "chat")
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import load_file
 
+from ..lora import AdapterConfig, LoraSpec
 from .layers import Linear
-from .lora import AdapterConfig, LoraSpec
 
 PEFT_PREFIX = "base_model.model."
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -171,7 +171,7 @@ class LoraPool:
 def _adapter_tensors(model, modules: dict, adapter: AdapterConfig) -> list[tuple]:
     """(pooled layer, checkpoint module, output offset, A [r, in], B [out_part, r]) of each
     layer one adapter changes."""
-    from .models.decoder import fused_target
+    from .decoder import fused_target
 
     try:
         tensors = load_file(str(adapter.path / "adapter_model.safetensors"))

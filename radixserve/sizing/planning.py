@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import TPGroup
-from .mem.kv_pool import KVPool, kv_storage_dtype
-from .memory_plan import MemoryPlan, context_problem, human_bytes, kv_pages
-from .models.loader import planned_weight_bytes, with_max_context
-from .models.source import resolve_model
-from .worker.model_runner import resolve_dtype
+from ..distributed import TPGroup
+from ..mem.kv_pool import KVPool, kv_storage_dtype
+from ..memory_plan import MemoryPlan, context_problem, human_bytes, kv_pages
+from ..models.loader import planned_weight_bytes, with_max_context
+from ..models.source import resolve_model
+from ..worker.model_runner import resolve_dtype
 
 
 def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:

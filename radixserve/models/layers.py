@@ -16,8 +16,8 @@ from torch import nn
 
 from radixserve_kernels.cpu_ops import load as load_cpu_kernels
 
-from .quant import QuantScheme
-from .quant.weights import (
+from ..quant import QuantScheme
+from ..quant.weights import (
     QuantizedWeight,
     TensorName,
     build_fp8,

@@ -27,14 +27,14 @@ import heapq
 import itertools
 from dataclasses import dataclass, replace
 
-from .kv_events import block_hash, chain_hashes
-from .mem.shadow import ReplicaCache
-from .request_log import RequestRecord
-from .router.config import RouterArgs
-from .router.keys import MAX_CODE_POINT, ids_key
-from .router.policies import CacheAware, make_policy
-from .router.tree import PrefixTree
-from .router.workers import CircuitBreaker, Worker
+from ..kv_events import block_hash, chain_hashes
+from ..mem.shadow import ReplicaCache
+from ..request_log import RequestRecord
+from ..router.config import RouterArgs
+from ..router.keys import MAX_CODE_POINT, ids_key
+from ..router.policies import CacheAware, make_policy
+from ..router.tree import PrefixTree
+from ..router.workers import CircuitBreaker, Worker
 
 SALT_UNITS = 0x100000  # salt units lie above every vocabulary, below the last code point
 

@@ -1,0 +1,89 @@
+"""`ServerArgs`: the HTTP front (where to listen, who may call, how many replicas) around an
+engine's `EngineArgs`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import EngineArgs
+from .options import check_choices, option, refuse_problems
+
+
+def _names(module: str) -> tuple[str, ...]:
+    """The names a parser registry offers (imported here so that config stays the one place
+    of each option's choices)."""
+    if module == "tool_calls":
+        from ..tool_calls import PARSERS
+    else:
+        from ..reasoning import PARSERS
+    return tuple(sorted(PARSERS))
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The HTTP front: where to listen, who may call, how many replicas."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(30000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>'")
+    served_model_name: str | None = option(None, "model name reported by /v1/models")
+    engine: EngineArgs = field(default_factory=EngineArgs, metadata=dict(flag=False))
+    max_request_bytes: int = option(8 << 20, "largest request body accepted; a larger one is a 413")
+    max_queued_requests: int | None = option(
+        None,
+        "requests allowed to wait beyond --max-running-requests; more are answered 503 with "
+        "Retry-After (default: no limit)",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "format of the model's tool calls (default: detected from the chat template)",
+        _names("tool_calls"),
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "split <think>...</think> reasoning from the answer into reasoning_content (deepseek-r1 "
+        "and qwen3-thinking: the output starts inside the reasoning; qwen3: only when it opens "
+        "<think>)",
+        _names("reasoning"),
+    )
+    is_embedding: bool = option(
+        False,
+        "also serve /v1/embeddings: the prompt's final hidden states pooled as the checkpoint's "
+        "sentence-transformers config says (1_Pooling: last token or mean; last by default), "
+        "L2-normalized",
+    )
+    dp_size: int = option(
+        1,
+        "data-parallel replicas, each a whole server with its share of the CPU cores (or its own "
+        "GPUs), behind a router on --host/--port",
+    )
+
+    def __post_init__(self) -> None:
+        refuse_problems("server", self._problems())
+
+    def _problems(self):
+        yield from check_choices(self)
+        if not 0 <= self.port <= 65535:
+            yield f"port must be in [0, 65535], got {self.port}"
+        if self.max_request_bytes < 1:
+            yield "max_request_bytes must be >= 1"
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            yield "max_queued_requests must be >= 0"
+        if self.dp_size < 1:
+            yield "dp_size must be >= 1"
+        if self.dp_size > 1 and self.engine.nnodes > 1:
+            yield (
+                "dp_size with nnodes is not supported: start each multi-node replica on its own, "
+                "behind `radixserve router`"
+            )
+        if self.dp_size > 1 and self.engine.disaggregation_mode != "null":
+            yield (
+                "disaggregation_mode with dp_size is not supported: start the prefill and decode "
+                "servers one by one behind `radixserve router --pd-disaggregation`"
+            )
+        if self.dp_size > 1 and self.engine.kv_events_config is not None:
+            yield (
+                "kv_events_config with dp_size is not supported (each replica needs its own "
+                "endpoint): --router-kv-events gives each one its own, or start them one by one "
+                "behind `radixserve router`"
+            )
