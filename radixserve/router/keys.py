@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ..server.protocol import ChatCompletionRequest
+from ..server.openai_protocol import ChatCompletionRequest
 from ..tokenizer import apply_chat_template, encode_prompt
 
 MAX_CODE_POINT = 0x10FFFF

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .http import json_response, parse_body, sse_events
 from .openai_api import ChatSetup, chat_prompt_ids, start_chat
-from .protocol import chat_request_of
+from .openai_protocol import chat_request_of
 from .tokenizer_manager import TokenizerManager
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .http import RequestError
-from .protocol import ChatCompletionRequest, chat_request_of
+from .openai_protocol import ChatCompletionRequest, chat_request_of
 
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # earlier turns' reasoning: templates drop it
 

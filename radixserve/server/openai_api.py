@@ -24,7 +24,7 @@ from ..tool_calls import (
 )
 from .http import RequestError, json_response, parse_body, sse
 from .openai_adapters import ChatAdapter, CompletionAdapter
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .openai_protocol import ChatCompletionRequest, CompletionRequest
 from .tokenizer_manager import TokenizerManager
 
 DEFAULT_COMPLETION_TOKENS = 16

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .http import RequestError
-from .protocol import ChatCompletionRequest, chat_request_of
+from .openai_protocol import ChatCompletionRequest, chat_request_of
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 SKIPPED_ITEMS = ("reasoning",)  # the chat template drops earlier reasoning; so do we
