@@ -95,9 +95,9 @@ def compute_dtype() -> str:
     fairness."""
     import torch
 
-    from radixserve.worker.model_runner import resolve_dtype
+    from radixserve.worker.device import resolve_dtype
 
-    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    return str(resolve_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
 
 
 def bench_server(

@@ -142,6 +142,7 @@ class WorkerInfo:
     bytes_per_token: int
     weights_bytes: int
     kv_cache_dtype: str
+    dtype_reason: str = ""  # why --dtype resolved to `dtype`
 
     @property
     def num_slots(self) -> int:
@@ -160,7 +161,8 @@ class WorkerInfo:
         """The start-up log line: the weights, the pool, and how many full-context requests
         fit."""
         return (
-            f"memory plan: {self.memory_plan().summary()}; {self.dtype} on {self.device}, "
+            f"memory plan: {self.memory_plan().summary()}; {self.dtype} on {self.device} "
+            f"({self.dtype_reason}), "
             f"attention backend {self.attention_backend}"
         )
 

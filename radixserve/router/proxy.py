@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from ..server.http import RequestError, error_body
 from .config import RouterArgs, worker_url_problem
+from .following import EventFollowers
+from .health import WorkerPool
 from .keys import routing_key, token_key
-from .kv_index import KVEventIndex, events_endpoint, follow_events
+from .kv_index import KVEventIndex
 from .policies import CacheAware, Policy, make_policy
-from .workers import CircuitBreaker, Worker
+from .workers import Worker
 
 log = logging.getLogger("radixserve.router")
 RETRYABLE_STATUS = (502, 503, 504)
@@ -65,24 +65,25 @@ class Router:
         )
         self.tokenizer = None  # with kv_events, to compute the token ids the index is keyed by
         self.adapters: set[str] = set()  # the workers' LoRA adapters' names (their /v1/models)
-        self.followers: dict[str, asyncio.Task] = {}
-        self.following: set[str] = set()  # workers whose events are being applied
-        self.workers: dict[str, Worker] = {}
+        self.followers = (
+            EventFollowers(self.index, self._ask, self.adapters, args.health_check_interval_secs)
+            if self.index is not None
+            else None
+        )
+        self.pool = WorkerPool(args)
+        self.workers = self.pool.workers
         self.retries = 0
         self.unroutable = 0
-        self.checking: set[str] = set()  # workers with an out-of-turn health check running
-        for url in args.worker_urls:
-            self._add(url)
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.args.request_timeout_secs
         )
-        self.session = aiohttp.ClientSession(
+        self.session = self.pool.session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
         )
         self.tasks = [
-            asyncio.create_task(self.check_forever()),
+            asyncio.create_task(self.pool.check_forever()),
             asyncio.create_task(self.evict_forever()),
         ]
         if self.index is not None:
@@ -90,11 +91,13 @@ class Router:
                 load_router_tokenizer, self.args.tokenizer_path
             )
             for worker in self.workers.values():
-                self._follow(worker)
+                self.followers.follow(worker)
 
     async def stop(self) -> None:
-        for task in [*self.tasks, *self.followers.values()]:
+        for task in self.tasks:
             task.cancel()
+        if self.followers is not None:
+            self.followers.stop()
         await self.session.close()
 
     def key_of(self, method: str, path: str, body: bytes) -> str:
@@ -106,61 +109,17 @@ class Router:
             else routing_key(path, body)
         )
 
-    # -- KV events -------------------------------------------------------------------------
-
-    def _follow(self, worker: Worker) -> None:
-        self.followers[worker.url] = asyncio.create_task(self._follow_events(worker))
-
-    async def _follow_events(self, worker: Worker) -> None:
-        """Find where the worker publishes (its /get_server_info, asked until it answers) and
-        apply its events to the index until the worker is removed."""
-        while True:
-            answer = (
-                await self.broadcast("GET", "/get_server_info", self.auth_headers(), [worker])
-            ).get(worker.url)
-            if isinstance(answer, Answer) and answer.status == 200:
-                break
-            await asyncio.sleep(self.args.health_check_interval_secs)
-        info = orjson.loads(answer.body)
-        await self._learn_adapters(worker)
-        if not info.get("kv_events_config"):
-            worker.last_problem = "publishes no KV events (start it with --kv-events-config)"
-            log.error("worker %s %s", worker.url, worker.last_problem)
-            return
-        if self.index.page_size not in (None, info["page_size"]):
-            worker.last_problem = (
-                f"page size {info['page_size']} differs from the others' {self.index.page_size}"
-            )
-            log.error("worker %s: %s; its events are ignored", worker.url, worker.last_problem)
-            return
-        self.index.page_size = info["page_size"]
-        endpoint, topic = events_endpoint(info["kv_events_config"], urlsplit(worker.url).hostname)
-        log.info("following the KV events of %s at %s", worker.url, endpoint)
-        self.following.add(worker.url)
-        try:
-            await follow_events(self.index, worker.url, endpoint, topic)
-        finally:
-            self.following.discard(worker.url)
-
-    async def _learn_adapters(self, worker: Worker) -> None:
-        """The worker's start-up adapters: /v1/models lists them with their base as `parent`."""
-        answer = (await self.broadcast("GET", "/v1/models", self.auth_headers(), [worker])).get(
-            worker.url
-        )
-        if isinstance(answer, Answer) and answer.status == 200:
-            models = orjson.loads(answer.body).get("data", [])
-            self.adapters |= {m["id"] for m in models if m.get("parent")}
+    async def _ask(self, worker: Worker, path: str) -> tuple[int, bytes] | None:
+        answer = (await self.broadcast("GET", path, self.auth_headers(), [worker])).get(worker.url)
+        return (answer.status, answer.body) if isinstance(answer, Answer) else None
 
     def summaries(self) -> list[dict]:
         """Each worker's state; with KV events, the blocks it caches (None until followed)."""
         out = []
         for worker in self.workers.values():
             summary = worker.summary()
-            if self.index is not None:
-                following = worker.url in self.following
-                summary["kv_blocks"] = (
-                    len(self.index.blocks.get(worker.url, ())) if following else None
-                )
+            if self.followers is not None:
+                summary["kv_blocks"] = self.followers.blocks_of(worker.url)
             out.append(summary)
         return out
 
@@ -168,16 +127,6 @@ class Router:
         return {"authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
 
     # -- workers ---------------------------------------------------------------------------
-
-    def _add(self, url: str) -> Worker:
-        breaker = CircuitBreaker(
-            self.args.cb_failure_threshold,
-            self.args.cb_success_threshold,
-            self.args.cb_timeout_duration_secs,
-        )
-        url = url.rstrip("/")
-        worker = self.workers[url] = Worker(url, breaker)
-        return worker
 
     async def add_worker(self, url: str | None) -> Worker:
         if not url:
@@ -187,63 +136,24 @@ class Router:
         url = url.rstrip("/")
         if url in self.workers:
             raise RequestError(f"url: worker {url} is already routed to")
-        worker = self._add(url)
-        await self.check(worker)
-        if self.index is not None:
-            self._follow(worker)
+        worker = self.pool.add(url)
+        await self.pool.check(worker)
+        if self.followers is not None:
+            self.followers.follow(worker)
         log.info("added worker %s (%s)", url, "healthy" if worker.healthy else worker.last_problem)
         return worker
 
     def remove_worker(self, url: str | None) -> None:
-        worker = self.workers.pop((url or "").rstrip("/"), None)
+        worker = self.pool.remove(url or "")
         if worker is None:
             raise RequestError(f"url: no worker {url!r}", 404)
         self.policy.forget(worker.url)
-        if (follower := self.followers.pop(worker.url, None)) is not None:
-            follower.cancel()
+        if self.followers is not None:
+            self.followers.forget(worker.url)
         log.info("removed worker %s", worker.url)
 
     def available(self, exclude: set[str] = frozenset()) -> list[Worker]:
-        now = time.monotonic()
-        return [w for w in self.workers.values() if w.url not in exclude and w.available(now)]
-
-    # -- health ----------------------------------------------------------------------------
-
-    async def check(self, worker: Worker) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)
-        fatal = False
-        try:
-            async with self.session.get(worker.url + "/health", timeout=timeout) as reply:
-                problem = None if reply.status == 200 else f"/health answered {reply.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            problem, fatal = (
-                f"/health failed: {type(exc).__name__}",
-                isinstance(exc, aiohttp.ClientConnectorError),
-            )
-        if problem is None:
-            if not worker.healthy:
-                log.info("worker %s is healthy again", worker.url)
-            worker.healthy, worker.failed_checks, worker.last_problem = True, 0, ""
-            return
-        worker.failed_checks += 1
-        worker.last_problem = problem
-        if worker.healthy and (fatal or worker.failed_checks >= self.args.health_failure_threshold):
-            self._mark_dead(worker, problem)
-
-    def _spawn_check(self, worker: Worker) -> None:
-        if worker.healthy and worker.url not in self.checking:
-            self.checking.add(worker.url)
-            task = asyncio.create_task(self.check(worker))
-            task.add_done_callback(lambda _: self.checking.discard(worker.url))
-
-    def _mark_dead(self, worker: Worker, problem: str) -> None:
-        worker.healthy, worker.last_problem = False, problem
-        log.warning("worker %s is down: %s", worker.url, problem)
-
-    async def check_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
-            await asyncio.sleep(self.args.health_check_interval_secs)
+        return self.pool.available(exclude)
 
     async def evict_forever(self) -> None:
         if not isinstance(self.policy, CacheAware):
@@ -322,12 +232,12 @@ class Router:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             worker.in_flight -= 1
-            self._failed(
+            self.pool.failed(
                 worker,
                 f"{type(exc).__name__} before the response began",
                 dead=isinstance(exc, aiohttp.ClientConnectorError),
             )
-            self._spawn_check(worker)  # a broken connection: is the worker still there?
+            self.pool.spawn_check(worker)  # a broken connection: is the worker still there?
             return None
         if streamed:
             worker.breaker.record_success()
@@ -335,19 +245,12 @@ class Router:
         worker.in_flight -= 1
         response.release()
         if response.status in RETRYABLE_STATUS:
-            self._failed(worker, f"answered {response.status}")
+            self.pool.failed(worker, f"answered {response.status}")
         elif response.status >= 500:
             worker.errors += 1
         else:
             worker.breaker.record_success()
         return Answer(response.status, relayed_headers(response), content, worker)
-
-    def _failed(self, worker: Worker, problem: str, dead: bool = False) -> None:
-        worker.errors += 1
-        worker.last_problem = problem
-        worker.breaker.record_failure(time.monotonic())
-        if dead and worker.healthy:
-            self._mark_dead(worker, problem)
 
     async def relay(self, stream: Stream) -> AsyncIterator[bytes]:
         """The worker's events as they come; closing this (a client that went away) closes the
@@ -357,8 +260,8 @@ class Router:
             async for chunk in response.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self._failed(worker, f"{type(exc).__name__} while streaming")
-            self._spawn_check(worker)
+            self.pool.failed(worker, f"{type(exc).__name__} while streaming")
+            self.pool.spawn_check(worker)
             message = f"the worker serving this request failed mid-stream ({type(exc).__name__})"
             yield b"data: " + orjson.dumps(error_body(message, 502)) + b"\n\ndata: [DONE]\n\n"
         finally:

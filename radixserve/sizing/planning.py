@@ -10,7 +10,7 @@ from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..memory_plan import MemoryPlan, context_problem, human_bytes, kv_pages
 from ..models.loader import planned_weight_bytes, with_max_context
 from ..models.source import resolve_model
-from ..worker.model_runner import resolve_dtype
+from ..worker.device import resolve_dtype
 
 
 def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:
@@ -18,7 +18,7 @@ def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:
     device of `memory_bytes` (free, before the weights) allocates, from the config alone."""
     source = resolve_model(args.model)
     cfg = source.config
-    dtype = resolve_dtype(args.dtype, torch.device(device_type), cfg.checkpoint_dtype)
+    dtype, _ = resolve_dtype(args.dtype, torch.device(device_type), cfg.checkpoint_dtype)
     context = with_max_context(cfg, args.max_context_len)
     tp = TPGroup(rank=0, size=args.tp_size)
     weights = planned_weight_bytes(source, dtype, context, args.quantization, tp)

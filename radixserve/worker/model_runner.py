@@ -5,24 +5,25 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionInputs, create_backend, resolve_backend_name
+from ..attention import AttentionInputs
 from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..lora import AdapterConfig, lora_spec
 from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import KVPool, kv_storage_dtype
-from ..memory_plan import context_problem, kv_pages
-from ..messages import ForwardBatch, ForwardMode, ForwardResult, TokenLogprobs, WorkerInfo
+from ..memory_plan import context_problem
+from ..messages import ForwardBatch, ForwardMode, ForwardResult, WorkerInfo
 from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
-from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
+from .build import attention_backend, capture_graphs, kv_num_pages
+from .device import default_device, resolve_dtype
+from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
 from .step_inputs import StepInputs
 from .torch_compile import CompiledForward
@@ -42,29 +43,6 @@ WEIGHT_SHAPE_FIELDS = (
     "head_dim",
     "latent_kv",
 )
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
-    """`auto`: on GPU the checkpoint's half-precision dtype (bf16 for a float32 one); bf16 on
-    CPUs with AMX-BF16 (faster than fp32 there, bench/README.md); fp32 on other CPUs, where
-    bf16 is slower."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.float16 if checkpoint == "float16" else torch.bfloat16
-    return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
-
-
-def cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass(frozen=True)
@@ -91,8 +69,11 @@ class ModelRunner:
         reserve_bytes_per_token: int = 0,
         layout: SlotLayout | None = None,
     ):
+        self.args, self.graph_cls, self.model_path = args, graph_cls, args.model
         self.device = device or default_device()
-        self.dtype = resolve_dtype(args.dtype, self.device, source.config.checkpoint_dtype)
+        self.dtype, dtype_reason = resolve_dtype(
+            args.dtype, self.device, source.config.checkpoint_dtype
+        )
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max((os.cpu_count() or 1) // args.tp_size, 1))
         self.max_context_len = (
@@ -101,9 +82,7 @@ class ModelRunner:
             else with_max_context(source.config, args.max_context_len)
         )
         self.tp = tp
-        self.model = build_model(
-            source, self.dtype, self.device, self.max_context_len, args.seed, args.quantization, tp
-        )
+        self.model = self._build_model(source)
         spec = lora_spec(args)
         self.lora = LoraPool(self.model, spec, self.dtype, self.device) if spec else None
         cfg = self.config = self.model.cfg  # this rank's heads
@@ -115,7 +94,11 @@ class ModelRunner:
         num_pages = (
             layout.num_pages
             if layout is not None
-            else tp.min_int(self._num_pages(args, per_token + reserve_bytes_per_token))
+            else tp.min_int(
+                kv_num_pages(
+                    args, self.device, self.weights_bytes, per_token + reserve_bytes_per_token
+                )
+            )
         )
         ps = args.page_size
         self.pool = KVPool(
@@ -139,25 +122,7 @@ class ModelRunner:
                 device=self.device,
             )
         )
-        needs = self.model.attention_features() | ({"fp8_kv"} if self.pool.is_fp8 else frozenset())
-        deterministic = args.enable_deterministic_inference
-        if deterministic and self.model.attention_features() - {"scale"}:
-            raise ValueError(
-                "enable_deterministic_inference: this model's attention "
-                f"({', '.join(sorted(self.model.attention_features()))}) is not batch-invariant yet"
-            )
-        needs |= {"deterministic"} if deterministic else frozenset()
-        backend = resolve_backend_name(args.attention_backend, self.device.type, needs)
-        self.backend = create_backend(
-            backend,
-            pool=self.pool,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            device=self.device,
-            **({"deterministic": True} if deterministic else {}),
-        )
-        self.args, self.graph_cls, self.model_path = args, graph_cls, args.model
+        backend, self.backend = attention_backend(self.model, self.pool, args, self.device)
         self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
@@ -172,6 +137,7 @@ class ModelRunner:
             per_token,
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
+            dtype_reason,
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
@@ -191,7 +157,15 @@ class ModelRunner:
                 "CPU forward: the decoder layers run in one C++ call "
                 "(radixserve_kernels/cpu_decoder.cpp)"
             )
-        self.graphs = self._capture_graphs(args, self.graph_cls)
+        self.graphs = capture_graphs(
+            self.model,
+            self.backend,
+            self.req_to_token,
+            self.max_context_len,
+            args,
+            self.graph_cls,
+            self.lora,
+        )
         self.compiled = (
             CompiledForward(self.model, self.backend, self.req_to_token)
             if args.enable_torch_compile
@@ -212,15 +186,7 @@ class ModelRunner:
                 raise ValueError(
                     f"the new checkpoint's {name} is {new}; the served model's is {old}"
                 )
-        model = build_model(
-            source,
-            self.dtype,
-            self.device,
-            self.max_context_len,
-            self.args.seed,
-            self.args.quantization,
-            self.tp,
-        )
+        model = self._build_model(source)
         if self.lora is not None:
             self.lora.attach(model)
         self.model, self.graphs, self.compiled = model, None, None
@@ -228,6 +194,12 @@ class ModelRunner:
         if self.pool.is_fp8:
             self.pool.set_scales(model.kv_cache_scales())
         self._prepare_forward()
+
+    def _build_model(self, source: ModelSource):
+        a = self.args
+        return build_model(
+            source, self.dtype, self.device, self.max_context_len, a.seed, a.quantization, self.tp
+        )
 
     def load_lora(self, adapter: AdapterConfig) -> None:
         """Read an adapter onto the host, ready for a slot; ValueError when it does not fit."""
@@ -260,45 +232,6 @@ class ModelRunner:
     def slot_layout(self) -> SlotLayout:
         return SlotLayout(self.info.num_pages, self.req_to_token, self.max_context_len)
 
-    def _num_pages(self, args: EngineArgs, per_token: int) -> int:
-        if self.device.type == "cuda":
-            available, _ = torch.cuda.mem_get_info(self.device)  # the weights are in already
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            available = total - self.weights_bytes
-        return kv_pages(
-            available,
-            per_token,
-            args.mem_fraction,
-            args.max_total_tokens,
-            self.device.type,
-            args.page_size,
-        )
-
-    def _capture_graphs(self, args: EngineArgs, graph_cls) -> CudaGraphRunner | None:
-        """Decode graphs on CUDA with a graph-capable backend, unless disabled; `graph_cls`
-        (EagerGraph) runs the same path on CPU for tests."""
-        graph_cls = graph_cls or (CudaGraph if self.device.type == "cuda" else None)
-        if (
-            graph_cls is None
-            or args.disable_cuda_graph
-            or self.lora is not None  # segments change from step to step
-            or not getattr(self.backend, "supports_cuda_graph", False)
-        ):
-            return None
-        sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
-        start = time.perf_counter()
-        with torch.inference_mode():
-            graphs = CudaGraphRunner(
-                self.model, self.backend, self.req_to_token, self.max_context_len, sizes, graph_cls
-            )
-        log.info(
-            "captured decode graphs for batch sizes %s in %.1f s",
-            sizes,
-            time.perf_counter() - start,
-        )
-        return graphs
-
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
         """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
@@ -315,28 +248,19 @@ class ModelRunner:
         elif fb.draft_lens is None:
             next_ids, rows = sample(logits, fb.sampling).tolist(), range(fb.batch_size)
         else:
-            next_ids, accepted, rows = verify(logits, fb.sampling, self._drafts(fb))
-        prompt_logprobs = (
+            next_ids, accepted, rows = verify(logits, fb.sampling, drafts_of(fb))
+        prompt_lps = (
             [None] * fb.batch_size
             if hidden is None
-            else self._prompt_logprobs(hidden, inputs.extend_lens, fb)
+            else prompt_logprobs(hidden, inputs.extend_lens, fb, self.model.compute_logits)
         )
         return ForwardResult(
             next_ids,
-            self._output_logprobs(logits, next_ids, accepted, rows, fb),
-            prompt_logprobs,
+            output_logprobs(logits, next_ids, accepted, rows, fb),
+            prompt_lps,
             accepted,
-            None if fb.pooling is None else self._pooled(hidden, fb),
+            None if fb.pooling is None else pooled(hidden, fb, self.model.compute_logits),
         )
-
-    @staticmethod
-    def _drafts(fb: ForwardBatch) -> list[list[int]]:
-        """Each request's draft tokens: the last draft_lens[b] of its chunk."""
-        drafts, end = [], 0
-        for n, k in zip(fb.extend_lens, fb.draft_lens):
-            end += n
-            drafts.append(fb.input_ids[end - k : end])
-        return drafts
 
     def follow(self) -> None:
         """TP ranks > 0: run every step rank 0 sends; its results are rank 0's to report."""
@@ -379,74 +303,3 @@ class ModelRunner:
             and inputs.mode == ForwardMode.DECODE
             and inputs.batch_size <= self.graphs.max_bs
         )
-
-    def _output_logprobs(
-        self, logits, next_ids: list[int], accepted: list[list[int]] | None, rows, fb: ForwardBatch
-    ) -> list[TokenLogprobs | None]:
-        """Logprobs of the tokens each request emits this step, for the requests that asked:
-        its next token, from logits row `rows[b]`, after a verify step preceded by its accepted
-        drafts, from the rows before it."""
-        wanted = [b for b, lp in enumerate(fb.logprobs) if lp is not None and lp.want_output]
-        out: list[TokenLogprobs | None] = [None] * fb.batch_size
-        if not wanted:
-            return out
-        emitted = [(accepted[b] if accepted else []) + [next_ids[b]] for b in wanted]
-        picked = [
-            row
-            for b, tokens in zip(wanted, emitted)
-            for row in range(rows[b] - len(tokens) + 1, rows[b] + 1)
-        ]
-        logprobs = torch.log_softmax(logits[picked], dim=-1)
-        first = 0
-        for b, tokens in zip(wanted, emitted):
-            targets = torch.tensor(tokens, device=logits.device)
-            out[b] = _token_logprobs(
-                logprobs[first : first + len(tokens)], targets, fb.logprobs[b].top_k
-            )
-            first += len(tokens)
-        return out
-
-    def _pooled(self, hidden: torch.Tensor, fb: ForwardBatch) -> list[torch.Tensor | None]:
-        """Per pooling request, from its tokens' hidden states in this step: their sum
-        (`mean`), the last one (`last`), or the classifier head's logits of the last one
-        (`score`)."""
-        out: list[torch.Tensor | None] = []
-        first = 0
-        for n, pooling in zip(fb.extend_lens, fb.pooling):
-            states = hidden[first : first + n]
-            if pooling == "mean":
-                out.append(states.float().sum(0))
-            elif pooling == "last":
-                out.append(states[-1].float())
-            elif pooling == "score":
-                out.append(self.model.compute_logits(states[-1:])[0])
-            else:
-                out.append(None)
-            first += n
-        return out
-
-    def _prompt_logprobs(
-        self, hidden, extend_lens: torch.Tensor, fb: ForwardBatch
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * fb.batch_size
-        if all(lp is None or lp.prompt_start < 0 or not lp.prompt_targets for lp in fb.logprobs):
-            return out
-        starts = (torch.cumsum(extend_lens, 0) - extend_lens).tolist()
-        for b, lp in enumerate(fb.logprobs):
-            if lp is None or lp.prompt_start < 0 or not lp.prompt_targets:
-                continue
-            first = starts[b] + lp.prompt_start
-            states = hidden[first : first + len(lp.prompt_targets)]
-            logprobs = torch.log_softmax(self.model.compute_logits(states), dim=-1)
-            targets = torch.tensor(lp.prompt_targets, device=logprobs.device)
-            out[b] = _token_logprobs(logprobs, targets, lp.top_k)
-        return out
-
-
-def _token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, top_k: int) -> TokenLogprobs:
-    chosen = logprobs.gather(1, targets.view(-1, 1)).flatten().tolist()
-    if top_k <= 0:
-        return TokenLogprobs(chosen)
-    values, ids = logprobs.topk(top_k, dim=-1)
-    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return TokenLogprobs(chosen, top)

@@ -17,7 +17,8 @@ from ..distributed import TPGroup, init_tp_group
 from ..ipc import Endpoints, exit_with_parent
 from ..mem.kv_pool import KVPool, kv_storage_dtype
 from ..models.source import ModelSource, resolve_draft_model, resolve_model
-from .model_runner import ModelRunner, default_device, resolve_dtype
+from .device import default_device, resolve_dtype
+from .model_runner import ModelRunner
 
 
 def start_rank0(
@@ -42,7 +43,7 @@ def build_runners(
     draft = resolve_draft_model(args.speculative_draft_model, source)
     cfg, dtype = (
         draft.config,
-        resolve_dtype(args.dtype, device or default_device(), draft.config.checkpoint_dtype),
+        resolve_dtype(args.dtype, device or default_device(), draft.config.checkpoint_dtype)[0],
     )
     reserve = KVPool.bytes_per_token(
         cfg.num_layers,

@@ -1,0 +1,86 @@
+"""What a model runner is built from, besides the model: the KV pool's size, the attention
+backend the model's features call for, and the decode graphs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ..attention import create_backend, resolve_backend_name
+from ..config import EngineArgs
+from ..memory_plan import kv_pages
+from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
+
+log = logging.getLogger(__name__)
+
+
+def kv_num_pages(
+    args: EngineArgs, device: torch.device, weights_bytes: int, bytes_per_token: int
+) -> int:
+    """Pages of the KV pool: --max-total-tokens, else --mem-fraction of the memory left beside
+    the weights (on CUDA, what the device has free with the weights loaded)."""
+    if device.type == "cuda":
+        available, _ = torch.cuda.mem_get_info(device)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = total - weights_bytes
+    return kv_pages(
+        available,
+        bytes_per_token,
+        args.mem_fraction,
+        args.max_total_tokens,
+        device.type,
+        args.page_size,
+    )
+
+
+def attention_backend(model, pool, args: EngineArgs, device: torch.device):
+    """(name, backend): the backend --attention-backend names, or `auto`'s pick among those
+    with every feature the model's attention needs (FP8 KV, determinism)."""
+    features = model.attention_features()
+    needs = features | ({"fp8_kv"} if pool.is_fp8 else frozenset())
+    deterministic = args.enable_deterministic_inference
+    if deterministic and features - {"scale"}:
+        raise ValueError(
+            "enable_deterministic_inference: this model's attention "
+            f"({', '.join(sorted(features))}) is not batch-invariant yet"
+        )
+    needs |= {"deterministic"} if deterministic else frozenset()
+    name = resolve_backend_name(args.attention_backend, device.type, needs)
+    cfg = model.cfg
+    backend = create_backend(
+        name,
+        pool=pool,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        device=device,
+        **({"deterministic": True} if deterministic else {}),
+    )
+    return name, backend
+
+
+def capture_graphs(
+    model, backend, req_to_token, max_context_len: int, args: EngineArgs, graph_cls, lora
+) -> CudaGraphRunner | None:
+    """Decode graphs on CUDA with a graph-capable backend, unless disabled; `graph_cls`
+    (EagerGraph) runs the same path on CPU for tests."""
+    graph_cls = graph_cls or (CudaGraph if req_to_token.device.type == "cuda" else None)
+    if (
+        graph_cls is None
+        or args.disable_cuda_graph
+        or lora is not None  # segments change from step to step
+        or not getattr(backend, "supports_cuda_graph", False)
+    ):
+        return None
+    sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        graphs = CudaGraphRunner(model, backend, req_to_token, max_context_len, sizes, graph_cls)
+    log.info(
+        "captured decode graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start
+    )
+    return graphs
