@@ -1,10 +1,8 @@
 """Each option is defined once: every CLI flag comes from a dataclass field with the same
-default, every flag-marked field has a flag, and the package has no import cycle."""
+default, and every flag-marked field has a flag."""
 
 import argparse
-import ast
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 
@@ -118,67 +116,3 @@ def test_a_server_args_check_holds_without_the_cli():
         ServerArgs(dp_size=2, engine=EngineArgs(tp_size=2, nnodes=2, dist_init_addr="h:1"))
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerArgs(tool_call_parser="nonesuch")
-
-
-def module_imports(package_dir: Path, package: str) -> dict[str, set[str]]:
-    """Each module of the package and the package modules it imports, at any depth of its
-    code (function-level imports included)."""
-    modules = {}
-    for path in package_dir.rglob("*.py"):
-        parts = list(path.relative_to(package_dir).with_suffix("").parts)
-        is_init = parts[-1] == "__init__"
-        if is_init:
-            parts = parts[:-1]
-        modules[".".join([package, *parts])] = (path, is_init)
-    graph = {}
-    for name, (path, is_init) in modules.items():
-        here = name.split(".") if is_init else name.split(".")[:-1]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                base = here[: len(here) - node.level + 1] if node.level else []
-                root = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    sub = f"{root}.{alias.name}"
-                    targets.add(sub if sub in modules else root)
-        graph[name] = {t for t in targets if t in modules and t != name}
-    return graph
-
-
-def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
-    state, stack = {}, []
-
-    def visit(node):
-        state[node] = "open"
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = "done"
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
-def test_the_package_has_no_import_cycle():
-    root = Path(__file__).resolve().parents[1]
-    graph = module_imports(root / "radixserve", "radixserve")
-    assert "radixserve.server.http" in graph
-    assert cycle_in(graph) is None, " -> ".join(cycle_in(graph))
-
-
-def test_the_router_depends_on_no_server_route_module():
-    root = Path(__file__).resolve().parents[1]
-    graph = module_imports(root / "radixserve", "radixserve")
-    routes = {"radixserve.server.api", "radixserve.server.openai_api"}
-    for name, targets in graph.items():
-        if name.startswith("radixserve.router"):
-            assert not targets & routes, (name, targets & routes)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ..kv_events import (
@@ -35,37 +34,13 @@ from ..kv_events import (
     salt_hash,
 )
 from ..lora import namespace_lora_id
-
-
-@dataclass(eq=False)
-class TreeNode:
-    key: list[int] = field(default_factory=list)
-    value: list[int] = field(default_factory=list)
-    parent: "TreeNode | None" = None
-    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: float = 0.0
-    hit_count: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # one per page, with KV events on
-    salt: str | None = None  # set on a namespace node only (see RadixCache)
-
+from .radix_node import TreeNode, salt_of, walk
 
 EVICTION_PRIORITY: dict[str, Callable[[TreeNode], tuple]] = {
     "lru": lambda node: (node.last_access,),
     "lfu": lambda node: (node.hit_count, node.last_access),
     "slru": lambda node: (node.hit_count > 0, node.last_access),
 }
-
-
-@dataclass(frozen=True)
-class CachedPrefix:
-    """A cached path from the root, for the dashboard."""
-
-    tokens: list[int]
-    num_tokens: int
-    hit_count: int
-    idle_seconds: float
-    locked: bool
 
 
 class RadixCache:
@@ -210,7 +185,7 @@ class RadixCache:
         order = itertools.count()  # ties keep insertion order; nodes themselves are not compared
         leaves = [
             (self.priority(n), next(order), n)
-            for n in self._nodes()
+            for n in walk(self.root)
             if not n.children and n.lock_ref == 0 and n is not self.root
         ]
         heapq.heapify(leaves)
@@ -229,39 +204,6 @@ class RadixCache:
             else:
                 heapq.heappush(leaves, (self.priority(parent), next(order), parent))
         return freed
-
-    def salt_of(self, node: TreeNode) -> str | None:
-        """The namespace `node` lies in (None: the shared one)."""
-        while node.parent is not None and node.parent is not self.root:
-            node = node.parent
-        return node.salt
-
-    def path_of(self, node: TreeNode) -> tuple[list[int], list[int]]:
-        """The tokens and slots from the root down to `node`."""
-        keys, values = [], []
-        while node is not self.root:
-            keys.append(node.key)
-            values.append(node.value)
-            node = node.parent
-        return [t for k in reversed(keys) for t in k], [s for v in reversed(values) for s in v]
-
-    def top_prefixes(self, limit: int = 10) -> list[CachedPrefix]:
-        """Cached paths that earned the most (hits x length), then the biggest leaves."""
-        paths, now = [], self.clock()
-        for node in self._nodes():
-            if node is self.root or node.salt is not None or (node.children and not node.hit_count):
-                continue
-            tokens, up = [], node
-            while up is not self.root:
-                tokens[:0] = up.key
-                up = up.parent
-            paths.append(
-                CachedPrefix(
-                    tokens, len(tokens), node.hit_count, now - node.last_access, node.lock_ref > 0
-                )
-            )
-        paths.sort(key=lambda p: (p.hit_count * p.num_tokens, p.num_tokens), reverse=True)
-        return paths[:limit]
 
     # ---- internals -----------------------------------------------------
     def _start(self, salt: str | None, create: bool = False) -> TreeNode | None:
@@ -328,7 +270,7 @@ class RadixCache:
         chain_from = parent.block_hashes[-1] if parent.block_hashes else None
         leaf.block_hashes.extend(chain_hashes(leaf.key, self.page_size, chain_from))
         published = None if parent.salt is not None else chain_from
-        lora_id = namespace_lora_id(self.salt_of(leaf))
+        lora_id = namespace_lora_id(salt_of(leaf))
         self.events.append(
             BlockStored(list(leaf.block_hashes), published, list(leaf.key), self.page_size, lora_id)
         )
@@ -345,10 +287,3 @@ class RadixCache:
         self._evictable -= len(leaf.key)
         self._num_nodes -= 1
         return parent
-
-    def _nodes(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())

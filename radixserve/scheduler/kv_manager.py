@@ -14,6 +14,7 @@ from ..config import EngineArgs
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.radix_cache import RadixCache, TreeNode
+from ..mem.radix_node import path_of, salt_of, top_prefixes
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
@@ -79,8 +80,8 @@ class KVManager:
         return self.allocator.alloc_extend(0, None, n)
 
     def _back_up_leaf(self, leaf: TreeNode) -> None:
-        tokens, slots = self.cache.path_of(leaf)
-        self.hicache.backup(tokens, slots, self.cache.salt_of(leaf))
+        tokens, slots = path_of(leaf)
+        self.hicache.backup(tokens, slots, salt_of(leaf))
 
     def _back_up_prefix(
         self, tokens: list[int], slots: list[int], node: TreeNode, salt: str | None
@@ -179,7 +180,7 @@ class KVManager:
     def top_prefixes(self, limit: int) -> list[dict]:
         """The dashboard's biggest cached prefixes, each with the tiers that hold it."""
         rows = []
-        for prefix in self.cache.top_prefixes(limit):
+        for prefix in top_prefixes(self.cache.root, self.cache.clock(), limit):
             tiers = ["device"]
             if self.hicache is not None:
                 tiers += self.hicache.tiers_of(prefix.tokens)
