@@ -62,7 +62,8 @@ def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
 
 def layer_table() -> dict[str, int]:
     """docs/architecture.md's layer table above L0 (the kernels, a package of their own): each
-    entry of a row's modules column (`tokenizer`, a module; `mem/`, a subpackage; `quant/weights`, a module of a subpackage) -> its layer."""
+    entry of a row's modules column (`tokenizer`, a module; `mem/`, a subpackage;
+    `quant/weights`, a module of a subpackage) -> its layer."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     entries = {}
     for layer, modules in re.findall(r"^\| L([1-9]) \| ([^|]+) \|", text, re.M):
