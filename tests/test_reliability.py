@@ -210,6 +210,48 @@ def test_huge_bodies_are_refused_or_tokenized_off_the_event_loop(client, referen
     assert greedy(client) == reference_text
 
 
+def test_counting_400k_words_does_not_slow_a_4_token_generate(server, client):
+    """/v1/messages/count_tokens over 400,000 words tokenizes for seconds; 4-token /generate
+    requests sent meanwhile stay within 3x their usual latency (the median of three)."""
+
+    def small() -> float:
+        started = time.perf_counter()
+        r = client.post(
+            "/generate",
+            json={
+                "text": "Hello there",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+            },
+        )
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - started
+
+    small()
+    usual = sorted(small() for _ in range(5))[2]
+    words = " ".join(f"word{i % 1000}" for i in range(400_000))
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": words}]}).encode()
+    counted = {}
+
+    def count():
+        with server.client() as c:
+            r = c.post(
+                "/v1/messages/count_tokens",
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+        counted["reply"] = r.status_code, r.json()
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.5)  # the body is in; its ~1.5M tokens take seconds
+    during = sorted(small() for _ in range(3))
+    still_counting = counter.is_alive()
+    counter.join()
+    assert counted["reply"][0] == 200 and counted["reply"][1]["input_tokens"] > 1_500_000
+    assert still_counting, "the count ended before the small requests did: nothing was measured"
+    assert during[1] <= 3 * usual, (usual, during)
+
+
 def test_a_full_queue_answers_503_with_retry_after(server, client, reference_text):
     def send(i):
         with server.client() as c:

@@ -138,7 +138,7 @@ async def build_generate(
         raise RequestError("send exactly one of 'text' or 'input_ids'")
     if body.text is not None:
         single = isinstance(body.text, str)
-        id_lists = [await tm.tokenize_async(t) for t in ([body.text] if single else body.text)]
+        id_lists = [await tm.inputs.encode(t) for t in ([body.text] if single else body.text)]
     else:
         single = not body.input_ids or isinstance(body.input_ids[0], int)
         id_lists = [body.input_ids] if single else body.input_ids
@@ -263,10 +263,7 @@ def _native_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, health:
         body = await parse_body(request, TokenizeRequest)
         if tm.tokenizer is None:
             raise RequestError("this model has no tokenizer")
-        if body.add_special_tokens:
-            tokens = await tm.tokenize_async(body.prompt)
-        else:
-            tokens = tm.tokenizer.encode(body.prompt, add_special_tokens=False)
+        tokens = await tm.inputs.encode(body.prompt, body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": tm.info.max_context_len}
 
     @app.post("/detokenize")

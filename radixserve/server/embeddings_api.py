@@ -119,7 +119,7 @@ def embeddings_routes(
         _need_classifier(setup)
         body = await parse_body(request, RerankRequest)
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
-        pairs = [tm.tokenize_pair(body.query, d) for d in documents]
+        pairs = [await tm.inputs.encode_pair(body.query, d) for d in documents]
         states = await pooled(tm, request, setup, pairs, body)
         ranked = sorted(range(len(states)), key=lambda i: -_relevance(states[i]))
         results = [
@@ -143,7 +143,7 @@ def embeddings_routes(
     async def score(request: Request):
         _need_classifier(setup)
         body = await parse_body(request, ScoreRequest)
-        pairs = [tm.tokenize_pair(a, b) for a, b in body.pairs()]
+        pairs = [await tm.inputs.encode_pair(a, b) for a, b in body.pairs()]
         states = await pooled(tm, request, setup, pairs, body)
         data = [
             {"index": i, "object": "score", "score": _relevance(s)} for i, s in enumerate(states)
@@ -245,7 +245,7 @@ async def _inputs(tm: TokenizerManager, given) -> list[list[int]]:
         given = [given]
     out = []
     for i, item in enumerate(given):
-        ids = await tm.tokenize_async(item) if isinstance(item, str) else item
+        ids = await tm.inputs.encode(item) if isinstance(item, str) else item
         if not ids:
             raise RequestError(f"input[{i}] is empty")
         out.append(ids)

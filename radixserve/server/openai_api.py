@@ -154,23 +154,23 @@ async def start_chat(
 
 async def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest) -> list[int]:
     """The prompt a chat body renders to, through the model's chat template."""
-    prompt = tm.chat_prompt(
+    prompt = await tm.inputs.chat_prompt(
         [m.template_dict() for m in body.messages],
         body.template_functions() or None,
         **body.template_options(),
     )
-    return await tm.tokenize_async(prompt)
+    return await tm.inputs.encode(prompt)
 
 
 async def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [await tm.tokenize_async(prompt)]
+        return [await tm.inputs.encode(prompt)]
     if not prompt:
         raise RequestError("prompt is empty")
     if isinstance(prompt[0], int):
         return [prompt]
     if isinstance(prompt[0], str):
-        return [await tm.tokenize_async(p) for p in prompt]
+        return [await tm.inputs.encode(p) for p in prompt]
     return list(prompt)
 
 

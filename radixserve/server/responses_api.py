@@ -76,7 +76,9 @@ def responses_routes(app: FastAPI, tm: TokenizerManager, setup: ChatSetup) -> No
         state = await tm.run_to_end(reqs[0], request.is_disconnected)
         reply = adapter.response([state])
         message, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
-        return json_response(draft.finish(output_items(message), finish, reply["usage"], store))
+        return json_response(
+            await draft.finish(output_items(message), finish, reply["usage"], store)
+        )
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -205,7 +207,7 @@ class ResponseDraft:
             "usage": usage,
         }
 
-    def finish(
+    async def finish(
         self, items: list[dict], finish_reason: str | None, chat_usage: dict, store: ResponseStore
     ) -> dict:
         """The final response object; kept in `store` when the body asked to store it."""
@@ -218,7 +220,7 @@ class ResponseDraft:
             if item["type"] == "reasoning"
             for part in item["content"]
         )
-        reasoning_tokens = len(self.tm.tokenize(thought)) if thought else 0
+        reasoning_tokens = len(await self.tm.inputs.encode(thought)) if thought else 0
         usage = {
             "input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": chat_usage["prompt_tokens_details"],
@@ -248,7 +250,7 @@ class ResponseDraft:
             finish = choice["finish_reason"] or finish
         for event in events.close():
             yield event
-        response = self.finish(events.items, finish, usage, store)
+        response = await self.finish(events.items, finish, usage, store)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         yield events.event(kind, response=response)
 

@@ -23,7 +23,7 @@ from ..messages import (
 )
 from ..request_state import RequestState
 from ..sampling_params import SamplingParams
-from ..tokenizer import apply_chat_template, decode_ids, encode_prompt
+from ..tokenizer import decode_ids
 from ..validation import (
     check_bootstrap,
     check_cache_salt,
@@ -32,10 +32,10 @@ from ..validation import (
     check_priority,
 )
 from .http import RequestError
+from .tokenizing import InputTokenizer
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
-THREADED_TOKENIZE_CHARS = 20000  # longer texts are tokenized off the event loop
 RETRY_AFTER_S = 1
 CLASSIFIER_ONLY = (
     "this model is a sequence classifier (a cross-encoder): it serves /v1/rerank and /v1/score"
@@ -59,6 +59,7 @@ class TokenizerManager:
         disaggregation_mode: str = "null",
     ):
         self.tokenizer = tokenizer
+        self.inputs = InputTokenizer(tokenizer)  # every tokenization, off the event loop
         self.endpoints = endpoints
         self.info = ready.info
         self.model_name = ready.model_name
@@ -81,36 +82,6 @@ class TokenizerManager:
         self.outbox = push_socket(ctx, self.endpoints.scheduler_in, bind=False)
         self.inbox = inbox
         self.reader = asyncio.create_task(self._read_outputs())
-
-    # ---- input ------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer; send input_ids")
-        return encode_prompt(self.tokenizer, text)
-
-    def tokenize_pair(self, first: str, second: str) -> list[int]:
-        """Two texts as one input, the way HF's tokenizer pairs them (for cross-encoders)."""
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer")
-        return self.tokenizer(first, second)["input_ids"]
-
-    async def tokenize_async(self, text: str) -> list[int]:
-        """`tokenize`, in a thread for long texts (5 MB take ~6 s; the event loop keeps serving)."""
-        if len(text) < THREADED_TOKENIZE_CHARS:
-            return self.tokenize(text)
-        return await asyncio.to_thread(self.tokenize, text)
-
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
-        """The rendered prompt; `options` are the template's
-        (`ChatCompletionRequest.template_options`)."""
-        if self.tokenizer is None:
-            raise RequestError("this model has no chat template")
-        try:
-            return apply_chat_template(self.tokenizer, messages, tools=tools, **options)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from exc
-        except Exception as exc:  # template errors are the caller's input
-            raise RequestError(f"cannot apply the chat template: {exc}") from exc
 
     def make_request(
         self,
