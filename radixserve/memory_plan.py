@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DEFAULT_CPU_MAX_TOKENS = 65536  # a CPU pool larger than this only costs memory (bench/README.md)
+DEFAULT_CPU_MAX_TOKENS = 65536  # a CPU pool larger than this only costs memory (bench/results/cpu.md)
 GIB = 2**30
 
 

@@ -12,7 +12,7 @@
 // so each streams through the weight in one direction (decode is bound by that stream). Rows
 // are taken kRowChunk at a time so that chunk of x stays in L2, and k kChunk at a time so a
 // group's slice of the weight stays in cache across the row tiles; fewer chunks are fewer passes
-// that reload a tile's accumulators. The measurements behind each choice: bench/README.md.
+// that reload a tile's accumulators. The measurements behind each choice: bench/results/cpu.md.
 //
 // A bf16 weight is packed the same way with each 32-bit element holding a pair of bf16 weights
 // of neighbouring k (the even one in the low half), and the GEMM reads its input rows as bf16
@@ -57,7 +57,7 @@ constexpr int64_t kRowChunk = 96;
 // Up to kStreamRows rows (decode batches), a tile of kStreamTileRows or more rows reading its
 // blocks for the first time prefetches the blocks its thread reads next (every cache line of
 // them; see packed_linear), so that the weight stream overlaps the arithmetic (measured faster
-// only in these tiles: bench/README.md). The hint's cache level is kPrefetchLocality
+// only in these tiles: bench/results/cpu.md). The hint's cache level is kPrefetchLocality
 // (cpu_simd.h): L2 on AVX-512, every level on AVX2.
 constexpr int64_t kStreamRows = 32;
 constexpr int kStreamTileRows = 6;

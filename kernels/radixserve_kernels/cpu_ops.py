@@ -8,7 +8,7 @@ decoder layers' loop over them in one call (`cpu_decoder.cpp`), and the FP8 weig
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
 the cached library, and a changed source rebuilds). Where no compiler or ninja is found,
-`load()` returns None and callers keep their pure-torch path (bench/README.md has the
+`load()` returns None and callers keep their pure-torch path (bench/results/cpu.md has the
 kernels' figures against it).
 """
 

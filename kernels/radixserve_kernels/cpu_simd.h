@@ -11,7 +11,7 @@ typedef int32_t Int8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
 // The locality a software prefetch of streamed data (weights, K/V rows) passes to
 // __builtin_prefetch: 2 (prefetcht1, into L2) on AVX-512 machines, where it leaves L1's miss
-// buffers to the loads, and 3 (prefetcht0, every level) elsewhere (bench/README.md).
+// buffers to the loads, and 3 (prefetcht0, every level) elsewhere (bench/results/cpu.md).
 #if defined(__AVX512F__)
 constexpr int kPrefetchLocality = 2;
 #else

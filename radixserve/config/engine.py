@@ -142,7 +142,7 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
 
     def prefill_budget(self, device: str) -> int:
         """Prompt tokens per step: the flag, else what measured best on the device type (CPU:
-        2048, a lower p95 TTFT than 4096 at the same throughput, bench/README.md; GPU keeps
+        2048, a lower p95 TTFT than 4096 at the same throughput, bench/results/scheduling.md; GPU keeps
         SGLang's 4096, not yet measured)."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
@@ -155,7 +155,7 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
 
         On CPU a step's cost is linear in its rows from a few dozen on, so prompts arriving
         together gain nothing from sharing one step: taken one per step, the first completes
-        after its own prefill instead of after all of theirs (bench/README.md)."""
+        after its own prefill instead of after all of theirs (bench/results/scheduling.md)."""
         if self.prefill_admit_tokens is not None:
             return self.prefill_admit_tokens
         return 256 if device.startswith("cpu") else self.prefill_budget(device)

@@ -108,7 +108,7 @@ class ScheduleOptions:
         0.0,
         "with fewer than 1/8 of --max-running-requests running, admission waits up to this long "
         "after the oldest waiting request arrived, so that arrivals close together start in one "
-        "step (0: off, as measured best on CPU; bench/README.md)",
+        "step (0: off, as measured best on CPU; bench/results/scheduling.md)",
     )
     new_token_ratio: float = option(
         0.4,

@@ -9,7 +9,7 @@ A prompt's KV moves as one write: the prefill server gathers the rows the decode
 into one buffer, writes it into a landing buffer the decode server registered for that
 request, and the decode server copies it into its pool. Over TCP the engine costs ~40 us per
 write entry and rejects batches past ~2,000 of them, while a token's slots are scattered over
-the pool (page size 1): a write per slot run would cost more than the prompt (bench/README.md).
+the pool (page size 1): a write per slot run would cost more than the prompt (bench/results/pd.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A decode step on CPU streams every packed weight and each request's K/V rows once. In 4 KiB pages
 those reads walk the page tables every 4 KiB, and the hardware prefetchers stop at each page's end;
-huge pages measured a few percent faster (bench/README.md). Where the kernel grants none (THP off),
+huge pages measured a few percent faster (bench/results/cpu.md). Where the kernel grants none (THP off),
 the memory is ordinary pages and nothing else changes."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
     a daemon thread at the lowest priority, a chunk of rows of every tensor at a time, lowest rows
     first (the allocator hands out the lowest pages first), up to POPULATE_BUDGET_BYTES. Contents
     are left as they are, so the rows may already be in use. On the VMs measured here a page's
-    first touch costs ~3 ms a MiB (bench/README.md); without this, the first requests after
+    first touch costs ~3 ms a MiB (bench/results/cpu.md); without this, the first requests after
     start-up paid it in their prefill."""
     thread = threading.Thread(
         target=_populate, args=(tensors,), name="radixserve-populate-kv", daemon=True

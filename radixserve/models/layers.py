@@ -173,7 +173,7 @@ def _packed_linear_shape(
 def make_batch_invariant(model: nn.Module) -> None:
     """--enable-deterministic-inference: every Linear runs radixserve's packed float32 CPU GEMM,
     which gives a row the same bits however many rows share the call (torch's bf16 GEMM did
-    not, bench/README.md); a bf16 model keeps a float32 packed copy of each weight and rounds
+    not, bench/results/cpu.md); a bf16 model keeps a float32 packed copy of each weight and rounds
     the output back. ValueError for a quantized layer, whose GEMM is torch's."""
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.weight_packed is not None:
@@ -247,7 +247,7 @@ class Linear(nn.Module):
     def pack_for_cpu(self) -> None:
         """Replace the weight by its copy packed for `cpu_ops.packed_linear` (float32 or bf16
         on CPU; bf16 wants an even `in_features`), faster than oneDNN's prepacked weights in
-        decode (bench/README.md)."""
+        decode (bench/results/cpu.md)."""
         packed = self.cpu_ops.pack_linear_weight(self.weight_t.t().contiguous())
         self.register_buffer("weight_packed", packed)
         self.weight_t = None

@@ -106,7 +106,7 @@ class Experts(nn.ModuleList):
         """x `[T, hidden]`; each token's `experts [T, k]` and their `weights [T, k]`. The
         (token, choice) pairs are sorted by expert, each chosen expert runs once over its
         tokens, and the outputs go back to their pairs to be summed with the weights (an
-        index_add_ per expert is far slower on CPU, bench/README.md)."""
+        index_add_ per expert is far slower on CPU, bench/results/models.md)."""
         if self.stacked is not None:
             from radixserve_kernels import fused_moe
 
