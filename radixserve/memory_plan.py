@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DEFAULT_CPU_MAX_TOKENS = 65536  # a CPU pool larger than this only costs memory (bench/results/cpu.md)
+# a CPU pool larger than this only costs memory (bench/results/cpu.md)
+DEFAULT_CPU_MAX_TOKENS = 65536
 GIB = 2**30
 
 

@@ -6,8 +6,8 @@ CPU both groups run kernels that read K/V straight from the pool
 (`radixserve_kernels/cpu_attention.cpp`): paged decode, and, in float32 and bf16, paged extend
 (causal new tokens after a cached prefix: prompt chunks). Requests with a few new tokens
 (speculative verify rows, short chunks) join the decode kernel's group as one query per token,
-which measured faster than a second, extend group (bench/results/cpu.md). Without a compiler, a group
-gathers its K/V and runs one padded, masked SDPA."""
+which measured faster than a second, extend group (bench/results/cpu.md). Without a
+compiler, a group gathers its K/V and runs one padded, masked SDPA."""
 
 from __future__ import annotations
 

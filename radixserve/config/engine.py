@@ -142,8 +142,8 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
 
     def prefill_budget(self, device: str) -> int:
         """Prompt tokens per step: the flag, else what measured best on the device type (CPU:
-        2048, a lower p95 TTFT than 4096 at the same throughput, bench/results/scheduling.md; GPU keeps
-        SGLang's 4096, not yet measured)."""
+        2048, a lower p95 TTFT than 4096 at the same throughput, bench/results/scheduling.md;
+        GPU keeps SGLang's 4096, not yet measured)."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 2048 if device.startswith("cpu") else 4096

@@ -2,8 +2,8 @@
 
 A decode step on CPU streams every packed weight and each request's K/V rows once. In 4 KiB pages
 those reads walk the page tables every 4 KiB, and the hardware prefetchers stop at each page's end;
-huge pages measured a few percent faster (bench/results/cpu.md). Where the kernel grants none (THP off),
-the memory is ordinary pages and nothing else changes."""
+huge pages measured a few percent faster (bench/results/cpu.md). Where the kernel grants none
+(THP off), the memory is ordinary pages and nothing else changes."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ each row count as the server runs; `budget_drafts` keeps as many of the likelies
 the j-th draft of a request whose drafts are accepted with chance p) as give the step the most
 expected tokens per second. On a GPU a row is nearly free and every draft is kept; on a small CPU
 long drafts pay at batch 1, and at batch 8, where a row costs about a decoded token's share, only
-the surest do (bench/results/speculative.md). A request that keeps missing stops proposing for a while
-(exponentially longer after each run of misses)."""
+the surest do (bench/results/speculative.md). A request that keeps missing stops proposing for
+a while (exponentially longer after each run of misses)."""
 
 from __future__ import annotations
 
@@ -81,8 +81,9 @@ class StepCost:
     them or without, and a draft row costs about as much in either.
 
     A step's cost is not one line in its rows (GEMM tiles make some counts cheaper than fewer rows;
-    bench/results/speculative.md), so no line is fitted over them. The median keeps a step slowed by something
-    else (the api process's work on the same cores) from setting a count's cost."""
+    bench/results/speculative.md), so no line is fitted over them. The median keeps a step
+    slowed by something else (the api process's work on the same cores) from setting a count's
+    cost."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []  # row counts seen, sorted
