@@ -141,3 +141,18 @@ def test_the_limits_catch_what_they_claim_to(tmp_path):
     table = {"pkg.low": 1, "pkg.high": 2}
     assert layer_of("pkg.low", table) < layer_of("pkg.high", table)
     assert "pkg.high" in graph["pkg.low"]  # the upward edge the test above would report
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists the packages a wheel holds: a subpackage missing there is missing
+    from every install that is not editable."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(("radixserve", *p.parent.relative_to(PACKAGE).parts))
+        for p in PACKAGE.rglob("__init__.py")
+    }
+    assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"
