@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             server_args = args_from(ns, ServerArgs, engine=engine_args)
             return _serve(ns, server_args)
+        return _generate(ns, engine_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
         return 2
-    return _generate(ns, engine_args)
 
 
 def _serve(ns: argparse.Namespace, server_args: ServerArgs) -> int:

@@ -143,6 +143,7 @@ class WorkerInfo:
     weights_bytes: int
     kv_cache_dtype: str
     dtype_reason: str = ""  # why --dtype resolved to `dtype`
+    prefix_reuse: bool = True  # False: a hybrid model's state is not kept at prefixes yet
 
     @property
     def num_slots(self) -> int:
@@ -164,6 +165,7 @@ class WorkerInfo:
             f"memory plan: {self.memory_plan().summary()}; {self.dtype} on {self.device} "
             f"({self.dtype_reason}), "
             f"attention backend {self.attention_backend}"
+            + ("" if self.prefix_reuse else "; prefix reuse off (recurrent layers)")
         )
 
 

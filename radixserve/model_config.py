@@ -15,6 +15,15 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+
+
+def is_attention_layer(layer_type: str) -> bool:
+    """Whether a `layer_types` entry keeps KV per token (else it keeps a state per sequence:
+    convolution, linear attention, SSM)."""
+    return layer_type in ATTENTION_LAYER_TYPES
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What every part of the server reads about a model: its shape, its KV layout, its stop
@@ -22,7 +31,8 @@ class ModelConfig:
     from `hf_config`, the checkpoint's config.json as loaded.
 
     `latent_kv`: the pool holds one compressed latent per token (MLA: `head_dim` wide, shared
-    by all heads) and no separate values."""
+    by all heads) and no separate values. `kv_layers`: in a hybrid model, the layers that keep
+    KV per token (the others keep a state per sequence); None when every layer does."""
 
     vocab_size: int
     hidden_size: int
@@ -43,6 +53,7 @@ class ModelConfig:
     model_type: str = "llama"
     latent_kv: bool = False
     checkpoint_dtype: str | None = None  # config.json's `dtype` (`torch_dtype` before v5)
+    kv_layers: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -52,6 +63,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a place in the KV pool."""
+        return self.num_layers if self.kv_layers is None else self.kv_layers
+
+    @property
+    def keeps_state(self) -> bool:
+        """Some layers keep a state per sequence (a hybrid model)."""
+        return self.kv_layers is not None
 
     @property
     def value_dim(self) -> int:
@@ -85,7 +106,7 @@ class ModelConfig:
                 if latent
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5)),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -97,9 +118,17 @@ class ModelConfig:
             model_type=cfg.get("model_type", "llama"),
             latent_kv=latent,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            kv_layers=kv_layers_of(cfg.get("layer_types")),
             hf_config=cfg,
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def kv_layers_of(layer_types: list[str] | None) -> int | None:
+    """How many layers keep KV per token, where some keep a state instead; else None."""
+    if not layer_types or all(is_attention_layer(t) for t in layer_types):
+        return None
+    return sum(is_attention_layer(t) for t in layer_types)

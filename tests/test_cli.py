@@ -62,6 +62,13 @@ def test_bad_flags_fail_clearly():
     assert r.returncode == 2 and "page_size" in r.stderr
 
 
+def test_generate_refuses_a_model_in_one_line():
+    r = run("generate", "--model", "/nonexistent/model", "hi", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "'/nonexistent/model' is not a model directory" in lines[0]
+
+
 def test_refused_combinations_name_what_is_wrong():
     for args, words in [
         (

@@ -12,9 +12,10 @@ import time
 from dataclasses import fields
 from typing import Any, Iterator
 
-from ..config import EngineArgs
+from ..config import EngineArgs, refuse_problems
 from ..detokenizer import Detokenizer
 from ..messages import GenerateReq, SchedulerStats
+from ..models.registry import recurrent_problems
 from ..models.source import resolve_model
 from ..request_state import RequestState
 from ..sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class Engine:
                 "KV events are published by the server: `radixserve serve --kv-events-config ...`"
             )
         source = resolve_model(self.args.model)
+        refuse_problems("model", recurrent_problems(source.config, self.args))
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention import AttentionInputs
+
 CHUNK = 64  # tokens a chunk of the gated delta rule solves at once
 L2_EPS = 1e-6
 
@@ -127,3 +129,46 @@ def gated_delta_rule_step(
     update = (v32 - remembered) * beta.unsqueeze(-1)
     states.add_(k.unsqueeze(-1) * update.unsqueeze(-2))
     return (states * q.unsqueeze(-1)).sum(-2).to(v.dtype)
+
+
+# ---- the state of running requests ---------------------------------------------------
+class RecurrentStates:
+    """Each recurrent layer's state for every running request, by the request's row (its row of
+    `req_to_token`), allocated at the first step for every row. A step's segment that starts at
+    position 0 starts from a zero state; one that continues a request (a later prompt chunk, a
+    decode token) starts from the state its previous step left in the row. A cached prefix is
+    not resumed: servers of models with these layers match no prefix (`WorkerInfo.prefix_reuse`)."""
+
+    def __init__(self) -> None:
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, channels, taps - 1]
+
+    def convolve(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        inputs: AttentionInputs,
+    ) -> torch.Tensor:
+        """`x` [tokens, channels], the step's segments one after another; returns the causal
+        convolution of each segment, continued from its request's state, and keeps the state
+        each segment leaves."""
+        states = self.conv.get(layer)
+        if states is None:
+            rows = inputs.req_to_token.shape[0]
+            states = self.conv[layer] = x.new_zeros(rows, x.shape[1], weight.shape[1] - 1)
+        prefixes = inputs.prefix_lens
+        if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each
+            picked = states[inputs.rows]
+            out = causal_conv1d_step(x, weight, bias, picked)
+            states[inputs.rows] = picked
+            return out
+        out, start = torch.empty_like(x), 0
+        segments = zip(inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist())
+        for row, length, prefix in segments:
+            state = states[row] if prefix > 0 else None
+            out[start : start + length], states[row] = causal_conv1d(
+                x[start : start + length], weight, bias, state
+            )
+            start += length
+        return out

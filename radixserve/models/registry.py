@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..quant import UnsupportedQuantization, scheme_of
 
 if TYPE_CHECKING:
+    from ..config import EngineArgs
     from ..model_config import ModelConfig
 
 # architecture -> (module under radixserve.models, class)
@@ -24,6 +25,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -42,6 +44,7 @@ MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 
 
@@ -107,3 +110,22 @@ def check_supported(hf: dict) -> None:
                 f"config.json: {key} {hf[key]!r} is not implemented; supported: "
                 f"{', '.join(sorted(ACTIVATIONS))}"
             )
+
+
+def recurrent_problems(cfg: ModelConfig, args: EngineArgs):
+    """What a hybrid model (layers that keep a state per sequence) does not run with yet, by
+    option name; nothing for other models."""
+    if not cfg.keeps_state:
+        return
+    for name, on in (
+        ("tp_size", args.tp_size > 1),
+        ("speculative_algorithm", args.speculative_algorithm is not None),
+        ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
+        ("enable_hierarchical_cache", args.enable_hierarchical_cache),
+        ("disaggregation_mode", args.disaggregation_mode != "null"),
+        ("enable_deterministic_inference", args.enable_deterministic_inference),
+        ("enable_torch_compile", args.enable_torch_compile),
+        ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
+    ):
+        if on:
+            yield f"{name} with {cfg.architecture}'s recurrent layers is not supported yet"

@@ -37,7 +37,7 @@ class KVManager:
         self.cache = RadixCache(
             info.page_size,
             self.allocator.free,
-            disable=args.disable_radix_cache,
+            disable=args.disable_radix_cache or not info.prefix_reuse,
             record_events=args.kv_events_config is not None,
             on_evict=self._back_up_leaf if write_back else None,
             eviction_policy=args.radix_eviction_policy,

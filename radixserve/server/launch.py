@@ -23,7 +23,7 @@ from ..config import EngineArgs, ServerArgs, refuse_problems
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
-from ..models.registry import is_classifier
+from ..models.registry import is_classifier, recurrent_problems
 from ..models.source import resolve_draft_model, resolve_model
 from ..quant import quantization_problems
 from ..tokenizer import load_tokenizer_or_none
@@ -204,6 +204,7 @@ def launch_server(args: ServerArgs) -> int:
             source.config.hf_config, args.engine.quantization, args.engine.tp_size
         ),
     )
+    refuse_problems("model", recurrent_problems(source.config, args.engine))
     if args.engine.speculative_draft_model is not None:
         resolve_draft_model(
             args.engine.speculative_draft_model, source

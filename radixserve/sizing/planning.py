@@ -25,7 +25,7 @@ def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:
     ranked = tp.shard_config(cfg)
     kv_dtype = kv_storage_dtype(args.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(
-        ranked.num_layers, ranked.num_kv_heads, ranked.head_dim, kv_dtype, ranked.value_dim
+        ranked.num_kv_layers, ranked.num_kv_heads, ranked.head_dim, kv_dtype, ranked.value_dim
     )
     pages = kv_pages(
         memory_bytes - weights,

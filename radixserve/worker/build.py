@@ -73,6 +73,7 @@ def capture_graphs(
         graph_cls is None
         or args.disable_cuda_graph
         or lora is not None  # segments change from step to step
+        or model.cfg.keeps_state  # requests' states are picked by row, outside the graph
         or not getattr(backend, "supports_cuda_graph", False)
     ):
         return None

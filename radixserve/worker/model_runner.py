@@ -89,7 +89,7 @@ class ModelRunner:
         self.weights_bytes = model_bytes(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
         per_token = KVPool.bytes_per_token(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, cfg.value_dim
+            cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, cfg.value_dim
         )
         num_pages = (
             layout.num_pages
@@ -103,7 +103,7 @@ class ModelRunner:
         ps = args.page_size
         self.pool = KVPool(
             (num_pages + 1) * ps,
-            cfg.num_layers,
+            cfg.num_kv_layers,
             cfg.num_kv_heads,
             cfg.head_dim,
             self.kv_dtype,
@@ -138,6 +138,7 @@ class ModelRunner:
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
             dtype_reason,
+            not cfg.keeps_state,
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:

@@ -1,0 +1,101 @@
+"""LFM2 (Liquid AI): short-convolution layers beside grouped-query attention layers.
+
+A short-conv layer projects its input to B, C and h, convolves B*h along the sequence (a
+depthwise causal convolution of `conv_L_cache` taps) and gates the result by C. Its state per
+request is the convolution's last inputs (`recurrent.RecurrentStates`); attention layers keep
+KV per token in the pool (their own layer numbering there) and normalize q and k per head.
+The token mixer, convolution or attention, sits where a Llama layer has its attention."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..distributed import TPGroup
+from ..model_config import ModelConfig, is_attention_layer
+from .decoder import Attention, CausalLM, DecoderLayer
+from .layers import Linear, RMSNorm, SwiGLU
+from .recurrent import RecurrentStates
+
+# checkpoint names of an attention layer -> ours
+ATTENTION_NAMES = {"out_proj": "o_proj", "q_layernorm": "q_norm", "k_layernorm": "k_norm"}
+LAYER_NAMES = {
+    "operator_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "conv": "self_attn",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+class ShortConv(nn.Module):
+    """in_proj -> (B, C, h); out_proj(C * conv(B * h)), the convolution resumed per request."""
+
+    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
+        super().__init__()
+        hidden, bias = cfg.hidden_size, bool(cfg.hf_config.get("conv_bias", False))
+        taps = cfg.hf_config["conv_L_cache"]
+        self.index, self.states = index, states
+        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
+        self.conv = nn.Conv1d(hidden, hidden, taps, groups=hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        weight, bias = self.conv.weight[:, 0], self.conv.bias
+        mixed = self.states.convolve(self.index, b * h, weight, bias, backend.inputs)
+        return self.out_proj(c * mixed)
+
+
+class Lfm2ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.states = RecurrentStates()
+        super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        cfg, types = self.cfg, self.hf["layer_types"]
+        if is_attention_layer(types[i]):
+            kv_index = sum(is_attention_layer(t) for t in types[:i])
+            mixer = Attention(cfg, kv_index, self.tp, qk_norm=RMSNorm)
+        else:
+            mixer = ShortConv(cfg, i, self.states)
+        return DecoderLayer(cfg, i, self.tp, mixer, self.make_mlp(i))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        return SwiGLU(self.cfg.hidden_size, feed_forward_size(self.hf), "silu")
+
+    def rename(self, name: str) -> str | None:
+        if name == "model.embedding_norm.weight":
+            return "model.norm.weight"
+        match = LAYER_NAME.fullmatch(name)
+        if match is None:
+            return name
+        layer, rest = match.groups()
+        module, _, kind = rest.rpartition(".")
+        if is_attention_layer(self.hf["layer_types"][int(layer)]):
+            head, _, leaf = module.partition(".")
+            module = f"{head}.{ATTENTION_NAMES.get(leaf, leaf)}" if leaf else module
+        for theirs, ours in LAYER_NAMES.items():
+            if module == theirs or module.startswith(theirs + "."):
+                module = ours + module[len(theirs) :]
+                break
+        return f"model.layers.{layer}.{module}.{kind}"
+
+
+def feed_forward_size(hf: dict) -> int:
+    """The MLP's width as LFM2 derives it from `intermediate_size` (`block_auto_adjust_ff_dim`:
+    two thirds, times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`)."""
+    size = hf["intermediate_size"]
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return size
+    size = int(2 * size / 3)
+    if hf.get("block_ffn_dim_multiplier") is not None:
+        size = int(hf["block_ffn_dim_multiplier"] * size)
+        multiple = hf.get("block_multiple_of", 256)
+        size = multiple * ((size + multiple - 1) // multiple)
+    return size

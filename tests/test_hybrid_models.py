@@ -1,0 +1,89 @@
+"""Hybrid models (recurrent or convolutional layers beside attention) against HF transformers in
+float32: a tiny random checkpoint built with HF's own classes, served, greedy tokens compared,
+with prompts split across prefill chunks and batched with other requests' decode steps."""
+
+import pytest
+import torch
+import transformers as hf
+
+from radixserve import Engine
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
+NEW_TOKENS = 12
+GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+FAMILIES = {
+    "lfm2": (
+        hf.Lfm2Config,
+        hf.Lfm2ForCausalLM,
+        dict(layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3),
+    ),
+}
+
+
+def build_checkpoint(path, family: str):
+    """A tiny random HF model of `family`, with weights large enough that greedy choices are
+    far from ties, saved as a checkpoint."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**COMMON, **extra}))
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.normal_(0, 0.1 if "norm" in name else 0.2)
+    model.eval()
+    model.save_pretrained(path / family)
+    return model, path / family
+
+
+def hf_greedy(model, ids):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hybrid_family_matches_hf(tmp_path, family):
+    model, path = build_checkpoint(tmp_path, family)
+    want = [hf_greedy(model, ids) for ids in PROMPTS]
+    with Engine(
+        model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32"
+    ) as eng:
+        for _ in range(2):  # the second round starts every request from a zero state again
+            results = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == want
+            assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
+        alone = eng.generate(
+            input_ids=PROMPTS[1], sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
+        )
+        assert alone["output_ids"] == want[1]
+        eng.check_memory()
+    # every prompt token's logprob, across the chunk ends at 32 and 64, as HF computes it
+    got = torch.tensor([lp for lp, _, _ in alone["meta_info"]["input_token_logprobs"][1:]])
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[1]])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPTS[1][1:])[:, None])
+    torch.testing.assert_close(got, expected[:, 0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "option,flag",
+    [
+        (dict(speculative_algorithm="ngram"), "speculative_algorithm"),
+        (dict(enable_hierarchical_cache=True), "enable_hierarchical_cache"),
+        (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+    ],
+)
+def test_what_hybrid_models_do_not_run_yet_is_refused_by_name(tmp_path, option, flag):
+    _, path = build_checkpoint(tmp_path, "lfm2")
+    with pytest.raises(ValueError, match=flag):
+        Engine(model=str(path), dtype="float32", **option)
