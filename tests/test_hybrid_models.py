@@ -21,6 +21,24 @@ COMMON = dict(
     max_position_embeddings=512,
 )
 FAMILIES = {
+    "qwen3_5_text": (
+        hf.Qwen3_5TextConfig,
+        hf.Qwen3_5ForCausalLM,
+        dict(
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+        ),
+    ),
     "lfm2": (
         hf.Lfm2Config,
         hf.Lfm2ForCausalLM,

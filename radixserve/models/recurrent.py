@@ -141,6 +141,7 @@ class RecurrentStates:
 
     def __init__(self) -> None:
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, channels, taps - 1]
+        self.delta: dict[int, torch.Tensor] = {}  # layer -> [rows, heads, key dim, value dim]
 
     def convolve(
         self,
@@ -169,6 +170,40 @@ class RecurrentStates:
             state = states[row] if prefix > 0 else None
             out[start : start + length], states[row] = causal_conv1d(
                 x[start : start + length], weight, bias, state
+            )
+            start += length
+        return out
+
+    def delta_rule(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        inputs: AttentionInputs,
+    ) -> torch.Tensor:
+        """The gated delta rule over the step's segments (`q`, `k` [tokens, key heads, key
+        dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]), each
+        continued from its request's state, which it then keeps (float32)."""
+        states = self.delta.get(layer)
+        if states is None:
+            shape = (inputs.req_to_token.shape[0], v.shape[1], k.shape[2], v.shape[2])
+            states = self.delta[layer] = torch.zeros(shape, device=v.device)
+        prefixes = inputs.prefix_lens
+        if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each
+            picked = states[inputs.rows]
+            out = gated_delta_rule_step(q, k, v, g, beta, picked)
+            states[inputs.rows] = picked
+            return out
+        out, start = torch.empty_like(v), 0
+        segments = zip(inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist())
+        for row, length, prefix in segments:
+            part = slice(start, start + length)
+            state = states[row] if prefix > 0 else None
+            out[part], states[row] = gated_delta_rule(
+                q[part], k[part], v[part], g[part], beta[part], state
             )
             start += length
         return out

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -45,7 +46,9 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+PARTIAL_ROTARY = {"Qwen3_5ForCausalLM"}  # architectures that rotate part of each head
 
 
 class UnsupportedModel(ValueError):
@@ -102,7 +105,8 @@ def check_supported(hf: dict) -> None:
                 f"config.json: rope type {kind!r} is not implemented; supported: "
                 f"{', '.join(sorted(ROPE_TYPES))}"
             )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        partial = rope.get("partial_rotary_factor", 1.0) != 1.0
+        if partial and architecture_of(hf) not in PARTIAL_ROTARY:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     for key in ("hidden_act", "hidden_activation"):
         if hf.get(key) is not None and hf[key] not in ACTIVATIONS:

@@ -1,0 +1,132 @@
+"""Qwen3.5 (text, dense): Gated DeltaNet linear-attention layers, three of every four, beside
+gated full-attention layers.
+
+A Gated DeltaNet layer projects q, k and v (one causal convolution over the three, SiLU after),
+a decay and a write strength per value head, and a gate; its state per request is the
+convolution's last inputs and the delta rule's [key dim, value dim] matrix per value head
+(`recurrent.RecurrentStates`); its output is normed per head, gated by SiLU(gate) and
+projected. The attention layers rotate only the first `partial_rotary_factor` of each head,
+normalize q and k per head and gate their output by a sigmoid of a second half of q_proj. Every
+norm of the residual stream and of q and k stores its weight minus one."""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..distributed import TPGroup
+from ..model_config import ModelConfig, is_attention_layer
+from .decoder import Attention, CausalLM, DecoderLayer
+from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .recurrent import RecurrentStates
+
+ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)
+LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
+        super().__init__()
+        hf = cfg.hf_config
+        self.index, self.states = index, states
+        self.key_heads, self.value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+        self.key_dim, self.value_dim = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.widths = [keys, keys, values]
+        mixed = 2 * keys + values
+        hidden, taps = cfg.hidden_size, hf["linear_conv_kernel_dim"]
+        self.in_proj_qkv = Linear(hidden, mixed)
+        self.in_proj_z = Linear(hidden, values)
+        self.in_proj_b = Linear(hidden, self.value_heads)
+        self.in_proj_a = Linear(hidden, self.value_heads)
+        self.conv1d = nn.Conv1d(mixed, mixed, taps, groups=mixed, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = RMSNorm(self.value_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(values, hidden)
+
+    def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
+        inputs, tokens = backend.inputs, x.shape[0]
+        mixed = self.states.convolve(
+            self.index, self.in_proj_qkv(x), self.conv1d.weight[:, 0], None, inputs
+        )
+        q, k, v = F.silu(mixed).split(self.widths, dim=-1)
+        q = q.reshape(tokens, self.key_heads, self.key_dim)
+        k = k.reshape(tokens, self.key_heads, self.key_dim)
+        v = v.reshape(tokens, self.value_heads, self.value_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs)
+        gate = self.in_proj_z(x).reshape(-1, self.value_dim)
+        out = self.norm(out.reshape(-1, self.value_dim)) * F.silu(gate.float())
+        return self.out_proj(out.to(x.dtype).reshape(tokens, -1))
+
+
+class GatedAttention(Attention):
+    """q_proj gives each head its query and a gate; the output is gated by sigmoid(gate)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
+        super().__init__(cfg, layer, tp, qk_norm=ZeroCentredNorm)
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            2 * cfg.q_size + 2 * cfg.kv_size,
+            parts=(2 * cfg.q_size, cfg.kv_size, cfg.kv_size),
+        )
+
+    def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
+        cfg = self.cfg
+        qg, k, v = self.qkv_proj(x).split([2 * cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, gate = qg.view(-1, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
+        k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = ropes[0]
+        q, k = partial_rotary(q, cos, sin), partial_rotary(k, cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        out = backend.forward(self.layer, q, k, v, self.how)
+        out = out * torch.sigmoid(gate.reshape(out.shape))
+        return self.tp.all_reduce(self.o_proj(out))
+
+
+def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first 2 x cos-width dims of each head, keep the rest."""
+    width = 2 * cos.shape[-1]
+    return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1).contiguous()
+
+
+class Qwen3_5DecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, mixer: nn.Module, mlp):
+        super().__init__(cfg, layer, tp, mixer, mlp)
+        self.input_layernorm = ZeroCentredNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    norm_class = ZeroCentredNorm
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.states = RecurrentStates()
+        super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        cfg, types = self.cfg, self.hf["layer_types"]
+        if is_attention_layer(types[i]):
+            kv_index = sum(is_attention_layer(t) for t in types[:i])
+            mixer = GatedAttention(cfg, kv_index, self.tp)
+        else:
+            mixer = GatedDeltaNet(cfg, i, self.states)
+        return Qwen3_5DecoderLayer(cfg, i, self.tp, mixer, self.make_mlp(i))
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        cfg = self.cfg
+        rope = self.hf.get("rope_parameters") or {}
+        width = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
+        return [RotaryEmbedding(width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def rename(self, name: str) -> str | None:
+        """The mixer of every layer sits at `self_attn` (a Gated DeltaNet's `linear_attn`)."""
+        return LINEAR_ATTENTION.sub(r"\1.self_attn.", name)
