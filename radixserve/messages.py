@@ -143,7 +143,8 @@ class WorkerInfo:
     weights_bytes: int
     kv_cache_dtype: str
     dtype_reason: str = ""  # why --dtype resolved to `dtype`
-    prefix_reuse: bool = True  # False: a hybrid model's state is not kept at prefixes yet
+    prefix_reuse: bool = True  # False: a hybrid model without state snapshots
+    state_snapshots: int = 0  # a hybrid model's snapshot slots, after the requests' rows
 
     @property
     def num_slots(self) -> int:
@@ -166,6 +167,7 @@ class WorkerInfo:
             f"({self.dtype_reason}), "
             f"attention backend {self.attention_backend}"
             + ("" if self.prefix_reuse else "; prefix reuse off (recurrent layers)")
+            + (f"; {self.state_snapshots} state snapshots" if self.state_snapshots else "")
         )
 
 

@@ -1,6 +1,7 @@
 """Hybrid models (recurrent or convolutional layers beside attention) against HF transformers in
 float32: a tiny random checkpoint built with HF's own classes, served, greedy tokens compared,
-with prompts split across prefill chunks and batched with other requests' decode steps."""
+fresh and resumed from state snapshots in the radix tree, with prompts split across prefill
+chunks and batched with other requests' decode steps."""
 
 import pytest
 import torch
@@ -64,7 +65,11 @@ def build_checkpoint(path, family: str):
 def hf_greedy(model, ids):
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
 
@@ -76,10 +81,18 @@ def test_hybrid_family_matches_hf(tmp_path, family):
     with Engine(
         model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32"
     ) as eng:
-        for _ in range(2):  # the second round starts every request from a zero state again
-            results = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-            assert [r["output_ids"] for r in results] == want
-            assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
+        fresh = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in fresh] == want
+        assert all(r["meta_info"]["cached_tokens"] == 0 for r in fresh)
+        # again: each resumes from the state snapshot its first run kept at a chunk's end
+        cached = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in cached] == want
+        assert [r["meta_info"]["cached_tokens"] for r in cached] == [0, 64, 32]
+        # the conversation's next turn resumes where the first turn's answer ends
+        turn = PROMPTS[1] + want[1] + [11, 12, 13, 14, 15]
+        second = eng.generate(input_ids=turn, sampling_params=GREEDY)
+        assert second["output_ids"] == hf_greedy(model, turn)
+        assert second["meta_info"]["cached_tokens"] == len(PROMPTS[1]) + NEW_TOKENS - 1
         alone = eng.generate(
             input_ids=PROMPTS[1], sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
         )
@@ -91,6 +104,36 @@ def test_hybrid_family_matches_hf(tmp_path, family):
         logits = model(torch.tensor([PROMPTS[1]])).logits[0, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPTS[1][1:])[:, None])
     torch.testing.assert_close(got, expected[:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_squeezed_snapshot_pool_evicts_and_stays_exact(tmp_path):
+    """Two snapshot slots and a KV pool smaller than the traffic: 50 two-turn conversations as
+    two batches all finish equal to HF with nothing leaked (snapshots evicted least recently
+    used first, and with the KV they sit on); then conversations one at a time each resume
+    their second turn from the snapshot their first turn left."""
+    model, path = build_checkpoint(tmp_path, "lfm2")
+    firsts = [[300 + i] + list(range(20 + i, 60 + i)) for i in range(50)]
+    with Engine(
+        model=str(path),
+        max_total_tokens=2048,
+        chunked_prefill_size=32,
+        dtype="float32",
+        max_mamba_cache_size=2,
+    ) as eng:
+        answers = [r["output_ids"] for r in eng.generate(input_ids=firsts, sampling_params=GREEDY)]
+        turns = [p + a + [7, 8, 9] for p, a in zip(firsts, answers)]
+        seconds = [r["output_ids"] for r in eng.generate(input_ids=turns, sampling_params=GREEDY)]
+        eng.check_memory()
+        resumed = []
+        for first in firsts[:3]:
+            answer = eng.generate(input_ids=first, sampling_params=GREEDY)["output_ids"]
+            turn = first + answer + [5, 6]
+            resumed.append(eng.generate(input_ids=turn, sampling_params=GREEDY)["meta_info"])
+        eng.check_memory()
+        assert eng.get_stats().num_running == 0
+    assert answers == [hf_greedy(model, p) for p in firsts]
+    assert seconds == [hf_greedy(model, t) for t in turns]
+    assert [m["cached_tokens"] for m in resumed] == [len(firsts[0]) + NEW_TOKENS - 1] * 3
 
 
 @pytest.mark.parametrize(

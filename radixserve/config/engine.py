@@ -40,6 +40,8 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
                 yield str(exc)
         if self.chunked_prefill_size < self.page_size:
             yield "chunked_prefill_size must be >= page_size"
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 0:
+            yield "max_mamba_cache_size must be >= 0"
         if self.prefill_admit_tokens is not None and self.prefill_admit_tokens < 1:
             yield "prefill_admit_tokens must be >= 1"
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

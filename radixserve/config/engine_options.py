@@ -166,6 +166,13 @@ class CacheOptions:
         HICACHE_STORAGE_BACKENDS,
     )
     hicache_storage_dir: str | None = option(None, "the folder of --hicache-storage-backend file")
+    max_mamba_cache_size: int | None = option(
+        None,
+        "state snapshots the radix cache of a hybrid model (convolution or recurrent layers "
+        "beside attention) keeps, each a request's state at a cached prefix's end, where the "
+        "next request on that prefix resumes; 0 turns prefix reuse off for such models "
+        "(default: 4x --max-running-requests)",
+    )
     kv_events_config: str | None = option(
         None,
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "

@@ -53,14 +53,17 @@ class RadixCache:
         on_evict: Callable[["TreeNode"], None] | None = None,
         eviction_policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        drop_snapshot: Callable[[int], None] | None = None,
     ):
-        """`clock` stamps each access (the replayer passes a logical clock)."""
+        """`clock` stamps each access (the replayer passes a logical clock); `drop_snapshot`
+        hears of each state snapshot whose node leaves the tree."""
         self.page_size = page_size
         self.priority = EVICTION_PRIORITY[eviction_policy]
         self.clock = clock
         self.disable = disable
         self.free_slots = free_slots or (lambda slots: None)
         self.on_evict = on_evict  # sees each leaf before its slots are freed (hicache write-back)
+        self.drop_snapshot = drop_snapshot
         self.events: list[KVEvent] | None = [] if record_events else None  # taken by `take_events`
         self.root = TreeNode()
         self.reset()
@@ -283,6 +286,8 @@ class RadixCache:
             return parent
         if self.events is not None:
             self.events.append(BlockRemoved(list(leaf.block_hashes)))
+        if leaf.snapshot is not None and self.drop_snapshot is not None:
+            self.drop_snapshot(leaf.snapshot)
         del parent.children[self._edge(leaf.key)]
         self._evictable -= len(leaf.key)
         self._num_nodes -= 1

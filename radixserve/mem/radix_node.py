@@ -17,6 +17,7 @@ class TreeNode:
     hit_count: int = 0
     block_hashes: list[int] = field(default_factory=list)  # one per page, with KV events on
     salt: str | None = None  # set on a namespace node only (see RadixCache)
+    snapshot: int | None = None  # a hybrid model's state at this node's end (its slot)
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,21 @@ class RecurrentStates:
     `req_to_token`), allocated at the first step for every row. A step's segment that starts at
     position 0 starts from a zero state; one that continues a request (a later prompt chunk, a
     decode token) starts from the state its previous step left in the row. A cached prefix is
-    not resumed: servers of models with these layers match no prefix (`WorkerInfo.prefix_reuse`)."""
+    resumed from a snapshot: `snapshot_slots` slots after the rows hold states copied there
+    (`copy`) at the ends of cached prefixes (`scheduler/snapshots.py`)."""
 
     def __init__(self) -> None:
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, channels, taps - 1]
         self.delta: dict[int, torch.Tensor] = {}  # layer -> [rows, heads, key dim, value dim]
+        self.snapshot_slots = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every layer's state in slot `src` into slot `dst`."""
+        for states in (*self.conv.values(), *self.delta.values()):
+            states[dst] = states[src]
+
+    def _slots(self, inputs: AttentionInputs) -> int:
+        return inputs.req_to_token.shape[0] + self.snapshot_slots
 
     def convolve(
         self,
@@ -156,8 +166,8 @@ class RecurrentStates:
         each segment leaves."""
         states = self.conv.get(layer)
         if states is None:
-            rows = inputs.req_to_token.shape[0]
-            states = self.conv[layer] = x.new_zeros(rows, x.shape[1], weight.shape[1] - 1)
+            slots = self._slots(inputs)
+            states = self.conv[layer] = x.new_zeros(slots, x.shape[1], weight.shape[1] - 1)
         prefixes = inputs.prefix_lens
         if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each
             picked = states[inputs.rows]
@@ -189,7 +199,7 @@ class RecurrentStates:
         continued from its request's state, which it then keeps (float32)."""
         states = self.delta.get(layer)
         if states is None:
-            shape = (inputs.req_to_token.shape[0], v.shape[1], k.shape[2], v.shape[2])
+            shape = (self._slots(inputs), v.shape[1], k.shape[2], v.shape[2])
             states = self.delta[layer] = torch.zeros(shape, device=v.device)
         prefixes = inputs.prefix_lens
         if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each

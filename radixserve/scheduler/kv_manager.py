@@ -14,10 +14,11 @@ from ..config import EngineArgs
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.radix_cache import RadixCache, TreeNode
-from ..mem.radix_node import path_of, salt_of, top_prefixes
+from ..mem.radix_node import path_of, salt_of, top_prefixes, walk
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
+from .snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,11 @@ class KVManager:
         self.write_policy = args.hicache_write_policy
         self.hicache = make_hicache(args, executor) if args.enable_hierarchical_cache else None
         write_back = self.hicache is not None and self.write_policy == "write_back"
+        self.snapshots = (
+            StateSnapshots(info.max_running_requests, info.state_snapshots)
+            if info.state_snapshots and info.prefix_reuse
+            else None
+        )
         self.cache = RadixCache(
             info.page_size,
             self.allocator.free,
@@ -41,6 +47,7 @@ class KVManager:
             record_events=args.kv_events_config is not None,
             on_evict=self._back_up_leaf if write_back else None,
             eviction_policy=args.radix_eviction_policy,
+            drop_snapshot=self.snapshots.drop if self.snapshots is not None else None,
         )
 
     # ---- prefix matches ------------------------------------------------------
@@ -50,6 +57,8 @@ class KVManager:
         slots, node = self.cache.match_prefix(prefix, req.cache_salt)
         if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
             slots, node = self._load_from_tiers(prefix, slots, node, req.cache_salt)
+        if self.snapshots is not None:
+            slots, node = at_snapshot(slots, node)
         return slots, node
 
     def match_length(self, req: Req) -> tuple[int, TreeNode]:
@@ -102,6 +111,9 @@ class KVManager:
         if req.spec is not None:
             req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
         self.cache.record_hit(node)
+        if self.snapshots is not None and slots:  # resume the state where the prefix ends
+            self.executor.copy_state(node.snapshot, req.row)
+            self.snapshots.touch(node.snapshot)
         if self.hicache is not None and slots:
             self._back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
 
@@ -132,8 +144,10 @@ class KVManager:
         self.allocator.free(req.kv_slots[keep:])
         del req.kv_slots[keep:]
 
-    def cache_prefix(self, req: Req) -> None:
-        """Put the request's computed, page-aligned KV into the tree and lock it there."""
+    def cache_prefix(self, req: Req, ending: bool = False) -> None:
+        """Put the request's computed, page-aligned KV into the tree and lock it there. A
+        hybrid model's state there is kept as a snapshot: always where a request ends
+        (`ending`), where a prompt chunk ends only while a snapshot slot is free."""
         computed = len(req.kv_slots)
         aligned = computed - computed % self.page_size
         if self.cache.disable or aligned <= req.cached_len:
@@ -148,12 +162,16 @@ class KVManager:
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
+        if self.snapshots is not None and node.snapshot is None:
+            slot = self.snapshots.take(node, evict=ending)
+            if slot is not None:
+                self.executor.copy_state(req.row, slot)
         if self.hicache is not None:
             self._back_up_prefix(key, slots, node, req.cache_salt)
 
     def release(self, req: Req) -> None:
         """Give back all the request holds: KV to the tree or allocator, its lock, its row."""
-        self.cache_prefix(req)
+        self.cache_prefix(req, ending=True)
         self.drop(req)
 
     def drop(self, req: Req) -> None:
@@ -191,6 +209,8 @@ class KVManager:
     def flush(self) -> None:
         self.cache.evict(self.cache.total_size())
         self.cache.reset()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.hicache is not None:
             self.hicache.host.clear()
 
@@ -221,6 +241,8 @@ class KVManager:
             f"KV leak: free {free} + cached {cached} + held {held} != {self.allocator.num_slots}"
         )
         assert self.rows.available() + len(running) == self.rows.num_rows
+        if self.snapshots is not None:
+            self.snapshots.check(sum(n.snapshot is not None for n in walk(self.cache.root)))
         if self.hicache is not None:
             self.hicache.host.check()
 
@@ -256,3 +278,13 @@ def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) 
         f", storage {hicache.storage.folder}" if hicache.storage else "",
     )
     return hicache
+
+
+def at_snapshot(slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
+    """A match cut back to the deepest node on its path that holds a state snapshot (a hybrid
+    model resumes only there); nothing when none does."""
+    depth = len(slots)
+    while node.snapshot is None and node.parent is not None:
+        depth -= len(node.key)
+        node = node.parent
+    return (slots[:depth], node) if node.snapshot is not None else ([], node)

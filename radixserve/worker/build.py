@@ -11,6 +11,7 @@ import torch
 
 from ..attention import create_backend, resolve_backend_name
 from ..config import EngineArgs
+from ..mem.kv_pool import KVPool
 from ..memory_plan import kv_pages
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 
@@ -85,3 +86,25 @@ def capture_graphs(
         "captured decode graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start
     )
     return graphs
+
+
+def kv_pool(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:
+    """The KV pool of the model's layers that keep KV per token, with an FP8 checkpoint's
+    scales."""
+    cfg = model.cfg
+    pool = KVPool(
+        num_slots, cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device, cfg.value_dim
+    )
+    if pool.is_fp8:
+        pool.set_scales(model.kv_cache_scales())
+    return pool
+
+
+def keep_state_snapshots(model, args: EngineArgs) -> int:
+    """A hybrid model's state snapshot slots (--max-mamba-cache-size, else 4 per running
+    request), made room for after its requests' rows; 0 for other models."""
+    if not model.cfg.keeps_state:
+        return 0
+    count = args.max_mamba_cache_size
+    model.states.snapshot_slots = 4 * args.max_running_requests if count is None else count
+    return model.states.snapshot_slots

@@ -21,7 +21,13 @@ from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
-from .build import attention_backend, capture_graphs, kv_num_pages
+from .build import (
+    attention_backend,
+    capture_graphs,
+    keep_state_snapshots,
+    kv_num_pages,
+    kv_pool,
+)
 from .device import default_device, resolve_dtype
 from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
@@ -101,28 +107,14 @@ class ModelRunner:
             )
         )
         ps = args.page_size
-        self.pool = KVPool(
-            (num_pages + 1) * ps,
-            cfg.num_kv_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.kv_dtype,
-            self.device,
-            cfg.value_dim,
-        )
-        if self.pool.is_fp8:
-            self.pool.set_scales(self.model.kv_cache_scales())
+        self.pool = kv_pool(self.model, (num_pages + 1) * ps, self.kv_dtype, self.device)
         self.req_to_token = (
             layout.req_to_token
             if layout is not None
-            else torch.zeros(
-                args.max_running_requests,
-                self.max_context_len,
-                dtype=torch.long,
-                device=self.device,
-            )
-        )
+            else torch.zeros(args.max_running_requests, self.max_context_len, dtype=torch.long)
+        ).to(self.device)
         backend, self.backend = attention_backend(self.model, self.pool, args, self.device)
+        snapshots = keep_state_snapshots(self.model, args)
         self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
@@ -138,7 +130,8 @@ class ModelRunner:
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
             dtype_reason,
-            not cfg.keeps_state,
+            not cfg.keeps_state or snapshots > 0,
+            snapshots,
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
@@ -201,6 +194,12 @@ class ModelRunner:
         return build_model(
             source, self.dtype, self.device, self.max_context_len, a.seed, a.quantization, self.tp
         )
+
+    @torch.inference_mode()
+    def copy_state(self, src: int, dst: int) -> None:
+        """A hybrid model's per-request state from slot `src` to slot `dst` (a request's row
+        or a snapshot slot after the rows)."""
+        self.model.states.copy(src, dst)
 
     def load_lora(self, adapter: AdapterConfig) -> None:
         """Read an adapter onto the host, ready for a slot; ValueError when it does not fit."""
