@@ -136,6 +136,22 @@ def test_a_squeezed_snapshot_pool_evicts_and_stays_exact(tmp_path):
     assert [m["cached_tokens"] for m in resumed] == [len(firsts[0]) + NEW_TOKENS - 1] * 3
 
 
+def test_requests_branching_off_a_path_resume_where_they_branch(tmp_path):
+    """A cached path whose only snapshot is at its end: a request leaving it at token 133
+    computes its prompt in a chunk that ends there and keeps a snapshot there, so the next
+    request leaving the path at 133 reads 133 tokens from the cache."""
+    model, path = build_checkpoint(tmp_path, "lfm2")
+    base = list(range(10, 210))
+    prompts = [base, base[:133] + [400, 401, 402], base[:133] + [450, 451]]
+    with Engine(
+        model=str(path), max_total_tokens=2048, chunked_prefill_size=256, dtype="float32"
+    ) as eng:
+        got = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        eng.check_memory()
+    assert [g["meta_info"]["cached_tokens"] for g in got] == [0, 0, 133]
+    assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in prompts]
+
+
 @pytest.mark.parametrize(
     "option,flag",
     [

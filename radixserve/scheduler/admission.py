@@ -52,7 +52,9 @@ class Admission:
         reqs, lens, reused = [], [], 0
         prefilling = [r for r in self.queues.running if r.is_prefilling]
         for req in prefilling:
-            n = min(req.pending, self.args.chunked_prefill_size, budget)
+            n = self._chunk(
+                req, len(req.kv_slots), min(req.pending, self.args.chunked_prefill_size, budget)
+            )
             if n <= 0 or not self.kv.alloc(req, n):
                 break
             reqs.append(req), lens.append(n)
@@ -107,7 +109,9 @@ class Admission:
             uncached = req.fill_ids[len(slots) :]
             if self._share_later(shared, req, uncached, batch_started):
                 continue
-            n = min(len(uncached), self.args.chunked_prefill_size, budget)
+            n = self._chunk(
+                req, len(slots), min(len(uncached), self.args.chunked_prefill_size, budget)
+            )
             if admitted and admitted + n > self.admit_limit:
                 break
             growth = req.remaining_new_tokens * ratio if n == len(uncached) else 0
@@ -134,6 +138,15 @@ class Admission:
             if req.lora is not None:
                 adapters.add(req.lora)
             yield req, n
+
+    @staticmethod
+    def _chunk(req: Req, start: int, n: int) -> int:
+        """`n`, or less for a hybrid model's request leaving a cached path where no state
+        snapshot is: its chunk from `start` ends there, so that one is kept there for the next
+        request branching off there."""
+        if req.branch_at is not None and start < req.branch_at:
+            return min(n, req.branch_at - start)
+        return n
 
     def _over_adapter_limit(self, req: Req, adapters: set[str]) -> bool:
         """A request on an adapter the batch lacks waits while the batch has as many adapters

@@ -58,7 +58,9 @@ class KVManager:
         if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
             slots, node = self._load_from_tiers(prefix, slots, node, req.cache_salt)
         if self.snapshots is not None:
+            cached = len(slots)
             slots, node = at_snapshot(slots, node)
+            req.branch_at = cached if cached > len(slots) else None
         return slots, node
 
     def match_length(self, req: Req) -> tuple[int, TreeNode]:
@@ -163,7 +165,8 @@ class KVManager:
             self.cache.dec_lock_ref(req.node)
         req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
         if self.snapshots is not None and node.snapshot is None:
-            slot = self.snapshots.take(node, evict=ending)
+            at_branch = req.branch_at == aligned
+            slot = self.snapshots.take(node, evict=ending or at_branch)
             if slot is not None:
                 self.executor.copy_state(req.row, slot)
         if self.hicache is not None:

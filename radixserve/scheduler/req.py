@@ -37,6 +37,7 @@ class Req:
     cached_len: int = 0
     node: TreeNode | None = None
     synced: int = 0
+    branch_at: int | None = None  # hybrid: where it leaves a cached path with no snapshot
 
     cached_tokens: int = 0
     admitted: bool = False
