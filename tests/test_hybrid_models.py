@@ -4,6 +4,7 @@ fresh and resumed from state snapshots in the radix tree, with prompts split acr
 chunks and batched with other requests' decode steps."""
 
 import pytest
+import test_model_families as families
 import torch
 import transformers as hf
 
@@ -49,29 +50,11 @@ FAMILIES = {
 
 
 def build_checkpoint(path, family: str):
-    """A tiny random HF model of `family`, with weights large enough that greedy choices are
-    far from ties, saved as a checkpoint."""
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**COMMON, **extra}))
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            tensor.normal_(0, 0.1 if "norm" in name else 0.2)
-    model.eval()
-    model.save_pretrained(path / family)
-    return model, path / family
+    return families.build_checkpoint(path, family, FAMILIES, COMMON)
 
 
 def hf_greedy(model, ids):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+    return families.hf_greedy(model, ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

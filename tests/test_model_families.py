@@ -85,12 +85,12 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200
 NEW_TOKENS = 12
 
 
-def build_checkpoint(path, family: str):
-    """A tiny random HF model of `family`, with weights large enough that greedy choices are
-    far from ties, saved as a checkpoint."""
-    config_cls, model_cls, extra = FAMILIES[family]
+def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict = COMMON):
+    """A tiny random HF model of `family` (one of `families`, on `common` sizes), with weights
+    large enough that greedy choices are far from ties, saved as a checkpoint."""
+    config_cls, model_cls, extra = families[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**COMMON, **extra}))
+    model = model_cls(config_cls(**{**common, **extra}))
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend
-from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer
-from .decoder import Attention, CausalLM, DecoderLayer
+from .decoder import Attention
+from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, SwiGLU
 from .recurrent import RecurrentStates
 
@@ -52,19 +52,12 @@ class ShortConv(nn.Module):
         return self.out_proj(c * mixed)
 
 
-class Lfm2ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
-        self.states = RecurrentStates()
-        super().__init__(cfg, max_positions, tp)
+class Lfm2ForCausalLM(HybridCausalLM):
+    def make_attention(self, kv_index: int) -> nn.Module:
+        return Attention(self.cfg, kv_index, self.tp, qk_norm=RMSNorm)
 
-    def make_layer(self, i: int) -> nn.Module:
-        cfg, types = self.cfg, self.hf["layer_types"]
-        if is_attention_layer(types[i]):
-            kv_index = sum(is_attention_layer(t) for t in types[:i])
-            mixer = Attention(cfg, kv_index, self.tp, qk_norm=RMSNorm)
-        else:
-            mixer = ShortConv(cfg, i, self.states)
-        return DecoderLayer(cfg, i, self.tp, mixer, self.make_mlp(i))
+    def make_mixer(self, i: int) -> nn.Module:
+        return ShortConv(self.cfg, i, self.states)
 
     def make_mlp(self, i: int) -> nn.Module:
         return SwiGLU(self.cfg.hidden_size, feed_forward_size(self.hf), "silu")

@@ -20,8 +20,9 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..distributed import TPGroup
-from ..model_config import ModelConfig, is_attention_layer
-from .decoder import Attention, CausalLM, DecoderLayer
+from ..model_config import ModelConfig
+from .decoder import Attention, DecoderLayer
+from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from .recurrent import RecurrentStates
 
@@ -105,21 +106,17 @@ class Qwen3_5DecoderLayer(DecoderLayer):
         self.post_attention_layernorm = ZeroCentredNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(HybridCausalLM):
     norm_class = ZeroCentredNorm
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
-        self.states = RecurrentStates()
-        super().__init__(cfg, max_positions, tp)
+    def make_attention(self, kv_index: int) -> nn.Module:
+        return GatedAttention(self.cfg, kv_index, self.tp)
 
-    def make_layer(self, i: int) -> nn.Module:
-        cfg, types = self.cfg, self.hf["layer_types"]
-        if is_attention_layer(types[i]):
-            kv_index = sum(is_attention_layer(t) for t in types[:i])
-            mixer = GatedAttention(cfg, kv_index, self.tp)
-        else:
-            mixer = GatedDeltaNet(cfg, i, self.states)
-        return Qwen3_5DecoderLayer(cfg, i, self.tp, mixer, self.make_mlp(i))
+    def make_mixer(self, i: int) -> nn.Module:
+        return GatedDeltaNet(self.cfg, i, self.states)
+
+    def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
+        return Qwen3_5DecoderLayer(self.cfg, i, self.tp, mixer, self.make_mlp(i))
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         cfg = self.cfg

@@ -1,0 +1,39 @@
+"""The shape every hybrid family shares: a token mixer per layer that is either attention (KV per
+token, numbered among the attention layers for the pool) or a layer that keeps a state per
+request (`recurrent.RecurrentStates`, shared by the model's layers), chosen by the config's
+`layer_types`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..distributed import TPGroup
+from ..model_config import ModelConfig, is_attention_layer
+from .decoder import CausalLM, DecoderLayer
+from .recurrent import RecurrentStates
+
+
+class HybridCausalLM(CausalLM):
+    """A family says how its attention (`make_attention`), its stateful mixer (`make_mixer`)
+    and, if it differs from the pre-norm one, its layer (`make_decoder_layer`) are built."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.states = RecurrentStates()
+        super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        types = self.hf["layer_types"]
+        if is_attention_layer(types[i]):
+            mixer = self.make_attention(sum(is_attention_layer(t) for t in types[:i]))
+        else:
+            mixer = self.make_mixer(i)
+        return self.make_decoder_layer(i, mixer)
+
+    def make_attention(self, kv_index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mixer(self, i: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
+        return DecoderLayer(self.cfg, i, self.tp, mixer, self.make_mlp(i))
