@@ -168,21 +168,13 @@ class RecurrentStates:
         if states is None:
             slots = self._slots(inputs)
             states = self.conv[layer] = x.new_zeros(slots, x.shape[1], weight.shape[1] - 1)
-        prefixes = inputs.prefix_lens
-        if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each
-            picked = states[inputs.rows]
-            out = causal_conv1d_step(x, weight, bias, picked)
-            states[inputs.rows] = picked
-            return out
-        out, start = torch.empty_like(x), 0
-        segments = zip(inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist())
-        for row, length, prefix in segments:
-            state = states[row] if prefix > 0 else None
-            out[start : start + length], states[row] = causal_conv1d(
-                x[start : start + length], weight, bias, state
-            )
-            start += length
-        return out
+        return each_request(
+            states,
+            inputs,
+            lambda x, s: causal_conv1d_step(x, weight, bias, s),
+            lambda x, s: causal_conv1d(x, weight, bias, s),
+            x,
+        )
 
     def delta_rule(
         self,
@@ -201,19 +193,29 @@ class RecurrentStates:
         if states is None:
             shape = (self._slots(inputs), v.shape[1], k.shape[2], v.shape[2])
             states = self.delta[layer] = torch.zeros(shape, device=v.device)
-        prefixes = inputs.prefix_lens
-        if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):  # decode: one token each
-            picked = states[inputs.rows]
-            out = gated_delta_rule_step(q, k, v, g, beta, picked)
-            states[inputs.rows] = picked
-            return out
-        out, start = torch.empty_like(v), 0
-        segments = zip(inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist())
-        for row, length, prefix in segments:
-            part = slice(start, start + length)
-            state = states[row] if prefix > 0 else None
-            out[part], states[row] = gated_delta_rule(
-                q[part], k[part], v[part], g[part], beta[part], state
-            )
-            start += length
+        return each_request(
+            states, inputs, gated_delta_rule_step, gated_delta_rule, q, k, v, g, beta
+        )
+
+
+def each_request(states: torch.Tensor, inputs: AttentionInputs, step, whole, *tensors):
+    """Run a recurrent op over a step's segments (`tensors`, tokens first, one segment per
+    request), each from its request's state in `states` (by row; zeros where the segment starts
+    at position 0), keeping the state it leaves. A decode step (one continued token each) runs
+    `step(*tensors, states)` on all rows at once; otherwise each segment runs
+    `whole(*segment, state) -> (output, state)`."""
+    prefixes = inputs.prefix_lens
+    if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):
+        picked = states[inputs.rows]
+        out = step(*tensors, picked)
+        states[inputs.rows] = picked
         return out
+    outputs, start = [], 0
+    for row, length, prefix in zip(
+        inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist()
+    ):
+        segment = [t[start : start + length] for t in tensors]
+        out, states[row] = whole(*segment, states[row] if prefix > 0 else None)
+        outputs.append(out)
+        start += length
+    return torch.cat(outputs)

@@ -124,9 +124,8 @@ class Admission:
                 break
             self._start(req, slots, node)
             if not self.kv.alloc(req, n):
-                if (
-                    self.queues.num_running() == 1
-                ):  # alone, it would be retracted and admitted forever
+                # alone, it would be retracted and admitted forever
+                if self.queues.num_running() == 1:
                     raise OutOfMemory(req, self.kv.allocator.available())
                 self.retraction.retract(req)
                 break

@@ -37,7 +37,7 @@ class KVManager:
         write_back = self.hicache is not None and self.write_policy == "write_back"
         self.snapshots = (
             StateSnapshots(info.max_running_requests, info.state_snapshots)
-            if info.state_snapshots and info.prefix_reuse
+            if info.state_snapshots
             else None
         )
         self.cache = RadixCache(
