@@ -16,12 +16,33 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+# layers that keep a state per sequence: convolution, linear attention, SSM (Mamba)
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
+HYBRID_LAYER = "hybrid"  # attention and an SSM side by side in one layer (Falcon-H1)
+# Nemotron-H's one-letter layer pattern (`hybrid_override_pattern`)
+PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 def is_attention_layer(layer_type: str) -> bool:
-    """Whether a `layer_types` entry keeps KV per token (else it keeps a state per sequence:
-    convolution, linear attention, SSM)."""
-    return layer_type in ATTENTION_LAYER_TYPES
+    """Whether a `layer_types` entry keeps KV per token."""
+    return layer_type in ATTENTION_LAYER_TYPES or layer_type == HYBRID_LAYER
+
+
+def is_state_layer(layer_type: str) -> bool:
+    """Whether a `layer_types` entry keeps a state per sequence."""
+    return layer_type in STATE_LAYER_TYPES or layer_type == HYBRID_LAYER
+
+
+def layer_types_of(cfg: dict[str, Any]) -> list[str] | None:
+    """Each layer's kind as the config names it: `layer_types` (`layers_block_type` in
+    Nemotron-H's), Nemotron-H's `hybrid_override_pattern`, or `hybrid` for every Falcon-H1
+    layer; None where the config does not say (every layer is attention)."""
+    if cfg.get("model_type") == "falcon_h1":
+        return [HYBRID_LAYER] * cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if types is None and cfg.get("hybrid_override_pattern"):
+        types = [PATTERN_LETTERS.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    return list(types) if types else None
 
 
 @dataclass(frozen=True)
@@ -31,8 +52,8 @@ class ModelConfig:
     from `hf_config`, the checkpoint's config.json as loaded.
 
     `latent_kv`: the pool holds one compressed latent per token (MLA: `head_dim` wide, shared
-    by all heads) and no separate values. `kv_layers`: in a hybrid model, the layers that keep
-    KV per token (the others keep a state per sequence); None when every layer does."""
+    by all heads) and no separate values. `kv_layers`: the layers that keep KV per token where
+    some do not, else None. `state_layers`: the layers that keep a state per sequence."""
 
     vocab_size: int
     hidden_size: int
@@ -54,6 +75,7 @@ class ModelConfig:
     latent_kv: bool = False
     checkpoint_dtype: str | None = None  # config.json's `dtype` (`torch_dtype` before v5)
     kv_layers: int | None = None
+    state_layers: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -72,7 +94,7 @@ class ModelConfig:
     @property
     def keeps_state(self) -> bool:
         """Some layers keep a state per sequence (a hybrid model)."""
-        return self.kv_layers is not None
+        return self.state_layers > 0
 
     @property
     def value_dim(self) -> int:
@@ -94,11 +116,12 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         latent = cfg.get("kv_lora_rank") is not None
+        types = layer_types_of(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size", 0),
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=len(types) if types else cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=1 if latent else cfg.get("num_key_value_heads") or heads,
             head_dim=(
@@ -106,7 +129,9 @@ class ModelConfig:
                 if latent
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),
-            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5)),
+            rms_norm_eps=cfg.get(
+                "rms_norm_eps", cfg.get("norm_eps", cfg.get("layer_norm_epsilon", 1e-5))
+            ),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -118,7 +143,8 @@ class ModelConfig:
             model_type=cfg.get("model_type", "llama"),
             latent_kv=latent,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            kv_layers=kv_layers_of(cfg.get("layer_types")),
+            kv_layers=kv_layers_of(types),
+            state_layers=sum(map(is_state_layer, types or [])),
             hf_config=cfg,
         )
 
@@ -128,7 +154,7 @@ class ModelConfig:
 
 
 def kv_layers_of(layer_types: list[str] | None) -> int | None:
-    """How many layers keep KV per token, where some keep a state instead; else None."""
+    """How many layers keep KV per token, where some do not; else None."""
     if not layer_types or all(is_attention_layer(t) for t in layer_types):
         return None
     return sum(is_attention_layer(t) for t in layer_types)

@@ -20,25 +20,67 @@ COMMON = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
+)
+GATED_DELTA_NET = dict(
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+)
+EXPERTS = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
 )
 FAMILIES = {
-    "qwen3_5_text": (
-        hf.Qwen3_5TextConfig,
-        hf.Qwen3_5ForCausalLM,
+    "qwen3_5_text": (hf.Qwen3_5TextConfig, hf.Qwen3_5ForCausalLM, GATED_DELTA_NET),
+    "qwen3_5_moe_text": (
+        hf.Qwen3_5MoeTextConfig,
+        hf.Qwen3_5MoeForCausalLM,
+        {**GATED_DELTA_NET, **EXPERTS},
+    ),
+    "qwen3_next": (
+        hf.Qwen3NextConfig,
+        hf.Qwen3NextForCausalLM,
+        {**GATED_DELTA_NET, **EXPERTS, "norm_topk_prob": False},
+    ),
+    "nemotron_h": (
+        hf.NemotronHConfig,
+        hf.NemotronHForCausalLM,
         dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
             head_dim=16,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            layer_types=[
-                "linear_attention",
-                "full_attention",
-                "linear_attention",
-                "linear_attention",
-            ],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=16,
+        ),
+    ),
+    "falcon_h1": (
+        hf.FalconH1Config,
+        hf.FalconH1ForCausalLM,
+        dict(
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            key_multiplier=0.7,
+            attention_in_multiplier=1.3,
+            attention_out_multiplier=0.8,
+            ssm_in_multiplier=1.1,
+            ssm_out_multiplier=0.9,
+            ssm_multipliers=[1.2, 0.8, 1.1, 0.9, 1.3],
+            mlp_multipliers=[1.2, 0.7],
         ),
     ),
     "lfm2": (
@@ -119,20 +161,30 @@ def test_a_squeezed_snapshot_pool_evicts_and_stays_exact(tmp_path):
     assert [m["cached_tokens"] for m in resumed] == [len(firsts[0]) + NEW_TOKENS - 1] * 3
 
 
-def test_requests_branching_off_a_path_resume_where_they_branch(tmp_path):
-    """A cached path whose only snapshot is at its end: a request leaving it at token 133
-    computes its prompt in a chunk that ends there and keeps a snapshot there, so the next
-    request leaving the path at 133 reads 133 tokens from the cache."""
+def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(tmp_path):
+    """A 600-token prompt, then the conversation's next turn: all of the first turn but its
+    last answer token (whose state its own decode step has not yet taken in) comes from the
+    cache. Two requests leaving that path at token 333, where no snapshot is: the first
+    resumes from the chunk end at 256 and computes the rest in a chunk that ends at 333,
+    keeping a snapshot there; the second reads all 333 from the cache. Tokens equal HF."""
     model, path = build_checkpoint(tmp_path, "lfm2")
-    base = list(range(10, 210))
-    prompts = [base, base[:133] + [400, 401, 402], base[:133] + [450, 451]]
+    first = [(7 * i) % 500 + 3 for i in range(600)]
     with Engine(
-        model=str(path), max_total_tokens=2048, chunked_prefill_size=256, dtype="float32"
+        model=str(path), max_total_tokens=4096, chunked_prefill_size=256, dtype="float32"
     ) as eng:
-        got = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        answer = eng.generate(input_ids=first, sampling_params=GREEDY)
+        turn = first + answer["output_ids"] + [11, 12, 13]
+        second = eng.generate(input_ids=turn, sampling_params=GREEDY)
+        branches = [first[:333] + [400, 401, 402], first[:333] + [450, 451]]
+        got = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in branches]
         eng.check_memory()
-    assert [g["meta_info"]["cached_tokens"] for g in got] == [0, 0, 133]
-    assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in prompts]
+    resumed = second["meta_info"]["cached_tokens"]
+    assert resumed == len(first) + NEW_TOKENS - 1
+    assert resumed >= 0.9 * (len(first) + NEW_TOKENS)
+    assert [g["meta_info"]["cached_tokens"] for g in got] == [256, 333]
+    assert answer["output_ids"] == hf_greedy(model, first)
+    assert second["output_ids"] == hf_greedy(model, turn)
+    assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in branches]
 
 
 @pytest.mark.parametrize(

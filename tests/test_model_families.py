@@ -85,6 +85,9 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200
 NEW_TOKENS = 12
 
 
+UNSCALED = ("rotary", "embed_scale", "mup_vector")  # buffers computed from the config
+
+
 def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict = COMMON):
     """A tiny random HF model of `family` (one of `families`, on `common` sizes), with weights
     large enough that greedy choices are far from ties, saved as a checkpoint."""
@@ -95,7 +98,7 @@ def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict 
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 tensor.uniform_(0, 0.1)
-            elif tensor.is_floating_point() and "rotary" not in name and "embed_scale" not in name:
+            elif tensor.is_floating_point() and not any(k in name for k in UNSCALED):
                 tensor.normal_(0, 0.1 if "norm" in name else 0.2)
     model.eval()
     model.save_pretrained(path / family)

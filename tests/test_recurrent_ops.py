@@ -85,3 +85,58 @@ def test_the_causal_convolution_resumes_from_its_state():
     steps = [causal_conv1d_step(x[t : t + 1], weight, bias, states) for t in (38, 39)]
     torch.testing.assert_close(torch.cat([first, rest, *steps]), want, **TOL)
     torch.testing.assert_close(states[0], x[37:40].t(), **TOL)
+
+
+def scan_inputs(length: int, heads: int = 4, groups: int = 2, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(length, heads, 8, generator=gen)
+    dt = F.softplus(torch.randn(length, heads, generator=gen))
+    b = torch.randn(length, groups, 16, generator=gen)
+    c = torch.randn(length, groups, 16, generator=gen)
+    return x, dt, b, c
+
+
+def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
+    """Nemotron-H's torch SSD scan as the reference: the chunked scan at once and split across
+    and inside chunks, and one-token steps in a batch continuing two prompts."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as nemotron
+
+    from radixserve.models.mamba2 import mamba2_scan, mamba2_step
+
+    gen = torch.Generator().manual_seed(7)
+    a, d = -torch.rand(4, generator=gen) * 2, torch.randn(4, generator=gen)
+
+    def hf_scan(x, dt, b, c):
+        out, state = nemotron.mamba2_chunk_scan(
+            *(t.unsqueeze(0) for t in (x, dt)),
+            a,
+            *(t.unsqueeze(0) for t in (b, c)),
+            chunk_size=16,
+            D=d,
+            return_final_states=True,
+        )
+        return out[0], state[0]
+
+    x, dt, b, c = scan_inputs(150)
+    want, want_state = hf_scan(x, dt, b, c)
+    got, state = mamba2_scan(x, dt, a, b, c, d, None)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(state, want_state, **TOL)
+    parts, state = [], None
+    for start, end in ((0, 37), (37, 101), (101, 150)):
+        out, state = mamba2_scan(
+            *(t[start:end] for t in (x, dt)), a, b[start:end], c[start:end], d, state
+        )
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts), want, **TOL)
+    prompts = [scan_inputs(n, seed=n) for n in (5, 70)]
+    states = torch.stack([mamba2_scan(p[0], p[1], a, p[2], p[3], d, None)[1] for p in prompts])
+    for step in range(3):
+        token = [scan_inputs(1, seed=1000 + 10 * step + i) for i in range(2)]
+        x, dt, b, c = (torch.cat([t[j] for t in token]) for j in range(4))
+        got = mamba2_step(x, dt, a, b, c, d, states)
+        for i in range(2):
+            prompts[i] = tuple(torch.cat([p, t]) for p, t in zip(prompts[i], token[i]))
+            want, want_state = hf_scan(*prompts[i])
+            torch.testing.assert_close(got[i], want[-1], **TOL)
+            torch.testing.assert_close(states[i], want_state, **TOL)

@@ -36,7 +36,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class Attention(nn.Module):
     """`cfg` is this rank's shard (its heads); o_proj's partial sums are all-reduced (its bias,
     if any, is added by rank 0 alone). `qk_norm`: a norm over each head's q and k before the
-    rotary embedding (Qwen3, Gemma 3). `rope`: which of the model's rotary tables it uses."""
+    rotary embedding (Qwen3, Gemma 3). `rope`: which of the model's rotary tables it uses
+    (None: no rotary embedding, Nemotron-H)."""
 
     def __init__(
         self,
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: type[RMSNorm] | None = None,
-        rope: int = 0,
+        rope: int | None = 0,
     ):
         super().__init__()
         self.layer, self.cfg, self.tp, self.how, self.rope = layer, cfg, tp, how, rope
@@ -69,9 +70,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
             k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = ropes[self.rope]
-        q = apply_rotary(q, cos, sin, self.cpu_ops)
-        k = apply_rotary(k, cos, sin, self.cpu_ops)
+        if self.rope is not None:
+            cos, sin = ropes[self.rope]
+            q = apply_rotary(q, cos, sin, self.cpu_ops)
+            k = apply_rotary(k, cos, sin, self.cpu_ops)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = self.o_proj(backend.forward(self.layer, q, k, v, self.how))
         return self.tp.all_reduce(out)
@@ -244,6 +246,8 @@ class CausalLM(nn.Module):
         module_name, _, kind = name.rpartition(".")
         tensor = self.tp_slice(module_name, kind, tensor)
         target, shard = fused_target(module_name)
+        if target not in modules:  # an unfused layer under a fusable name (a plain MLP's up_proj)
+            target, shard = module_name, None
         module = modules.get(target)
         if isinstance(module, Linear):
             if kind == "bias" and target.rpartition(".")[2] in SPLIT_BY_INPUT and self.tp.rank:

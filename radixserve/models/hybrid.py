@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..distributed import TPGroup
-from ..model_config import ModelConfig, is_attention_layer
+from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import CausalLM, DecoderLayer
 from .recurrent import RecurrentStates
 
@@ -22,7 +22,7 @@ class HybridCausalLM(CausalLM):
         super().__init__(cfg, max_positions, tp)
 
     def make_layer(self, i: int) -> nn.Module:
-        types = self.hf["layer_types"]
+        types = layer_types_of(self.hf)
         if is_attention_layer(types[i]):
             mixer = self.make_attention(sum(is_attention_layer(t) for t in types[:i]))
         else:

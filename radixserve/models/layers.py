@@ -323,6 +323,7 @@ class Linear(nn.Module):
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
 }
 
 
@@ -353,6 +354,19 @@ class SwiGLU(nn.Module):
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
+
+
+class PlainMLP(nn.Module):
+    """`down(act(up(x)))`, without a gate (Nemotron-H's squared-ReLU MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 def use_cpu_ops(model: nn.Module, cpu_ops) -> None:

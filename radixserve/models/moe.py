@@ -8,7 +8,7 @@ so each rank holds a slice of all experts and the routing is the same on every r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +156,34 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+class GatedSharedExpert(nn.Module):
+    """An expert every token runs, scaled by the sigmoid of its own one-output gate (Qwen2-MoE,
+    Qwen3-Next, Qwen3.5-MoE: `shared_expert` and `shared_expert_gate`)."""
+
+    def __init__(self, hidden: int, inter: int, act: str = "silu"):
+        super().__init__()
+        self.mlp = SwiGLU(hidden, inter, act)
+        self.gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.gate.weight)) * self.mlp(x)
+
+
+def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]):
+    """Experts stacked as HF's own expert modules hold them (`experts.gate_up_proj [E, 2 *
+    inter, hidden]`, gate rows then up rows; `experts.down_proj [E, hidden, inter]`) as each
+    expert's tensors, named like a per-expert checkpoint's; other tensors pass through."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            continue
+        for e, one in enumerate(tensor):
+            if leaf == "gate_up_proj":
+                gate, up = one.chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", one

@@ -24,10 +24,13 @@ from ..model_config import ModelConfig
 from .decoder import Attention, DecoderLayer
 from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .moe import Experts, GatedSharedExpert, Routing, SparseMoE, unstack_experts
 from .recurrent import RecurrentStates
 
 ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.")
+SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
+NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower, MTP head
 
 
 class GatedDeltaNet(nn.Module):
@@ -125,5 +128,33 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
         return [RotaryEmbedding(width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
 
     def rename(self, name: str) -> str | None:
-        """The mixer of every layer sits at `self_attn` (a Gated DeltaNet's `linear_attn`)."""
+        """The mixer of every layer sits at `self_attn` (a Gated DeltaNet's `linear_attn`); a
+        multimodal checkpoint's language model is read, the rest skipped."""
+        if name.startswith(NOT_TEXT):
+            return None
+        name = name.replace("model.language_model.", "model.", 1)
+        name = SHARED_EXPERT.sub(
+            lambda m: ".mlp.shared_experts." + ("gate." if m[1] else "mlp."), name
+        )
         return LINEAR_ATTENTION.sub(r"\1.self_attn.", name)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5 with sparse experts in every layer's MLP (the layers listed in
+    `mlp_only_layers`, or off the `decoder_sparse_step`, keep a dense one) beside a gated
+    shared expert; the checkpoint holds the experts stacked."""
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, cfg = self.hf, self.cfg
+        if i in hf.get("mlp_only_layers", []) or (i + 1) % hf.get("decoder_sparse_step", 1):
+            return super().make_mlp(i)
+        act = hf.get("hidden_act", "silu")
+        routing = Routing("softmax_topk", hf["num_experts_per_tok"], hf.get("norm_topk_prob", True))
+        experts = Experts(
+            hf["num_experts"], cfg.hidden_size, hf["moe_intermediate_size"], self.tp, act
+        )
+        shared = GatedSharedExpert(cfg.hidden_size, hf["shared_expert_intermediate_size"], act)
+        return SparseMoE(cfg.hidden_size, experts, routing, shared=shared)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))

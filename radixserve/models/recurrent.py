@@ -133,25 +133,42 @@ def gated_delta_rule_step(
 
 # ---- the state of running requests ---------------------------------------------------
 class RecurrentStates:
-    """Each recurrent layer's state for every running request, by the request's row (its row of
-    `req_to_token`), allocated at the first step for every row. A step's segment that starts at
-    position 0 starts from a zero state; one that continues a request (a later prompt chunk, a
-    decode token) starts from the state its previous step left in the row. A cached prefix is
-    resumed from a snapshot: `snapshot_slots` slots after the rows hold states copied there
-    (`copy`) at the ends of cached prefixes (`scheduler/snapshots.py`)."""
+    """Each recurrent layer's states for every running request, by the request's row (its row of
+    `req_to_token`), allocated at the first step for every row and kept by (kind, layer). A
+    step's segment that starts at position 0 starts from a zero state; one that continues a
+    request (a later prompt chunk, a decode token) starts from the state its previous step left
+    in the row. A cached prefix is resumed from a snapshot: `snapshot_slots` slots after the
+    rows hold states copied there (`copy`) at the ends of cached prefixes
+    (`scheduler/snapshots.py`)."""
 
     def __init__(self) -> None:
-        self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, channels, taps - 1]
-        self.delta: dict[int, torch.Tensor] = {}  # layer -> [rows, heads, key dim, value dim]
+        self.held: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer) -> [slots, ...]
         self.snapshot_slots = 0
 
     def copy(self, src: int, dst: int) -> None:
         """Every layer's state in slot `src` into slot `dst`."""
-        for states in (*self.conv.values(), *self.delta.values()):
+        for states in self.held.values():
             states[dst] = states[src]
 
-    def _slots(self, inputs: AttentionInputs) -> int:
-        return inputs.req_to_token.shape[0] + self.snapshot_slots
+    def resume(
+        self,
+        kind: str,
+        layer: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        inputs: AttentionInputs,
+        step,
+        whole,
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run a recurrent op (`each_request`) over the step's segments, from and into this
+        layer's states of that kind, each of `shape`."""
+        states = self.held.get((kind, layer))
+        if states is None:
+            slots = inputs.req_to_token.shape[0] + self.snapshot_slots
+            states = torch.zeros((slots, *shape), dtype=dtype, device=tensors[0].device)
+            self.held[(kind, layer)] = states
+        return each_request(states, inputs, step, whole, *tensors)
 
     def convolve(
         self,
@@ -164,12 +181,11 @@ class RecurrentStates:
         """`x` [tokens, channels], the step's segments one after another; returns the causal
         convolution of each segment, continued from its request's state, and keeps the state
         each segment leaves."""
-        states = self.conv.get(layer)
-        if states is None:
-            slots = self._slots(inputs)
-            states = self.conv[layer] = x.new_zeros(slots, x.shape[1], weight.shape[1] - 1)
-        return each_request(
-            states,
+        return self.resume(
+            "conv",
+            layer,
+            (x.shape[1], weight.shape[1] - 1),
+            x.dtype,
             inputs,
             lambda x, s: causal_conv1d_step(x, weight, bias, s),
             lambda x, s: causal_conv1d(x, weight, bias, s),
@@ -189,12 +205,20 @@ class RecurrentStates:
         """The gated delta rule over the step's segments (`q`, `k` [tokens, key heads, key
         dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]), each
         continued from its request's state, which it then keeps (float32)."""
-        states = self.delta.get(layer)
-        if states is None:
-            shape = (self._slots(inputs), v.shape[1], k.shape[2], v.shape[2])
-            states = self.delta[layer] = torch.zeros(shape, device=v.device)
-        return each_request(
-            states, inputs, gated_delta_rule_step, gated_delta_rule, q, k, v, g, beta
+        shape = (v.shape[1], k.shape[2], v.shape[2])
+        return self.resume(
+            "delta",
+            layer,
+            shape,
+            torch.float32,
+            inputs,
+            gated_delta_rule_step,
+            gated_delta_rule,
+            q,
+            k,
+            v,
+            g,
+            beta,
         )
 
 

@@ -27,6 +27,10 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -47,12 +51,36 @@ MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
-PARTIAL_ROTARY = {"Qwen3_5ForCausalLM"}  # architectures that rotate part of each head
+# multimodal checkpoints whose language model is served (the vision tower is not loaded)
+LANGUAGE_MODELS = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+# architectures that rotate part of each head
+PARTIAL_ROTARY = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
 
 
 class UnsupportedModel(ValueError):
     """A checkpoint no family here can run; the message is the one-line start-up error."""
+
+
+def language_model_config(hf: dict) -> dict:
+    """The config a family reads: a multimodal checkpoint's `text_config` (with the served
+    architecture, and the stop tokens and tying the top level sets) where its language model
+    is served; else the config itself."""
+    named = (hf.get("architectures") or [None])[0]
+    if named not in LANGUAGE_MODELS:
+        return hf
+    text = dict(hf["text_config"], architectures=[LANGUAGE_MODELS[named]], vision_not_served=named)
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
 
 
 def architecture_of(hf: dict) -> str:
@@ -87,7 +115,7 @@ def model_class(cfg: ModelConfig):
 
 
 ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
+ACTIVATIONS = {"silu", "gelu_pytorch_tanh", "relu2"}
 
 
 def check_supported(hf: dict) -> None:
@@ -108,12 +136,24 @@ def check_supported(hf: dict) -> None:
         partial = rope.get("partial_rotary_factor", 1.0) != 1.0
         if partial and architecture_of(hf) not in PARTIAL_ROTARY:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
-    for key in ("hidden_act", "hidden_activation"):
+    if architecture_of(hf) == "NemotronHForCausalLM":
+        _check_nemotron_h(hf)
+    for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
         if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
             raise UnsupportedModel(
                 f"config.json: {key} {hf[key]!r} is not implemented; supported: "
                 f"{', '.join(sorted(ACTIVATIONS))}"
             )
+
+
+def _check_nemotron_h(hf: dict) -> None:
+    types = hf.get("layers_block_type") or hf.get("layer_types") or []
+    if "moe" in types or "E" in (hf.get("hybrid_override_pattern") or ""):
+        raise UnsupportedModel("config.json: Nemotron-H 'moe' layers are not implemented")
+    if hf.get("mamba_hidden_act", "silu") != "silu":
+        raise UnsupportedModel(
+            f"config.json: mamba_hidden_act {hf['mamba_hidden_act']!r} is not implemented"
+        )
 
 
 def recurrent_problems(cfg: ModelConfig, args: EngineArgs):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..model_config import ModelConfig
-from .registry import check_supported
+from .registry import check_supported, language_model_config
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def read_config(path: Path) -> ModelConfig:
     """The checkpoint's config, refused here (a ValueError naming the field) when no family
     can run it."""
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = language_model_config(json.loads((path / "config.json").read_text()))
         check_supported(raw)
         return ModelConfig.from_hf_dict(raw)
     except KeyError as exc:
