@@ -63,12 +63,15 @@ def kv_pages(
     max_total_tokens: int | None,
     device_type: str,
     page_size: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """The pool's pages: `--max-total-tokens`, else `--mem-fraction` of the bytes available
-    beside the weights (capped on CPU at DEFAULT_CPU_MAX_TOKENS tokens)."""
+    beside the weights, less `reserved_bytes` for a pool beside it (capped on CPU at
+    DEFAULT_CPU_MAX_TOKENS tokens)."""
     tokens = max_total_tokens
     if tokens is None:
-        tokens = int(max(available_bytes, 0) * mem_fraction) // per_token
+        budget = int(max(available_bytes, 0) * mem_fraction) - reserved_bytes
+        tokens = max(budget, 0) // per_token
         tokens = min(tokens, DEFAULT_CPU_MAX_TOKENS) if device_type == "cpu" else tokens
     return max(tokens // page_size, 1)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from .memory_plan import MemoryPlan
+from .memory_plan import MemoryPlan, human_bytes
 from .sampling_params import SamplingParams
 
 
@@ -100,6 +100,8 @@ class ForwardBatch:
     pooling: list[str | None] | None = None
     # LoRA: request b's adapter (None: the base model); None when no request has one
     lora_names: list[str | None] | None = None
+    # window layers kept apart: (full slots, their window slots) the worker has not seen
+    window_map: tuple[list[int], list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -126,6 +128,24 @@ class ForwardResult:
     pooled: list[Any] | None = None
 
 
+@dataclass(frozen=True)
+class WindowKVInfo:
+    """Sliding-window layers' KV in a pool of its own, freed once past the `window`
+    (`mem/window_kv.py`): `slots` of it (slot 0 pads), `bytes_per_token` there."""
+
+    window: int
+    slots: int
+    layers: int
+    bytes_per_token: int
+
+    def summary(self) -> str:
+        return (
+            f"window KV of {self.layers} layers apart: {self.slots - 1} tokens "
+            f"({human_bytes((self.slots - 1) * self.bytes_per_token)}), freed past "
+            f"{self.window} tokens"
+        )
+
+
 @dataclass
 class WorkerInfo:
     """What the scheduler needs to know about the worker's memory and model."""
@@ -145,6 +165,7 @@ class WorkerInfo:
     dtype_reason: str = ""  # why --dtype resolved to `dtype`
     prefix_reuse: bool = True  # False: a hybrid model without state snapshots
     state_snapshots: int = 0  # a hybrid model's snapshot slots, after the requests' rows
+    window_kv: WindowKVInfo | None = None  # window layers' KV kept apart and freed
 
     @property
     def num_slots(self) -> int:
@@ -168,6 +189,7 @@ class WorkerInfo:
             f"attention backend {self.attention_backend}"
             + ("" if self.prefix_reuse else "; prefix reuse off (recurrent layers)")
             + (f"; {self.state_snapshots} state snapshots" if self.state_snapshots else "")
+            + (f"; {self.window_kv.summary()}" if self.window_kv else "")
         )
 
 
@@ -306,6 +328,7 @@ class SchedulerStats:
     generation_tokens_total: int = 0
     evicted_tokens_total: int = 0
     retractions_total: int = 0
+    peak_running: int = 0  # the most requests running in one step since start
     jump_forward_tokens_total: int = 0
     spec_verify_steps_total: int = 0  # request-steps that verified drafts
     spec_draft_tokens_total: int = 0

@@ -87,6 +87,16 @@ class ScheduleOptions:
     max_running_requests: int = option(64, "requests decoding at once")
     max_context_len: int | None = option(None, "context length cap (default: the model's)")
     chunked_prefill_size: int = option(512, "longest prompt chunk per step")
+    disable_hybrid_swa_memory: bool = option(
+        False,
+        "keep every token's KV in sliding-window layers (Gemma 2/3, gpt-oss) too, instead of a "
+        "pool of their own that frees it once the token leaves the window",
+    )
+    swa_full_tokens_ratio: float | None = option(
+        None,
+        "the window layers' pool in tokens as a fraction of the full layers' pool (default: what "
+        "--max-running-requests windows and a --chunked-prefill-size chunk need)",
+    )
     max_prefill_tokens: int | None = option(
         None, "prompt tokens per step (default: 2048 on CPU, 4096 on GPU, as measured)"
     )

@@ -46,9 +46,14 @@ def decode_lens(reqs: list[Req]) -> list[int]:
 
 
 def build_batch(
-    mode: ForwardMode, reqs: list[Req], lens: list[int], ctx: SamplingContext
+    mode: ForwardMode,
+    reqs: list[Req],
+    lens: list[int],
+    ctx: SamplingContext,
+    window_map: tuple[list[int], list[int]] | None = None,
 ) -> ForwardBatch:
-    """Request i feeds its last `lens[i]` slots; a row's new prefix slots go as `row_writes`."""
+    """Request i feeds its last `lens[i]` slots; a row's new prefix slots go as `row_writes`;
+    `window_map`: the window slots of full slots, where window layers keep KV apart."""
     ids, positions, locs, writes, seq_lens, logprobs = [], [], [], [], [], []
     for req, n in zip(reqs, lens):
         end = len(req.kv_slots)
@@ -78,6 +83,7 @@ def build_batch(
         draft_lens,
         pooling,
         lora_names,
+        window_map,
     )
 
 

@@ -99,6 +99,7 @@ class DecodePlanner:
         if not reqs:
             return []
         self._propose_drafts(reqs)
+        self.kv.trim_windows(reqs)
         while not self.kv.make_room(sum(self.kv.pages_for(r, 1 + len(r.drafts)) for r in reqs)):
             if any(r.drafts for r in reqs):
                 for r in reqs:

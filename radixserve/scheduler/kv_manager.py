@@ -15,6 +15,7 @@ from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache, block_size, fingerprint
 from ..mem.radix_cache import RadixCache, TreeNode
 from ..mem.radix_node import path_of, salt_of, top_prefixes, walk
+from ..mem.window_kv import WindowKV
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
@@ -40,9 +41,15 @@ class KVManager:
             if info.state_snapshots
             else None
         )
+        window = info.window_kv
+        self.windows = (
+            WindowKV(self.allocator.num_slots + info.page_size, window.slots, window.window)
+            if window is not None
+            else None
+        )
         self.cache = RadixCache(
             info.page_size,
-            self.allocator.free,
+            self.free_slots,
             disable=args.disable_radix_cache or not info.prefix_reuse,
             record_events=args.kv_events_config is not None,
             on_evict=self._back_up_leaf if write_back else None,
@@ -60,6 +67,11 @@ class KVManager:
         if self.snapshots is not None:
             cached = len(slots)
             slots, node = at_snapshot(slots, node)
+            req.branch_at = cached if cached > len(slots) else None
+        if self.windows is not None:
+            cached = len(slots)
+            if (resumable := self.windows.resumable(slots)) < cached:
+                slots, node = self.cache.match_prefix(prefix[:resumable], req.cache_salt)
             req.branch_at = cached if cached > len(slots) else None
         return slots, node
 
@@ -81,7 +93,7 @@ class KVManager:
             return slots, node
         key = prefix[: len(slots) + len(loaded)]
         already = self.cache.insert(key, slots + loaded, salt)
-        self.allocator.free(loaded[: max(already - len(slots), 0)])
+        self.free_slots(loaded[: max(already - len(slots), 0)])
         return self.cache.match_prefix(key, salt)
 
     def _alloc_for_load(self, n: int) -> list[int] | None:
@@ -110,6 +122,9 @@ class KVManager:
         """Give an admitted request a row and its matched prefix (already locked)."""
         req.row = self.rows.alloc()
         req.kv_slots, req.cached_len, req.node, req.synced = list(slots), len(slots), node, 0
+        req.window_trimmed = len(slots)
+        if self.windows is not None:  # a running request that computed them may not free them
+            self.windows.hand_to_tree(slots[-self.windows.window :])
         if req.spec is not None:
             req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
         self.cache.record_hit(node)
@@ -120,19 +135,53 @@ class KVManager:
             self._back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
 
     def make_room(self, pages: int) -> bool:
-        """Evict cached prefixes until `pages` more pages can be allocated, if possible."""
+        """Evict cached prefixes until `pages` more pages can be allocated (and, with window
+        layers kept apart, as many window slots), if possible."""
         missing = pages * self.page_size - self.allocator.available()
         if missing > 0:
             self.evicted_tokens += self.cache.evict(missing)
+        if self.windows is not None:
+            while (short := pages - self.windows.available()) > 0:
+                evicted = self.cache.evict(short)
+                if not evicted:
+                    return False
+                self.evicted_tokens += evicted
         return self.allocator.can_alloc_pages(pages)
 
     def alloc(self, req: Req, n: int) -> bool:
-        """`n` more slots for the request, evicting if needed; False when they do not fit."""
+        """`n` more slots for the request, evicting if needed; False when they do not fit.
+        With window layers kept apart, the request first frees the window slots its tokens
+        left behind (`WindowKV.trim`)."""
+        self.trim_windows([req])
         if not self.make_room(self.allocator.pages_needed(len(req.kv_slots), n)):
             return False
         last = req.kv_slots[-1] if req.kv_slots else None
-        req.kv_slots += self.allocator.alloc_extend(len(req.kv_slots), last, n)
+        new = self.allocator.alloc_extend(len(req.kv_slots), last, n)
+        req.kv_slots += new
+        if self.windows is not None:
+            self.windows.alloc(new, req.row)
         return True
+
+    def trim_windows(self, reqs: Sequence[Req]) -> None:
+        """With window layers kept apart: each request frees the window slots of its tokens
+        that fell behind its window."""
+        if self.windows is None:
+            return
+        for req in reqs:
+            req.window_trimmed = self.windows.trim(
+                req.kv_slots, req.row, req.window_trimmed, len(req.kv_slots)
+            )
+
+    def free_slots(self, slots: list[int]) -> None:
+        """Give slots back to the allocator (and their window slots to the window pool)."""
+        self.allocator.free(slots)
+        if self.windows is not None:
+            self.windows.release(slots)
+
+    def window_map(self) -> tuple[list[int], list[int]] | None:
+        """(full slots, their window slots) the worker has not seen yet; None without window
+        layers kept apart."""
+        return None if self.windows is None else self.windows.take_updates()
 
     def pages_for(self, req: Req, n: int) -> int:
         return self.allocator.pages_needed(len(req.kv_slots), n)
@@ -143,7 +192,7 @@ class KVManager:
 
     def free_tail(self, req: Req, keep: int) -> None:
         """Give back the request's own slots past its first `keep` (draft slots not used)."""
-        self.allocator.free(req.kv_slots[keep:])
+        self.free_slots(req.kv_slots[keep:])
         del req.kv_slots[keep:]
 
     def cache_prefix(self, req: Req, ending: bool = False) -> None:
@@ -156,10 +205,13 @@ class KVManager:
             return
         key = req.fill_ids[:aligned]
         already = self.cache.insert(key, req.kv_slots[:aligned], req.cache_salt)
-        if already > req.cached_len:
-            self.allocator.free(req.kv_slots[req.cached_len : already])
-            req.synced = min(req.synced, req.cached_len)
         slots, node = self.cache.match_prefix(key, req.cache_salt)
+        if already > req.cached_len:
+            duplicates = req.kv_slots[req.cached_len : already]
+            if self.windows is not None:
+                self.windows.adopt(slots[req.cached_len : already], duplicates)
+            self.free_slots(duplicates)
+            req.synced = min(req.synced, req.cached_len)
         self.cache.inc_lock_ref(node)
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
@@ -169,6 +221,9 @@ class KVManager:
             slot = self.snapshots.take(node, evict=ending or at_branch)
             if slot is not None:
                 self.executor.copy_state(req.row, slot)
+        if self.windows is not None and aligned in (req.branch_at, len(req.fill_ids) - 1):
+            # where a prompt ends or leaves a cached path: the tree keeps the window KV there
+            self.windows.hand_to_tree(slots[aligned - self.windows.window - 1 :])
         if self.hicache is not None:
             self._back_up_prefix(key, slots, node, req.cache_salt)
 
@@ -180,7 +235,9 @@ class KVManager:
     def drop(self, req: Req) -> None:
         """Give back what the request holds without caching more of it: its uncached KV to the
         allocator, its tree lock, its row."""
-        self.allocator.free(req.kv_slots[req.cached_len :])
+        self.free_slots(req.kv_slots[req.cached_len :])
+        if self.windows is not None:  # the tree keeps the window slots the request still owns
+            self.windows.hand_to_tree(req.kv_slots[: req.cached_len])
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         if req.row is not None:
@@ -246,6 +303,8 @@ class KVManager:
         assert self.rows.available() + len(running) == self.rows.num_rows
         if self.snapshots is not None:
             self.snapshots.check(sum(n.snapshot is not None for n in walk(self.cache.root)))
+        if self.windows is not None:
+            self.windows.check()
         if self.hicache is not None:
             self.hicache.host.check()
 

@@ -79,6 +79,7 @@ class SchedulerMetrics:
 
     def log_step(self, step: Step, usage: float, running: int, queued: int) -> None:
         self.stats.forward_steps += 1
+        self.stats.peak_running = max(self.stats.peak_running, running)
         if step.num_prefill:
             new = sum(step.batch.extend_lens[: step.num_prefill])
             cached = step.reused_tokens

@@ -38,6 +38,7 @@ class Req:
     node: TreeNode | None = None
     synced: int = 0
     branch_at: int | None = None  # hybrid: where it leaves a cached path with no snapshot
+    window_trimmed: int = 0  # window layers kept apart: its tokens before this hold none
 
     cached_tokens: int = 0
     admitted: bool = False

@@ -175,7 +175,7 @@ class Scheduler:
         decoding = step.reqs[step.num_prefill :]
         self.decode.finalize_drafts(decoding)
         lens = step.prefill_lens + decode_lens(decoding)
-        step.batch = build_batch(step.mode, step.reqs, lens, self.sampling)
+        step.batch = build_batch(step.mode, step.reqs, lens, self.sampling, self.kv.window_map())
         started = time.perf_counter()
         result = self.executor.forward(step.batch)
         if not step.num_prefill:  # the cost of rows that make logits (see StepCost)

@@ -19,7 +19,11 @@ log = logging.getLogger(__name__)
 
 
 def kv_num_pages(
-    args: EngineArgs, device: torch.device, weights_bytes: int, bytes_per_token: int
+    args: EngineArgs,
+    device: torch.device,
+    weights_bytes: int,
+    bytes_per_token: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages of the KV pool: --max-total-tokens, else --mem-fraction of the memory left beside
     the weights (on CUDA, what the device has free with the weights loaded)."""
@@ -35,6 +39,7 @@ def kv_num_pages(
         args.max_total_tokens,
         device.type,
         args.page_size,
+        reserved_bytes,
     )
 
 

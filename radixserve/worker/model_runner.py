@@ -14,7 +14,7 @@ from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..lora import AdapterConfig, lora_spec
 from ..mem.huge_pages import release_pages
-from ..mem.kv_pool import KVPool, kv_storage_dtype
+from ..mem.kv_pool import kv_storage_dtype
 from ..memory_plan import context_problem
 from ..messages import ForwardBatch, ForwardMode, ForwardResult, WorkerInfo
 from ..models.layers import make_batch_invariant
@@ -33,6 +33,13 @@ from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
 from .step_inputs import StepInputs
 from .torch_compile import CompiledForward
+from .window_pools import (
+    pool_bytes,
+    window_info,
+    window_layers,
+    windowed_backend,
+    windowed_pools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,26 +101,29 @@ class ModelRunner:
         cfg = self.config = self.model.cfg  # this rank's heads
         self.weights_bytes = model_bytes(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
-        per_token = KVPool.bytes_per_token(
-            cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, cfg.value_dim
-        )
+        self.windows = window_layers(self.model, args, self.device) if layout is None else None
+        sizes = pool_bytes(cfg, self.windows, args, self.kv_dtype)
+        per_token = sizes.per_token
         num_pages = (
             layout.num_pages
             if layout is not None
             else tp.min_int(
                 kv_num_pages(
-                    args, self.device, self.weights_bytes, per_token + reserve_bytes_per_token
+                    args,
+                    self.device,
+                    self.weights_bytes,
+                    per_token + reserve_bytes_per_token,
+                    sizes.reserved,
                 )
             )
         )
         ps = args.page_size
-        self.pool = kv_pool(self.model, (num_pages + 1) * ps, self.kv_dtype, self.device)
         self.req_to_token = (
             layout.req_to_token
             if layout is not None
             else torch.zeros(args.max_running_requests, self.max_context_len, dtype=torch.long)
         ).to(self.device)
-        backend, self.backend = attention_backend(self.model, self.pool, args, self.device)
+        self._make_pools((num_pages + 1) * ps)
         snapshots = keep_state_snapshots(self.model, args)
         self._prepare_forward()
         self.info = WorkerInfo(
@@ -125,17 +135,34 @@ class ModelRunner:
             cfg.eos_token_ids,
             str(self.dtype).removeprefix("torch."),
             str(self.device),
-            backend,
+            self.backend_name,
             per_token,
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
             dtype_reason,
             not cfg.keeps_state or snapshots > 0,
             snapshots,
+            window_info(self.windows, self.window_pool),
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
             raise ValueError(problem)
+
+    def _make_pools(self, num_slots: int) -> None:
+        """The KV pool and the attention backend over it; with window layers kept apart, a
+        pool and a backend for each."""
+        args, model, device = self.args, self.model, self.device
+        if self.windows is None:
+            self.pool = kv_pool(model, num_slots, self.kv_dtype, device)
+            self.backend_name, self.backend = attention_backend(model, self.pool, args, device)
+            self.window_pool = None
+            return
+        self.pool, self.window_pool = windowed_pools(
+            model, self.windows, args, num_slots, self.kv_dtype, device
+        )
+        self.backend_name, full = attention_backend(model, self.pool, args, device)
+        _, window = attention_backend(model, self.window_pool, args, device)
+        self.backend = windowed_backend(full, window, self.windows, num_slots)
 
     def _prepare_forward(self) -> None:
         """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
@@ -237,6 +264,8 @@ class ModelRunner:
         """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
         Logits stay on the model's device: only token ids and asked-for logprobs come back."""
         inputs = StepInputs.from_batch(fb, self.device)
+        if fb.window_map is not None:
+            self.backend.map_window(*(torch.tensor(s, dtype=torch.long) for s in fb.window_map))
         if self.lora is not None:
             self.lora.prepare_step(fb.lora_names or [None] * fb.batch_size, fb.extend_lens)
         if self.tp.size > 1:
