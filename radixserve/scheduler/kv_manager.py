@@ -7,19 +7,19 @@ rest are its own pages. Invariant (`check_memory`): free + cached + held by runn
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Sequence
 
 from ..config import EngineArgs
 from ..mem.allocator import ReqToTokenRows, SlotAllocator
-from ..mem.hicache import HiCache, block_size, fingerprint
+from ..mem.hicache import HiCache
 from ..mem.radix_cache import RadixCache, TreeNode
-from ..mem.radix_node import path_of, salt_of, top_prefixes, walk
+from ..mem.radix_node import top_prefixes, walk
 from ..mem.window_kv import WindowKV
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
 from .snapshots import StateSnapshots
+from .tiers import Tiers
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,12 @@ class KVManager:
     def __init__(self, args: EngineArgs, executor: Executor):
         info = executor.info
         self.args, self.executor = args, executor
-        self.weight_updates = 0  # weight updates since start: the tiers' blocks name them
         self.page_size = info.page_size
         self.evicted_tokens = 0  # evicted from the tree to make room, over the server's life
         self.allocator = SlotAllocator(info.num_pages, info.page_size)
         self.rows = ReqToTokenRows(info.max_running_requests)
-        self.write_policy = args.hicache_write_policy
-        self.hicache = make_hicache(args, executor) if args.enable_hierarchical_cache else None
-        write_back = self.hicache is not None and self.write_policy == "write_back"
+        self.tiers = Tiers(args, executor, self) if args.enable_hierarchical_cache else None
+        write_back = self.tiers is not None and args.hicache_write_policy == "write_back"
         self.snapshots = (
             StateSnapshots(info.max_running_requests, info.state_snapshots)
             if info.state_snapshots
@@ -52,18 +50,22 @@ class KVManager:
             self.free_slots,
             disable=args.disable_radix_cache or not info.prefix_reuse,
             record_events=args.kv_events_config is not None,
-            on_evict=self._back_up_leaf if write_back else None,
+            on_evict=self.tiers.back_up_leaf if write_back else None,
             eviction_policy=args.radix_eviction_policy,
             drop_snapshot=self.snapshots.drop if self.snapshots is not None else None,
         )
+
+    @property
+    def hicache(self) -> HiCache | None:
+        return None if self.tiers is None else self.tiers.hicache
 
     # ---- prefix matches ------------------------------------------------------
     def match(self, req: Req) -> tuple[list[int], TreeNode]:
         """The request's longest cached prefix, extended from the tiers when they hold more."""
         prefix = req.fill_ids[: req.max_prefix_len()]
         slots, node = self.cache.match_prefix(prefix, req.cache_salt)
-        if self.hicache is not None and len(prefix) - len(slots) >= self.hicache.block:
-            slots, node = self._load_from_tiers(prefix, slots, node, req.cache_salt)
+        if self.tiers is not None and len(prefix) - len(slots) >= self.hicache.block:
+            slots, node = self.tiers.extend(prefix, slots, node, req.cache_salt)
         if self.snapshots is not None:
             cached = len(slots)
             slots, node = at_snapshot(slots, node)
@@ -79,44 +81,6 @@ class KVManager:
         """(cached prefix length, deepest node) without changing the tree."""
         return self.cache.match_length(req.fill_ids[: req.max_prefix_len()], req.cache_salt)
 
-    def _load_from_tiers(
-        self, prefix: list[int], slots: list[int], node: TreeNode, salt: str | None
-    ) -> tuple[list[int], TreeNode]:
-        """Extend a device match with blocks from the host and storage tiers: they get device
-        slots (the match stays locked meanwhile) and join the tree like computed KV."""
-        self.cache.inc_lock_ref(node)
-        try:
-            loaded = self.hicache.load(prefix, len(slots), self._alloc_for_load, salt)
-        finally:
-            self.cache.dec_lock_ref(node)
-        if not loaded:
-            return slots, node
-        key = prefix[: len(slots) + len(loaded)]
-        already = self.cache.insert(key, slots + loaded, salt)
-        self.free_slots(loaded[: max(already - len(slots), 0)])
-        return self.cache.match_prefix(key, salt)
-
-    def _alloc_for_load(self, n: int) -> list[int] | None:
-        pages = self.allocator.pages_needed(0, n)
-        if not self.make_room(pages):
-            return None
-        return self.allocator.alloc_extend(0, None, n)
-
-    def _back_up_leaf(self, leaf: TreeNode) -> None:
-        tokens, slots = path_of(leaf)
-        self.hicache.backup(tokens, slots, salt_of(leaf))
-
-    def _back_up_prefix(
-        self, tokens: list[int], slots: list[int], node: TreeNode, salt: str | None
-    ) -> None:
-        """write_through backs up every cached prefix; write_through_selective only those hit
-        more than once."""
-        policy = self.write_policy
-        if policy == "write_through" or (
-            policy == "write_through_selective" and node.hit_count >= 2
-        ):
-            self.hicache.backup(tokens, slots, salt)
-
     # ---- a request's memory --------------------------------------------------
     def attach(self, req: Req, slots: list[int], node: TreeNode) -> None:
         """Give an admitted request a row and its matched prefix (already locked)."""
@@ -131,8 +95,8 @@ class KVManager:
         if self.snapshots is not None and slots:  # resume the state where the prefix ends
             self.executor.copy_state(node.snapshot, req.row)
             self.snapshots.touch(node.snapshot)
-        if self.hicache is not None and slots:
-            self._back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
+        if self.tiers is not None and slots:
+            self.tiers.back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
 
     def make_room(self, pages: int) -> bool:
         """Evict cached prefixes until `pages` more pages can be allocated (and, with window
@@ -224,8 +188,8 @@ class KVManager:
         if self.windows is not None and aligned in (req.branch_at, len(req.fill_ids) - 1):
             # where a prompt ends or leaves a cached path: the tree keeps the window KV there
             self.windows.hand_to_tree(slots[aligned - self.windows.window - 1 :])
-        if self.hicache is not None:
-            self._back_up_prefix(key, slots, node, req.cache_salt)
+        if self.tiers is not None:
+            self.tiers.back_up_prefix(key, slots, node, req.cache_salt)
 
     def release(self, req: Req) -> None:
         """Give back all the request holds: KV to the tree or allocator, its lock, its row."""
@@ -278,10 +242,8 @@ class KVManager:
         """New weights: drop every cached prefix and start the tiers below afresh, their blocks
         named for the new weights (a checkpoint rewritten in place gets new names too)."""
         self.flush()
-        if self.hicache is not None:
-            self.weight_updates += 1
-            args = replace(self.args, model=model_path)
-            self.hicache = make_hicache(args, self.executor, self.weight_updates)
+        if self.tiers is not None:
+            self.tiers.renew(model_path)
 
     def held_slots(self, running: Sequence[Req]) -> int:
         return sum(self.allocator.held_slots(len(r.kv_slots) - r.cached_len) for r in running)
@@ -307,39 +269,6 @@ class KVManager:
             self.windows.check()
         if self.hicache is not None:
             self.hicache.host.check()
-
-
-def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) -> HiCache:
-    """The tiers under the radix tree, sized from the device pool; blocks are named for this
-    model (and how many times its weights were updated), dtype, block size and TP layout."""
-    info, pool = executor.info, executor.pool
-    if args.hicache_size > 0:
-        host_tokens = int(args.hicache_size * 2**30 // info.bytes_per_token)
-    else:
-        host_tokens = int(args.hicache_ratio * info.num_slots)
-    model = args.model or "bundled"
-    identity = fingerprint(
-        model,
-        args.seed if model.startswith("dummy:") else None,
-        args.quantization,
-        info.dtype,
-        info.kv_cache_dtype,
-        block_size(info.page_size),
-        tuple(pool.k[0].shape[1:]),
-        len(pool.k),
-        args.tp_size,
-        *([weight_updates] if weight_updates else []),
-    )
-    storage = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
-    hicache = HiCache.create(pool, info.page_size, host_tokens, identity, storage)
-    log.info(
-        "hierarchical cache: host tier %d tokens (%.1f MB), %s%s",
-        hicache.capacity_tokens(),
-        hicache.capacity_tokens() * info.bytes_per_token / 2**20,
-        args.hicache_write_policy,
-        f", storage {hicache.storage.folder}" if hicache.storage else "",
-    )
-    return hicache
 
 
 def at_snapshot(slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:

@@ -21,25 +21,13 @@ from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
-from .build import (
-    attention_backend,
-    capture_graphs,
-    keep_state_snapshots,
-    kv_num_pages,
-    kv_pool,
-)
+from .build import capture_graphs, keep_state_snapshots, kv_num_pages
 from .device import default_device, resolve_dtype
 from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
 from .step_inputs import StepInputs
 from .torch_compile import CompiledForward
-from .window_pools import (
-    pool_bytes,
-    window_info,
-    window_layers,
-    windowed_backend,
-    windowed_pools,
-)
+from .window_pools import make_pools, pool_bytes, window_info, window_layers
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +111,9 @@ class ModelRunner:
             if layout is not None
             else torch.zeros(args.max_running_requests, self.max_context_len, dtype=torch.long)
         ).to(self.device)
-        self._make_pools((num_pages + 1) * ps)
+        self.pool, self.window_pool, self.backend_name, self.backend = make_pools(
+            self.model, self.windows, args, (num_pages + 1) * ps, self.kv_dtype, self.device
+        )
         snapshots = keep_state_snapshots(self.model, args)
         self._prepare_forward()
         self.info = WorkerInfo(
@@ -147,22 +137,6 @@ class ModelRunner:
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
             raise ValueError(problem)
-
-    def _make_pools(self, num_slots: int) -> None:
-        """The KV pool and the attention backend over it; with window layers kept apart, a
-        pool and a backend for each."""
-        args, model, device = self.args, self.model, self.device
-        if self.windows is None:
-            self.pool = kv_pool(model, num_slots, self.kv_dtype, device)
-            self.backend_name, self.backend = attention_backend(model, self.pool, args, device)
-            self.window_pool = None
-            return
-        self.pool, self.window_pool = windowed_pools(
-            model, self.windows, args, num_slots, self.kv_dtype, device
-        )
-        self.backend_name, full = attention_backend(model, self.pool, args, device)
-        _, window = attention_backend(model, self.window_pool, args, device)
-        self.backend = windowed_backend(full, window, self.windows, num_slots)
 
     def _prepare_forward(self) -> None:
         """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""

@@ -13,6 +13,7 @@ from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
 from ..messages import WindowKVInfo
 from ..models.decoder import Attention
+from .build import attention_backend, kv_pool
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +90,22 @@ def pool_bytes(cfg, plan: WindowLayers | None, args: EngineArgs, dtype: torch.dt
     return PoolBytes(full, window_pool_tokens(args, plan, 0) * window)
 
 
-def windowed_pools(model, plan: WindowLayers, args: EngineArgs, num_slots: int, dtype, device):
-    """(full pool, window pool) for `num_slots` tokens of the full pool."""
+def make_pools(model, plan: WindowLayers | None, args: EngineArgs, num_slots: int, dtype, device):
+    """(KV pool, window pool or None, attention backend name, backend) for `num_slots` tokens
+    of the main pool: with window layers kept apart, a pool and a backend for each."""
+    if plan is None:
+        pool = kv_pool(model, num_slots, dtype, device)
+        return pool, None, *attention_backend(model, pool, args, device)
     cfg = model.cfg
     shape = (cfg.num_kv_heads, cfg.head_dim, dtype, device, cfg.value_dim)
     full = KVPool(num_slots, plan.num_full_layers, *shape)
     window = KVPool(window_pool_tokens(args, plan, num_slots) + 1, len(plan.layers), *shape)
-    return full, window
-
-
-def windowed_backend(full_backend, window_backend, plan: WindowLayers, num_slots: int):
-    return WindowedBackend(
+    name, full_backend = attention_backend(model, full, args, device)
+    _, window_backend = attention_backend(model, window, args, device)
+    backend = WindowedBackend(
         full_backend, window_backend, list(plan.layers), plan.num_layers, num_slots
     )
+    return full, window, name, backend
 
 
 def window_info(plan: WindowLayers | None, window_pool: KVPool | None) -> WindowKVInfo | None:
