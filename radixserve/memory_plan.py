@@ -76,6 +76,14 @@ def kv_pages(
     return max(tokens // page_size, 1)
 
 
+def covered_tokens(state_bytes: int, kv_bytes_per_token: int, multiple: int = 16) -> int:
+    """The tokens whose KV takes as much memory as one request's state (a hybrid model),
+    rounded up to `multiple`: vLLM's block size in its `align` mode, and the interval of
+    radixserve's state snapshots by default."""
+    tokens = -(-state_bytes // max(kv_bytes_per_token, 1))
+    return -(-tokens // multiple) * multiple
+
+
 def context_problem(plan: MemoryPlan, asked: int | None) -> str | None:
     """Why an explicit `--max-context-len` cannot fit one request in the pool (None: it fits)."""
     if asked is None or asked <= plan.kv_tokens:

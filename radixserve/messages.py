@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from .memory_plan import MemoryPlan, human_bytes
 from .sampling_params import SamplingParams
+from .worker_info import WorkerInfo
 
 
 class ForwardMode(IntEnum):
@@ -126,71 +126,6 @@ class ForwardResult:
     # with `ForwardBatch.pooling`: per pooling request, the sum ("mean") or the last ("last")
     # of this step's final-normed hidden states, float32
     pooled: list[Any] | None = None
-
-
-@dataclass(frozen=True)
-class WindowKVInfo:
-    """Sliding-window layers' KV in a pool of its own, freed once past the `window`
-    (`mem/window_kv.py`): `slots` of it (slot 0 pads), `bytes_per_token` there."""
-
-    window: int
-    slots: int
-    layers: int
-    bytes_per_token: int
-
-    def summary(self) -> str:
-        return (
-            f"window KV of {self.layers} layers apart: {self.slots - 1} tokens "
-            f"({human_bytes((self.slots - 1) * self.bytes_per_token)}), freed past "
-            f"{self.window} tokens"
-        )
-
-
-@dataclass
-class WorkerInfo:
-    """What the scheduler needs to know about the worker's memory and model."""
-
-    num_pages: int
-    page_size: int
-    max_context_len: int
-    max_running_requests: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    attention_backend: str
-    bytes_per_token: int
-    weights_bytes: int
-    kv_cache_dtype: str
-    dtype_reason: str = ""  # why --dtype resolved to `dtype`
-    prefix_reuse: bool = True  # False: a hybrid model without state snapshots
-    state_snapshots: int = 0  # a hybrid model's snapshot slots, after the requests' rows
-    window_kv: WindowKVInfo | None = None  # window layers' KV kept apart and freed
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
-    def memory_plan(self) -> MemoryPlan:
-        return MemoryPlan(
-            self.weights_bytes,
-            self.bytes_per_token,
-            self.num_slots,
-            self.max_context_len,
-            self.kv_cache_dtype,
-        )
-
-    def capacity_line(self) -> str:
-        """The start-up log line: the weights, the pool, and how many full-context requests
-        fit."""
-        return (
-            f"memory plan: {self.memory_plan().summary()}; {self.dtype} on {self.device} "
-            f"({self.dtype_reason}), "
-            f"attention backend {self.attention_backend}"
-            + ("" if self.prefix_reuse else "; prefix reuse off (recurrent layers)")
-            + (f"; {self.state_snapshots} state snapshots" if self.state_snapshots else "")
-            + (f"; {self.window_kv.summary()}" if self.window_kv else "")
-        )
 
 
 # ---- api <-> scheduler ---------------------------------------------------
@@ -346,6 +281,8 @@ class SchedulerStats:
     hicache: dict = field(
         default_factory=dict
     )  # mem.hicache.TierStats and tier sizes, when enabled
+    # a hybrid model's state snapshots, window layers' KV kept apart (KVManager.hybrid_figures)
+    hybrid_memory: dict = field(default_factory=dict)
     kv_transfer_waiting: int = 0  # disaggregated: requests waiting for their KV to move
     kv_transfers_total: int = 0
     kv_transfer_failures_total: int = 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .messages import Bootstrap, GenerateReq, WorkerInfo
+from .messages import Bootstrap, GenerateReq
+from .worker_info import WorkerInfo
 
 MAX_TOP_LOGPROBS = 100
 PRIORITY_LIMIT = 2**31  # |priority| below this

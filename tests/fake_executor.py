@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from radixserve.messages import ForwardBatch, ForwardResult, WorkerInfo
+from radixserve.messages import ForwardBatch, ForwardResult
+from radixserve.worker_info import WorkerInfo
 
 VOCAB = 1000
 EOS = 999

@@ -7,6 +7,7 @@ import pytest
 import test_model_families as families
 import torch
 import transformers as hf
+from server_utils import start_server
 
 from radixserve import Engine
 
@@ -104,15 +105,20 @@ def test_hybrid_family_matches_hf(tmp_path, family):
     model, path = build_checkpoint(tmp_path, family)
     want = [hf_greedy(model, ids) for ids in PROMPTS]
     with Engine(
-        model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32"
+        model=str(path),
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        dtype="float32",
+        mamba_track_interval=24,
     ) as eng:
         fresh = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [r["output_ids"] for r in fresh] == want
         assert all(r["meta_info"]["cached_tokens"] == 0 for r in fresh)
-        # again: each resumes from the state snapshot its first run kept at a chunk's end
+        # again: each resumes from the last state snapshot its first run kept where a chunk
+        # ended (at 32, 64) or at a multiple of the interval (24, 48, 72)
         cached = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [r["output_ids"] for r in cached] == want
-        assert [r["meta_info"]["cached_tokens"] for r in cached] == [0, 64, 32]
+        assert [r["meta_info"]["cached_tokens"] for r in cached] == [0, 72, 48]
         # the conversation's next turn resumes where the first turn's answer ends
         turn = PROMPTS[1] + want[1] + [11, 12, 13, 14, 15]
         second = eng.generate(input_ids=turn, sampling_params=GREEDY)
@@ -123,7 +129,7 @@ def test_hybrid_family_matches_hf(tmp_path, family):
         )
         assert alone["output_ids"] == want[1]
         eng.check_memory()
-    # every prompt token's logprob, across the chunk ends at 32 and 64, as HF computes it
+    # every prompt token's logprob, across the chunk ends, as HF computes it
     got = torch.tensor([lp for lp, _, _ in alone["meta_info"]["input_token_logprobs"][1:]])
     with torch.no_grad():
         logits = model(torch.tensor([PROMPTS[1]])).logits[0, :-1].float()
@@ -165,8 +171,10 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
     """A 600-token prompt, then the conversation's next turn: all of the first turn but its
     last answer token (whose state its own decode step has not yet taken in) comes from the
     cache. Two requests leaving that path at token 333, where no snapshot is: the first
-    resumes from the chunk end at 256 and computes the rest in a chunk that ends at 333,
-    keeping a snapshot there; the second reads all 333 from the cache. Tokens equal HF."""
+    resumes from the last snapshot before it (at 320: LFM2's state is worth 16 tokens of KV,
+    so snapshots are kept every 16 while slots are free) and computes the rest in a chunk that
+    ends at 333, keeping a snapshot there; the second reads all 333 from the cache. Tokens
+    equal HF."""
     model, path = build_checkpoint(tmp_path, "lfm2")
     first = [(7 * i) % 500 + 3 for i in range(600)]
     with Engine(
@@ -181,7 +189,7 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
     resumed = second["meta_info"]["cached_tokens"]
     assert resumed == len(first) + NEW_TOKENS - 1
     assert resumed >= 0.9 * (len(first) + NEW_TOKENS)
-    assert [g["meta_info"]["cached_tokens"] for g in got] == [256, 333]
+    assert [g["meta_info"]["cached_tokens"] for g in got] == [320, 333]
     assert answer["output_ids"] == hf_greedy(model, first)
     assert second["output_ids"] == hf_greedy(model, turn)
     assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in branches]
@@ -199,3 +207,31 @@ def test_what_hybrid_models_do_not_run_yet_is_refused_by_name(tmp_path, option, 
     _, path = build_checkpoint(tmp_path, "lfm2")
     with pytest.raises(ValueError, match=flag):
         Engine(model=str(path), dtype="float32", **option)
+
+
+def test_a_hybrid_server_reports_its_snapshots_in_metrics_and_the_dashboard(tmp_path):
+    """Over HTTP: the start-up line shows the state pool (a state's bytes and its worth in KV
+    tokens); after a conversation's second turn, /metrics and /dashboard/data count the
+    snapshots held, the free slots and the prompt tokens resumed from snapshots."""
+    _, path = build_checkpoint(tmp_path, "lfm2")
+    server = start_server(tmp_path, "--model", str(path), "--max-mamba-cache-size", "8")
+    try:
+        with server.client() as client:
+            first = list(range(20, 90))
+            answer = client.post(
+                "/generate", json={"input_ids": first, "sampling_params": GREEDY}
+            ).json()["output_ids"]
+            turn = {"input_ids": first + answer + [5, 6], "sampling_params": GREEDY}
+            cached = client.post("/generate", json=turn).json()["meta_info"]["cached_tokens"]
+            metrics = client.get("/metrics").text
+            data = client.get("/dashboard/data").json()
+    finally:
+        assert server.stop() == 0, server.log()
+    assert cached == len(first) + NEW_TOKENS - 1
+    assert "state pool 64 + 8 snapshots x" in server.log()
+    held = data["current"]["hybrid_memory"]  # as of the /metrics request before it
+    assert 1 <= held["state_snapshots"] <= 8
+    assert held["state_snapshots"] + held["state_snapshot_slots_free"] == 8
+    assert held["state_resumed_tokens_total"] == cached
+    assert f"radixserve:state_resumed_tokens_total {float(cached)}" in metrics
+    assert f"radixserve:state_snapshots {float(held['state_snapshots'])}" in metrics

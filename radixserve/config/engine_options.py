@@ -183,6 +183,12 @@ class CacheOptions:
         "next request on that prefix resumes; 0 turns prefix reuse off for such models "
         "(default: 4x --max-running-requests)",
     )
+    mamba_track_interval: int | None = option(
+        None,
+        "a hybrid model's prompt chunks end, and keep a state snapshot while a slot is free, "
+        "every this many tokens; 0: not at intervals (default: the tokens whose KV takes as "
+        "much memory as one state)",
+    )
     kv_events_config: str | None = option(
         None,
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "

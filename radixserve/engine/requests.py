@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import uuid
 
-from ..messages import GenerateReq, WorkerInfo
+from ..messages import GenerateReq
 from ..sampling_params import SamplingParams
 from ..tokenizer import encode_prompt
 from ..validation import check_cache_salt, check_generate
+from ..worker_info import WorkerInfo
 
 
 def make_requests(

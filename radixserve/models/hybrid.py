@@ -5,6 +5,7 @@ request (`recurrent.RecurrentStates`, shared by the model's layers), chosen by t
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..distributed import TPGroup
@@ -28,6 +29,12 @@ class HybridCausalLM(CausalLM):
         else:
             mixer = self.make_mixer(i)
         return self.make_decoder_layer(i, mixer)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """The bytes of one request's state over all its layers (convolutions in `dtype`,
+        recurrent states in float32)."""
+        mixers = [m for m in self.modules() if m is not self and hasattr(m, "state_bytes")]
+        return sum(m.state_bytes(dtype) for m in mixers)
 
     def make_attention(self, kv_index: int) -> nn.Module:
         raise NotImplementedError

@@ -45,6 +45,10 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(hidden, hidden, taps, groups=hidden, bias=bias)
         self.out_proj = Linear(hidden, hidden, bias=bias)
 
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state: the convolution's last inputs."""
+        return self.conv.weight.shape[0] * (self.conv.weight.shape[-1] - 1) * dtype.itemsize
+
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
         weight, bias = self.conv.weight[:, 0], self.conv.bias

@@ -129,6 +129,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupedGatedNorm(inner, shape.groups, shape.eps) if shape.gated_norm else None
         self.out_proj = Linear(inner, shape.hidden, bias=shape.out_bias)
 
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state: the convolution's last inputs, the scan's state."""
+        shape = self.shape
+        conv = self.conv_width * (shape.conv_taps - 1)
+        return conv * dtype.itemsize + shape.heads * shape.head_dim * shape.state_size * 4
+
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         shape, inputs, tokens = self.shape, backend.inputs, x.shape[0]
         inner, groups_state = shape.inner, shape.groups * shape.state_size

@@ -54,6 +54,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.value_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(values, hidden)
 
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state: the convolution's last inputs, the delta rule's matrices."""
+        conv = self.conv1d.weight.shape[0] * (self.conv1d.weight.shape[-1] - 1)
+        delta = self.value_heads * self.key_dim * self.value_dim
+        return conv * dtype.itemsize + delta * 4
+
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         inputs, tokens = backend.inputs, x.shape[0]
         mixed = self.states.convolve(

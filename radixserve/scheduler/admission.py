@@ -138,13 +138,15 @@ class Admission:
                 adapters.add(req.lora)
             yield req, n
 
-    @staticmethod
-    def _chunk(req: Req, start: int, n: int) -> int:
-        """`n`, or less for a hybrid model's request leaving a cached path where no state
-        snapshot is: its chunk from `start` ends there, so that one is kept there for the next
-        request branching off there."""
+    def _chunk(self, req: Req, start: int, n: int) -> int:
+        """`n`, or less: a request leaving a cached path where no state snapshot (or window
+        KV) is ends its chunk from `start` there, so that one is kept there for the next
+        request branching off there; a hybrid model's chunks also end at multiples of the
+        snapshot interval, where one is kept while a slot is free."""
         if req.branch_at is not None and start < req.branch_at:
-            return min(n, req.branch_at - start)
+            n = min(n, req.branch_at - start)
+        if self.kv.snapshots is not None and (interval := self.kv.snapshots.interval):
+            n = min(n, (start // interval + 1) * interval - start)
         return n
 
     def _over_adapter_limit(self, req: Req, adapters: set[str]) -> bool:

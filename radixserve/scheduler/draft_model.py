@@ -29,7 +29,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from ..messages import ForwardBatch, ForwardMode, ForwardResult, SamplingBatch, WorkerInfo
+from ..messages import ForwardBatch, ForwardMode, ForwardResult, SamplingBatch
+from ..worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from .req import Req

@@ -7,7 +7,8 @@ from typing import Protocol
 
 from ..lora import AdapterConfig
 from ..mem.kv_pool import KVPool
-from ..messages import ForwardBatch, ForwardResult, WorkerInfo
+from ..messages import ForwardBatch, ForwardResult
+from ..worker_info import WorkerInfo
 
 
 class Executor(Protocol):

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from ..constrained import GrammarBackend, GrammarSpec
 from ..lora import cache_namespace
-from ..messages import GenerateReq, WorkerInfo
+from ..messages import GenerateReq
 from ..sampling_params import SamplingParams
+from ..worker_info import WorkerInfo
 from .adapters import AdapterTable
 from .req import Req
 from .speculative import SpecState

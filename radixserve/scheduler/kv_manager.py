@@ -14,12 +14,12 @@ from ..mem.allocator import ReqToTokenRows, SlotAllocator
 from ..mem.hicache import HiCache
 from ..mem.radix_cache import RadixCache, TreeNode
 from ..mem.radix_node import top_prefixes, walk
-from ..mem.window_kv import WindowKV
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
 from .snapshots import StateSnapshots
 from .tiers import Tiers
+from .window_memory import WindowMemory
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,15 @@ class KVManager:
         self.rows = ReqToTokenRows(info.max_running_requests)
         self.tiers = Tiers(args, executor, self) if args.enable_hierarchical_cache else None
         write_back = self.tiers is not None and args.hicache_write_policy == "write_back"
+        states = info.state_pool
         self.snapshots = (
-            StateSnapshots(info.max_running_requests, info.state_snapshots)
-            if info.state_snapshots
+            StateSnapshots(info.max_running_requests, states.snapshots, states.interval)
+            if states is not None and states.snapshots
             else None
         )
-        window = info.window_kv
         self.windows = (
-            WindowKV(self.allocator.num_slots + info.page_size, window.slots, window.window)
-            if window is not None
+            WindowMemory(self.allocator.num_slots + info.page_size, info.window_kv)
+            if info.window_kv is not None
             else None
         )
         self.cache = RadixCache(
@@ -67,14 +67,9 @@ class KVManager:
         if self.tiers is not None and len(prefix) - len(slots) >= self.hicache.block:
             slots, node = self.tiers.extend(prefix, slots, node, req.cache_salt)
         if self.snapshots is not None:
-            cached = len(slots)
-            slots, node = at_snapshot(slots, node)
-            req.branch_at = cached if cached > len(slots) else None
+            slots, node = self.snapshots.cut(req, slots, node)
         if self.windows is not None:
-            cached = len(slots)
-            if (resumable := self.windows.resumable(slots)) < cached:
-                slots, node = self.cache.match_prefix(prefix[:resumable], req.cache_salt)
-            req.branch_at = cached if cached > len(slots) else None
+            slots, node = self.windows.cut(req, prefix, slots, node, self.cache)
         return slots, node
 
     def match_length(self, req: Req) -> tuple[int, TreeNode]:
@@ -86,15 +81,13 @@ class KVManager:
         """Give an admitted request a row and its matched prefix (already locked)."""
         req.row = self.rows.alloc()
         req.kv_slots, req.cached_len, req.node, req.synced = list(slots), len(slots), node, 0
-        req.window_trimmed = len(slots)
-        if self.windows is not None:  # a running request that computed them may not free them
-            self.windows.hand_to_tree(slots[-self.windows.window :])
+        if self.windows is not None:
+            self.windows.attach(req, slots)
         if req.spec is not None:
             req.spec.draft_len = len(slots)  # a cached prefix carries draft-model K/V too
         self.cache.record_hit(node)
-        if self.snapshots is not None and slots:  # resume the state where the prefix ends
-            self.executor.copy_state(node.snapshot, req.row)
-            self.snapshots.touch(node.snapshot)
+        if self.snapshots is not None:
+            self.snapshots.resume(req, slots, node, self.executor.copy_state)
         if self.tiers is not None and slots:
             self.tiers.back_up_prefix(req.fill_ids[: len(slots)], slots, node, req.cache_salt)
 
@@ -105,11 +98,10 @@ class KVManager:
         if missing > 0:
             self.evicted_tokens += self.cache.evict(missing)
         if self.windows is not None:
-            while (short := pages - self.windows.available()) > 0:
-                evicted = self.cache.evict(short)
-                if not evicted:
-                    return False
-                self.evicted_tokens += evicted
+            evicted = self.windows.make_room(pages * self.page_size, self.cache.evict)
+            if evicted is None:
+                return False
+            self.evicted_tokens += evicted
         return self.allocator.can_alloc_pages(pages)
 
     def alloc(self, req: Req, n: int) -> bool:
@@ -123,29 +115,25 @@ class KVManager:
         new = self.allocator.alloc_extend(len(req.kv_slots), last, n)
         req.kv_slots += new
         if self.windows is not None:
-            self.windows.alloc(new, req.row)
+            self.windows.kv.alloc(new, req.row)
         return True
 
     def trim_windows(self, reqs: Sequence[Req]) -> None:
         """With window layers kept apart: each request frees the window slots of its tokens
         that fell behind its window."""
-        if self.windows is None:
-            return
-        for req in reqs:
-            req.window_trimmed = self.windows.trim(
-                req.kv_slots, req.row, req.window_trimmed, len(req.kv_slots)
-            )
+        if self.windows is not None:
+            self.windows.trim(reqs)
 
     def free_slots(self, slots: list[int]) -> None:
         """Give slots back to the allocator (and their window slots to the window pool)."""
         self.allocator.free(slots)
         if self.windows is not None:
-            self.windows.release(slots)
+            self.windows.kv.release(slots)
 
     def window_map(self) -> tuple[list[int], list[int]] | None:
         """(full slots, their window slots) the worker has not seen yet; None without window
         layers kept apart."""
-        return None if self.windows is None else self.windows.take_updates()
+        return None if self.windows is None else self.windows.kv.take_updates()
 
     def pages_for(self, req: Req, n: int) -> int:
         return self.allocator.pages_needed(len(req.kv_slots), n)
@@ -173,21 +161,17 @@ class KVManager:
         if already > req.cached_len:
             duplicates = req.kv_slots[req.cached_len : already]
             if self.windows is not None:
-                self.windows.adopt(slots[req.cached_len : already], duplicates)
+                self.windows.kv.adopt(slots[req.cached_len : already], duplicates)
             self.free_slots(duplicates)
             req.synced = min(req.synced, req.cached_len)
         self.cache.inc_lock_ref(node)
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         req.kv_slots[:aligned], req.node, req.cached_len = slots, node, aligned
-        if self.snapshots is not None and node.snapshot is None:
-            at_branch = req.branch_at == aligned
-            slot = self.snapshots.take(node, evict=ending or at_branch)
-            if slot is not None:
-                self.executor.copy_state(req.row, slot)
-        if self.windows is not None and aligned in (req.branch_at, len(req.fill_ids) - 1):
-            # where a prompt ends or leaves a cached path: the tree keeps the window KV there
-            self.windows.hand_to_tree(slots[aligned - self.windows.window - 1 :])
+        if self.snapshots is not None:
+            self.snapshots.keep(req, node, aligned, ending, self.executor.copy_state)
+        if self.windows is not None:
+            self.windows.cached(req, aligned, slots)
         if self.tiers is not None:
             self.tiers.back_up_prefix(key, slots, node, req.cache_salt)
 
@@ -201,7 +185,7 @@ class KVManager:
         allocator, its tree lock, its row."""
         self.free_slots(req.kv_slots[req.cached_len :])
         if self.windows is not None:  # the tree keeps the window slots the request still owns
-            self.windows.hand_to_tree(req.kv_slots[: req.cached_len])
+            self.windows.kv.hand_to_tree(req.kv_slots[: req.cached_len])
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
         if req.row is not None:
@@ -218,6 +202,13 @@ class KVManager:
         s.evicted_tokens_total = self.evicted_tokens
         if self.hicache is not None:
             s.hicache = self.hicache.snapshot()
+        s.hybrid_memory = self.hybrid_figures()
+
+    def hybrid_figures(self) -> dict:
+        """State snapshots held and free and the prompt tokens resumed from them; window KV
+        free and held."""
+        parts = (self.snapshots, self.windows)
+        return {k: v for part in parts if part is not None for k, v in part.figures().items()}
 
     def top_prefixes(self, limit: int) -> list[dict]:
         """The dashboard's biggest cached prefixes, each with the tiers that hold it."""
@@ -266,16 +257,6 @@ class KVManager:
         if self.snapshots is not None:
             self.snapshots.check(sum(n.snapshot is not None for n in walk(self.cache.root)))
         if self.windows is not None:
-            self.windows.check()
+            self.windows.kv.check()
         if self.hicache is not None:
             self.hicache.host.check()
-
-
-def at_snapshot(slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
-    """A match cut back to the deepest node on its path that holds a state snapshot (a hybrid
-    model resumes only there); nothing when none does."""
-    depth = len(slots)
-    while node.snapshot is None and node.parent is not None:
-        depth -= len(node.key)
-        node = node.parent
-    return (slots[:depth], node) if node.snapshot is not None else ([], node)

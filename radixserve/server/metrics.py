@@ -268,12 +268,31 @@ class _SchedulerCollector:
             )
         yield from _estimate_families(s)
         yield from _hicache_families(s.get("hicache") or {})
+        yield from _hybrid_families(s.get("hybrid_memory") or {})
         family = CounterMetricFamily(
             P + "requests", "Finished requests by finish reason", labels=["finish_reason"]
         )
         for reason, count in sorted(s["requests_finished"].items()):
             family.add_metric([reason], count)
         yield family
+
+
+HYBRID = {  # hybrid_memory key -> help (a name ending _total is a counter)
+    "state_snapshots": "State snapshots held in the radix tree (hybrid models)",
+    "state_snapshot_slots_free": "Free state snapshot slots (hybrid models)",
+    "state_resumed_tokens_total": "Prompt tokens resumed from state snapshots (hybrid models)",
+    "window_kv_capacity_tokens": "Tokens the window layers' own KV pool holds",
+    "window_kv_free_tokens": "Free tokens of the window layers' own KV pool",
+}
+
+
+def _hybrid_families(h: dict):
+    """A hybrid model's state snapshots and window layers' KV, where the model has them."""
+    for key, value in h.items():
+        if key.endswith("_total"):
+            yield CounterMetricFamily(P + key.removesuffix("_total"), HYBRID[key], value=value)
+        else:
+            yield GaugeMetricFamily(P + key, HYBRID[key], value=value)
 
 
 def _estimate_families(s: dict):

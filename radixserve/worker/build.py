@@ -12,7 +12,8 @@ import torch
 from ..attention import create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
-from ..memory_plan import kv_pages
+from ..memory_plan import covered_tokens, kv_pages
+from ..worker_info import StatePoolInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
 
 log = logging.getLogger(__name__)
@@ -105,11 +106,19 @@ def kv_pool(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> 
     return pool
 
 
-def keep_state_snapshots(model, args: EngineArgs) -> int:
-    """A hybrid model's state snapshot slots (--max-mamba-cache-size, else 4 per running
-    request), made room for after its requests' rows; 0 for other models."""
+def state_pool(
+    model, args: EngineArgs, kv_bytes_per_token: int, dtype: torch.dtype
+) -> StatePoolInfo | None:
+    """A hybrid model's state slots: one per request row, then --max-mamba-cache-size
+    snapshot slots (default 4 per running request), made room for after the rows; their
+    interval --mamba-track-interval, else the tokens whose KV a state is worth."""
     if not model.cfg.keeps_state:
-        return 0
+        return None
     count = args.max_mamba_cache_size
     model.states.snapshot_slots = 4 * args.max_running_requests if count is None else count
-    return model.states.snapshot_slots
+    size = model.state_bytes(dtype)
+    covered = covered_tokens(size, kv_bytes_per_token)
+    interval = covered if args.mamba_track_interval is None else args.mamba_track_interval
+    return StatePoolInfo(
+        args.max_running_requests, model.states.snapshot_slots, size, covered, interval
+    )

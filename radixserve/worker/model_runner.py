@@ -16,12 +16,13 @@ from ..lora import AdapterConfig, lora_spec
 from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import kv_storage_dtype
 from ..memory_plan import context_problem
-from ..messages import ForwardBatch, ForwardMode, ForwardResult, WorkerInfo
+from ..messages import ForwardBatch, ForwardMode, ForwardResult
 from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
-from .build import capture_graphs, keep_state_snapshots, kv_num_pages
+from ..worker_info import WorkerInfo
+from .build import capture_graphs, kv_num_pages, state_pool
 from .device import default_device, resolve_dtype
 from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
@@ -114,7 +115,7 @@ class ModelRunner:
         self.pool, self.window_pool, self.backend_name, self.backend = make_pools(
             self.model, self.windows, args, (num_pages + 1) * ps, self.kv_dtype, self.device
         )
-        snapshots = keep_state_snapshots(self.model, args)
+        states = state_pool(self.model, args, per_token, self.dtype)
         self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
@@ -130,8 +131,8 @@ class ModelRunner:
             self.weights_bytes,
             str(self.kv_dtype if not self.pool.is_fp8 else "fp8_e4m3").removeprefix("torch."),
             dtype_reason,
-            not cfg.keeps_state or snapshots > 0,
-            snapshots,
+            states is None or states.snapshots > 0,
+            states,
             window_info(self.windows, self.window_pool),
         )
         asked = self.max_context_len if args.max_context_len is not None else None

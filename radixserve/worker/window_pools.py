@@ -11,8 +11,8 @@ import torch
 from ..attention.windowed import WindowedBackend
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
-from ..messages import WindowKVInfo
 from ..models.decoder import Attention
+from ..worker_info import WindowKVInfo
 from .build import attention_backend, kv_pool
 
 log = logging.getLogger(__name__)
