@@ -157,6 +157,13 @@ def _add_replay_parser(sub) -> None:
         "named by chained hashes: about that many times faster on long logs, matches counted in "
         "whole blocks (a --log-requests-level hashes log is always in blocks of 16)",
     )
+    replay.add_argument(
+        "--snapshot-slots",
+        default=None,
+        help="a hybrid model's log: replay its state-snapshot policies (radixserve's, "
+        "SGLang's chunk ends, vLLM's one block-aligned checkpoint per request) with each of "
+        "these comma-separated numbers of snapshot slots",
+    )
     replay.add_argument("--json", default=None, help="write the results here")
     replay.add_argument(
         "--plot", default=None, help="write a plot of hit rate against cache size here (.png)"
@@ -178,8 +185,9 @@ def replay_args_from(ns: argparse.Namespace):
         return values
 
     dp = listed("--dp", ns.dp, int)
-    if any(d < 1 for d in dp) or ns.requests < 1 or ns.block_tokens < 1:
-        raise ValueError("--dp, --requests and --block-tokens must be >= 1")
+    slots = listed("--snapshot-slots", ns.snapshot_slots, int)
+    if any(d < 1 for d in dp + slots) or ns.requests < 1 or ns.block_tokens < 1:
+        raise ValueError("--dp, --snapshot-slots, --requests and --block-tokens must be >= 1")
     return ReplayArgs(
         ns.log,
         ns.synthetic,
@@ -191,6 +199,7 @@ def replay_args_from(ns: argparse.Namespace):
         ns.block_tokens,
         ns.json,
         ns.plot,
+        slots,
     )
 
 

@@ -41,6 +41,10 @@ class ServerRecord(msgspec.Struct, frozen=True):
     level: str
     started: float  # unix seconds
     hash_block: int = HASH_BLOCK
+    chunk_tokens: int = 0  # --chunked-prefill-size
+    state_snapshots: int = 0  # a hybrid model's snapshot slots (0: not a hybrid model)
+    state_interval: int = 0  # a hybrid model: its snapshots' --mamba-track-interval
+    state_layer_tokens: int = 0  # ... tokens whose KV in one layer is worth one layer's state
 
 
 class RequestRecord(msgspec.Struct, frozen=True):

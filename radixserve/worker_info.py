@@ -13,13 +13,15 @@ class StatePoolInfo:
     """A hybrid model's per-request states: one slot per request row, then `snapshots` slots
     for snapshots in the radix tree, each `state_bytes`, worth `covered_tokens` tokens of KV;
     prompt chunks end, and a snapshot is kept while a slot is free, every `interval` tokens
-    (0: not at intervals)."""
+    (0: not at intervals). `layer_tokens`: the tokens whose KV in one attention layer takes as
+    much memory as one stateful layer's state (vLLM's block size for such a model)."""
 
     rows: int
     snapshots: int
     state_bytes: int
     covered_tokens: int
     interval: int
+    layer_tokens: int = 0
 
     def summary(self) -> str:
         every = f", kept every {self.interval} tokens" if self.interval else ""

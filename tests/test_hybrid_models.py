@@ -235,3 +235,53 @@ def test_a_hybrid_server_reports_its_snapshots_in_metrics_and_the_dashboard(tmp_
     assert held["state_resumed_tokens_total"] == cached
     assert f"radixserve:state_resumed_tokens_total {float(cached)}" in metrics
     assert f"radixserve:state_snapshots {float(held['state_snapshots'])}" in metrics
+
+
+def test_the_language_model_of_a_qwen3_5_multimodal_checkpoint_is_served(tmp_path, caplog):
+    """A Qwen3_5ForConditionalGeneration checkpoint (its config nested in `text_config`, its
+    tensors under `model.language_model`, a vision tower beside them): text is served equal
+    to HF's model; the start-up log says the vision tower is not loaded."""
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = hf.Qwen3_5Config(text_config={**COMMON, **GATED_DELTA_NET}, vision_config=vision)
+    torch.manual_seed(0)
+    model = hf.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.normal_(0, 0.1 if "norm" in name else 0.2)
+    model.eval()
+    model.save_pretrained(tmp_path / "qwen3_5_vl")
+    with caplog.at_level("INFO", logger="radixserve"):
+        with Engine(model=str(tmp_path / "qwen3_5_vl"), dtype="float32") as eng:
+            got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    assert got == hf_greedy(model, PROMPTS[1])
+    assert "vision tower is not loaded" in caplog.text
+
+
+def test_recurrent_states_stored_in_bfloat16_take_half_the_memory(tmp_path, caplog):
+    """--mamba-ssm-dtype bfloat16: the scan's states are stored in bf16 (computed in float32),
+    running and in snapshots; the state pool line shows the smaller state, the prompt's
+    logprobs stay within 1e-3 of float32 states' across chunk ends, and decoding runs."""
+    _, path = build_checkpoint(tmp_path, "nemotron_h")
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="radixserve"):
+            with Engine(
+                model=str(path),
+                max_total_tokens=1024,
+                chunked_prefill_size=32,
+                dtype="float32",
+                mamba_ssm_dtype=dtype,
+            ) as eng:
+                out = eng.generate(
+                    input_ids=PROMPTS[1],
+                    sampling_params=GREEDY,
+                    return_logprob=True,
+                    logprob_start_len=0,
+                )
+        lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        got[dtype] = (lps, out["output_ids"], caplog.text)
+    assert "x 11.00 KiB" in got["float32"][2] and "x 7.00 KiB" in got["bfloat16"][2]
+    torch.testing.assert_close(got["bfloat16"][0], got["float32"][0], rtol=0, atol=1e-3)
+    assert len(got["bfloat16"][1]) == NEW_TOKENS
+    assert got["bfloat16"][1][0] == got["float32"][1][0]

@@ -140,3 +140,37 @@ def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
             want, want_state = hf_scan(*prompts[i])
             torch.testing.assert_close(got[i], want[-1], **TOL)
             torch.testing.assert_close(states[i], want_state, **TOL)
+
+
+def test_the_cpu_kernels_step_like_torch_in_place_on_the_rows():
+    """The C++ decode steps (kernels/radixserve_kernels/cpu_recurrent.cpp) equal the torch
+    steps, updating only the named rows of the states in place."""
+    from radixserve.models.mamba2 import mamba2_step
+    from radixserve.models.recurrent import delta_step_in_place
+    from radixserve_kernels.cpu_ops import load
+
+    kernels = load()
+    if kernels is None:
+        pytest.skip("no C++ compiler: the torch steps run instead")
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.tensor([4, 1, 6])
+    states = torch.randn(8, 4, 32, 48, generator=gen)
+    q, k, v, g, beta = delta_inputs(3, 2, 4, seed=9)
+    want_states = states.clone()
+    picked = want_states[rows]
+    want = gated_delta_rule_step(q, k, v, g, beta, picked)
+    want_states[rows] = picked
+    got = delta_step_in_place(kernels, states, rows, q, k, v, g, beta)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(states, want_states, **TOL)
+
+    ssm = torch.randn(8, 4, 8, 16, generator=gen)
+    x, dt, b, c = scan_inputs(3, seed=5)
+    a, d = -torch.rand(4, generator=gen), torch.randn(4, generator=gen)
+    want_ssm = ssm.clone()
+    picked = want_ssm[rows]
+    want = mamba2_step(x, dt, a, b, c, d, picked)
+    want_ssm[rows] = picked
+    got = kernels.mamba2_step(ssm, rows, x, dt, a, b, c, d)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(ssm, want_ssm, **TOL)

@@ -7,3 +7,4 @@ void bind_cpu_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp: norms, acti
 void bind_cpu_linear(pybind11::module& m);     // cpu_linear.cpp: the packed float32 GEMM
 void bind_cpu_decoder(pybind11::module& m);    // cpu_decoder.cpp: the decoder layers in one call
 void bind_cpu_quant(pybind11::module& m);     // cpu_quant.cpp: the FP8 weight GEMM
+void bind_cpu_recurrent(pybind11::module& m); // cpu_recurrent.cpp: hybrid models' recurrent steps

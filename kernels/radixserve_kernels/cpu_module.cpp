@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_cpu_linear(m);
   bind_cpu_decoder(m);
   bind_cpu_quant(m);
+  bind_cpu_recurrent(m);
 }

@@ -2,8 +2,9 @@
 (`cpu_attention.cpp`), fused RMSNorm, SwiGLU activation and rotary embedding
 (`cpu_fused_ops.cpp`), the float32 and bf16 GEMM against packed weights (AMX tiles where the
 CPU has AMX-BF16; `cpu_linear.cpp`) and the
-decoder layers' loop over them in one call (`cpu_decoder.cpp`), and the FP8 weight GEMM
-(`cpu_quant.cpp`).
+decoder layers' loop over them in one call (`cpu_decoder.cpp`), the FP8 weight GEMM
+(`cpu_quant.cpp`), and hybrid models' recurrent decode steps in place on the requests' states
+(`cpu_recurrent.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
@@ -32,6 +33,7 @@ SOURCES = [
         "cpu_linear.cpp",
         "cpu_decoder.cpp",
         "cpu_quant.cpp",
+        "cpu_recurrent.cpp",
         "cpu_module.cpp",
     )
 ]

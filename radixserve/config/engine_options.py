@@ -78,6 +78,9 @@ class ModelOptions:
     log_level: str = option("info", "log level", LOG_LEVELS)
 
 
+MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class ScheduleOptions:
     """KV memory and scheduling: the pool, the batch, the prompt budget per step."""
@@ -182,6 +185,12 @@ class CacheOptions:
         "beside attention) keeps, each a request's state at a cached prefix's end, where the "
         "next request on that prefix resumes; 0 turns prefix reuse off for such models "
         "(default: 4x --max-running-requests)",
+    )
+    mamba_ssm_dtype: str = option(
+        "float32",
+        "how a hybrid model's recurrent states (delta rule, SSM) are stored, running and in "
+        "snapshots; they are computed in float32 (bfloat16 halves their memory)",
+        MAMBA_SSM_DTYPES,
     )
     mamba_track_interval: int | None = option(
         None,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
-from .layers import Linear
+from .layers import Linear, fused
 from .recurrent import RecurrentStates
 
 CHUNK = 64  # tokens a chunk of the scan computes at once
@@ -128,12 +128,14 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(shape.heads))
         self.norm = GroupedGatedNorm(inner, shape.groups, shape.eps) if shape.gated_norm else None
         self.out_proj = Linear(inner, shape.hidden, bias=shape.out_bias)
+        self.cpu_ops = None
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state: the convolution's last inputs, the scan's state."""
         shape = self.shape
         conv = self.conv_width * (shape.conv_taps - 1)
-        return conv * dtype.itemsize + shape.heads * shape.head_dim * shape.state_size * 4
+        scan = shape.heads * shape.head_dim * shape.state_size
+        return conv * dtype.itemsize + scan * self.states.ssm_dtype.itemsize
 
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         shape, inputs, tokens = self.shape, backend.inputs, x.shape[0]
@@ -145,11 +147,12 @@ class Mamba2Mixer(nn.Module):
         xs, b, c = F.silu(xbc).split([inner, groups_state, groups_state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*shape.time_step_limit)
         a, d = -self.A_log.float().exp(), self.D
+        kernels = fused(self.cpu_ops)
         y = self.states.resume(
             "ssm",
             self.index,
             (shape.heads, shape.head_dim, shape.state_size),
-            torch.float32,
+            self.states.ssm_dtype,
             inputs,
             lambda x, dt, b, c, s: mamba2_step(x, dt, a, b, c, d, s),
             lambda x, dt, b, c, s: mamba2_scan(x, dt, a, b, c, d, s),
@@ -157,6 +160,18 @@ class Mamba2Mixer(nn.Module):
             dt,
             b.reshape(tokens, shape.groups, shape.state_size),
             c.reshape(tokens, shape.groups, shape.state_size),
+            in_place=None
+            if kernels is None
+            else lambda s, rows, x, dt, b, c: kernels.mamba2_step(
+                s,
+                rows,
+                x.float().contiguous(),
+                dt,
+                a,
+                b.float().contiguous(),
+                c.float().contiguous(),
+                d.float(),
+            ).to(x.dtype),
         ).reshape(tokens, inner)
         if self.norm is None:
             y = y * F.silu(z)

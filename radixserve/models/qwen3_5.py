@@ -23,7 +23,7 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import Attention, DecoderLayer
 from .hybrid import HybridCausalLM
-from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, fused
 from .moe import Experts, GatedSharedExpert, Routing, SparseMoE, unstack_experts
 from .recurrent import RecurrentStates
 
@@ -53,12 +53,13 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = RMSNorm(self.value_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(values, hidden)
+        self.cpu_ops = None
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state: the convolution's last inputs, the delta rule's matrices."""
         conv = self.conv1d.weight.shape[0] * (self.conv1d.weight.shape[-1] - 1)
         delta = self.value_heads * self.key_dim * self.value_dim
-        return conv * dtype.itemsize + delta * 4
+        return conv * dtype.itemsize + delta * self.states.ssm_dtype.itemsize
 
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         inputs, tokens = backend.inputs, x.shape[0]
@@ -71,7 +72,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         beta = self.in_proj_b(x).sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs)
+        kernels = fused(self.cpu_ops)
+        out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs, kernels)
         gate = self.in_proj_z(x).reshape(-1, self.value_dim)
         out = self.norm(out.reshape(-1, self.value_dim)) * F.silu(gate.float())
         return self.out_proj(out.to(x.dtype).reshape(tokens, -1))

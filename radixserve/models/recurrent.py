@@ -15,6 +15,8 @@ j < i."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -144,6 +146,7 @@ class RecurrentStates:
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer) -> [slots, ...]
         self.snapshot_slots = 0
+        self.ssm_dtype = torch.float32  # how recurrent states are stored (--mamba-ssm-dtype)
 
     def copy(self, src: int, dst: int) -> None:
         """Every layer's state in slot `src` into slot `dst`."""
@@ -160,14 +163,18 @@ class RecurrentStates:
         step,
         whole,
         *tensors: torch.Tensor,
+        in_place=None,
     ) -> torch.Tensor:
         """Run a recurrent op (`each_request`) over the step's segments, from and into this
-        layer's states of that kind, each of `shape`."""
+        layer's states of that kind, each of `shape`; `in_place(states, rows, *tensors)`: a
+        decode step on float32 states by row (the CPU kernels), where there is one."""
         states = self.held.get((kind, layer))
         if states is None:
             slots = inputs.req_to_token.shape[0] + self.snapshot_slots
             states = torch.zeros((slots, *shape), dtype=dtype, device=tensors[0].device)
             self.held[(kind, layer)] = states
+        if in_place is not None and states.dtype == torch.float32 and is_decode_step(inputs):
+            return in_place(states, inputs.rows, *tensors)
         return each_request(states, inputs, step, whole, *tensors)
 
     def convolve(
@@ -201,16 +208,18 @@ class RecurrentStates:
         g: torch.Tensor,
         beta: torch.Tensor,
         inputs: AttentionInputs,
+        kernels=None,
     ) -> torch.Tensor:
         """The gated delta rule over the step's segments (`q`, `k` [tokens, key heads, key
         dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]), each
-        continued from its request's state, which it then keeps (float32)."""
+        continued from its request's state, which it then keeps (stored as `ssm_dtype`,
+        computed in float32)."""
         shape = (v.shape[1], k.shape[2], v.shape[2])
         return self.resume(
             "delta",
             layer,
             shape,
-            torch.float32,
+            self.ssm_dtype,
             inputs,
             gated_delta_rule_step,
             gated_delta_rule,
@@ -219,7 +228,22 @@ class RecurrentStates:
             v,
             g,
             beta,
+            in_place=None if kernels is None else partial(delta_step_in_place, kernels),
         )
+
+
+def delta_step_in_place(kernels, states, rows, q, k, v, g, beta) -> torch.Tensor:
+    """`gated_delta_rule_step` through the CPU kernel, on `states[rows]` in place."""
+    q, k, v32, g, beta = _prepare(q, k, v, g, beta, v.shape[-2])
+    out = kernels.gated_delta_step(
+        states, rows, q.contiguous(), k.contiguous(), v32.contiguous(), g.exp(), beta.contiguous()
+    )
+    return out.to(v.dtype)
+
+
+def is_decode_step(inputs: AttentionInputs) -> bool:
+    """One new token for every request, each continuing its state."""
+    return inputs.max_extend_len == 1 and bool((inputs.prefix_lens > 0).all())
 
 
 def each_request(states: torch.Tensor, inputs: AttentionInputs, step, whole, *tensors):
@@ -229,10 +253,11 @@ def each_request(states: torch.Tensor, inputs: AttentionInputs, step, whole, *te
     `step(*tensors, states)` on all rows at once; otherwise each segment runs
     `whole(*segment, state) -> (output, state)`."""
     prefixes = inputs.prefix_lens
-    if inputs.max_extend_len == 1 and bool((prefixes > 0).all()):
+    if is_decode_step(inputs):
         picked = states[inputs.rows]
+        picked = picked.float() if picked.dtype in (torch.bfloat16, torch.float16) else picked
         out = step(*tensors, picked)
-        states[inputs.rows] = picked
+        states[inputs.rows] = picked.to(states.dtype)
         return out
     outputs, start = [], 0
     for row, length, prefix in zip(

@@ -11,6 +11,7 @@ from ..config import EngineArgs
 from ..mem.shadow import LiveEstimates
 from ..messages import ForwardMode, SchedulerStats
 from ..request_log import RequestLog, ServerRecord
+from ..worker_info import WorkerInfo
 from .batch import Step
 from .req import Req
 
@@ -21,26 +22,31 @@ THROUGHPUT_WINDOW_S = 10.0
 
 
 class SchedulerMetrics:
-    def __init__(self, args: EngineArgs, num_slots: int, page_size: int, cache_disabled: bool):
+    def __init__(self, args: EngineArgs, num_slots: int, info: WorkerInfo, cache_disabled: bool):
         self.args, self.num_slots = args, num_slots
         self.cache_disabled = cache_disabled
         self.stats = SchedulerStats(num_slots=num_slots)
-        self.request_log = self._open_request_log(args, num_slots, page_size)
+        self.request_log = self._open_request_log(args, num_slots, info)
         self.estimates = self._live_estimates()
         self._recent_admissions: deque[tuple[int, int]] = deque(maxlen=200)
         self._recent_tokens: deque[tuple[float, int]] = deque(maxlen=512)
         self._queue_times: deque[float] = deque(maxlen=512)
 
     @staticmethod
-    def _open_request_log(args: EngineArgs, num_slots: int, page_size: int) -> RequestLog | None:
+    def _open_request_log(args: EngineArgs, num_slots: int, info: WorkerInfo) -> RequestLog | None:
         if args.log_requests is None:
             return None
+        states = info.state_pool
         record = ServerRecord(
             num_slots,
-            page_size,
+            info.page_size,
             args.radix_eviction_policy,
             args.log_requests_level,
             time.time(),
+            chunk_tokens=args.chunked_prefill_size,
+            state_snapshots=states.snapshots if states else 0,
+            state_interval=states.interval if states else 0,
+            state_layer_tokens=states.layer_tokens if states else 0,
         )
         return RequestLog(args.log_requests, args.log_requests_level, record)
 

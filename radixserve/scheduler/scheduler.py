@@ -63,7 +63,7 @@ class Scheduler:
         self.kv = KVManager(args, executor)
         self.adapters = AdapterTable(args, executor)
         num_slots, cache_off = self.kv.allocator.num_slots, self.kv.cache.disable
-        self.metrics = SchedulerMetrics(args, num_slots, info.page_size, cache_off)
+        self.metrics = SchedulerMetrics(args, num_slots, info, cache_off)
         self.stats: SchedulerStats = self.metrics.stats
         self.retraction = Retraction(args, self.kv, self.queues, self.stats)
         ngram = args.speculative_algorithm == "ngram"

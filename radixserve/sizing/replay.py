@@ -3,6 +3,7 @@ policies and replica counts, next to the offline optimum; a table, JSON and a pl
 
     radixserve replay LOG_DIR --cache-tokens 4k,16k,64k --eviction lru,lfu,slru
     radixserve replay --synthetic agent --dp 1,2,4 --router cache_aware,round_robin --plot mrc.png
+    radixserve replay LOG_DIR --snapshot-slots 8,256   # a hybrid model's snapshot policies
 
 Without a log, `--synthetic agent|rag|chat` generates traffic of that shape.
 """
@@ -15,8 +16,9 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..request_log import read_log
+from ..request_log import ServerRecord, read_log
 from .cache_sim import Result, Setting, Trace, TraceRequest, sweep
+from .snapshot_sim import policies, replay_snapshots
 
 SYNTHETIC = ("agent", "rag", "chat")
 
@@ -33,6 +35,7 @@ class ReplayArgs:
     block_tokens: int  # replay units: 1 = tokens; more = hashed blocks (faster)
     json_path: str | None
     plot_path: str | None
+    snapshot_slots: tuple[int, ...] = ()  # replay state-snapshot policies with these slots
 
 
 def parse_tokens(text: str) -> int:
@@ -49,6 +52,8 @@ def run_replay(args: ReplayArgs) -> int:
         raise ValueError(
             "give a request log folder (from `radixserve serve --log-requests DIR`) or --synthetic"
         )
+    if args.snapshot_slots and args.log is None:
+        raise ValueError("--snapshot-slots replays a request log of a hybrid model's server")
     if args.log is not None:
         servers, records = read_log(args.log)
         trace = Trace.from_log(records, servers[0].hash_block)
@@ -58,6 +63,8 @@ def run_replay(args: ReplayArgs) -> int:
         trace = synthetic_trace(args.synthetic, args.requests)
         own = Setting(16384)
         source = f"synthetic {args.synthetic}: {len(trace.requests)} requests"
+    if args.snapshot_slots:
+        return replay_snapshot_policies(args, servers[0], trace, source)
     trace = trace.in_blocks(args.block_tokens) if args.block_tokens > 1 else trace
     settings = [
         Setting(c, e, d, r)
@@ -85,6 +92,35 @@ def run_replay(args: ReplayArgs) -> int:
         )
     if args.plot_path:
         plot(results, args.plot_path, source)
+    return 0
+
+
+def replay_snapshot_policies(
+    args: ReplayArgs, server: ServerRecord, trace: Trace, source: str
+) -> int:
+    """Each snapshot policy's hit rate on the log, with each number of snapshot slots."""
+    if not server.state_snapshots or server.level != "full":
+        raise ValueError(
+            "--snapshot-slots needs a log of a hybrid model's server at --log-requests-level full"
+        )
+    results = [
+        replay_snapshots(trace, policy, slots, server.chunk_tokens)
+        for slots in args.snapshot_slots
+        for policy in policies(server.state_layer_tokens, server.state_interval)
+    ]
+    lines = [
+        source,
+        f"server: {server.state_snapshots} snapshot slots, snapshots every "
+        f"{server.state_interval} tokens, chunks of {server.chunk_tokens}; `block_aligned` "
+        f"blocks of {server.state_layer_tokens} tokens; measured hit rate "
+        f"{trace.measured_hit_rate():.1%}",
+        f"{'slots':>6} {'policy':>14} {'hit rate':>9} {'KV bound':>9}",
+    ]
+    lines += [f"{r.slots:>6} {r.policy:>14} {r.hit_rate:>9.1%} {r.kv_bound:>9.1%}" for r in results]
+    print("\n".join(lines))
+    if args.json_path:
+        rows = [dict(asdict(r), hit_rate=r.hit_rate, kv_bound=r.kv_bound) for r in results]
+        Path(args.json_path).write_text(json.dumps({"source": source, "results": rows}, indent=2))
     return 0
 
 

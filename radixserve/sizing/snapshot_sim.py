@@ -37,7 +37,8 @@ class SnapshotPolicy:
     block: int = 0  # one checkpoint per request at its last block boundary (0: no)
 
 
-def policies(chunk: int, block: int, interval: int) -> list[SnapshotPolicy]:
+def policies(block: int, interval: int) -> list[SnapshotPolicy]:
+    """The three policies: `block` vLLM's block size for the model, `interval` radixserve's."""
     return [
         SnapshotPolicy("radixserve", branch_points=True, chunk_ends="free", interval=interval),
         SnapshotPolicy("chunk_end", chunk_ends="always"),
@@ -51,10 +52,16 @@ class SnapshotReplay:
     slots: int
     prompt_tokens: int
     cached_tokens: int
+    kv_cached_tokens: int  # what the KV alone would give (a snapshot wherever asked)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def kv_bound(self) -> float:
+        """The hit rate no snapshot policy can exceed on this log."""
+        return self.kv_cached_tokens / max(self.prompt_tokens, 1)
 
 
 class _Replay:
@@ -63,7 +70,7 @@ class _Replay:
         self.snapshots = StateSnapshots(0, slots)
         self.cache = RadixCache(1, lambda slots: None, drop_snapshot=self.snapshots.drop)
         self.names = itertools.count(1)
-        self.prompt = self.cached = 0
+        self.prompt = self.cached = self.kv_cached = 0
 
     def keep(self, units: tuple[int, ...], end: int, evict: bool) -> None:
         """A snapshot at `end` of `units` (cached up to there), if the policy's slots allow."""
@@ -82,6 +89,7 @@ class _Replay:
     def admit(self, r: TraceRequest) -> None:
         slots, node = self.cache.match_prefix(list(r.units[: r.lookup_units]))
         matched = len(slots)
+        self.kv_cached += matched
         slots, node = at_snapshot(slots, node)
         if slots:
             self.snapshots.touch(node.snapshot)
@@ -131,4 +139,4 @@ def replay_snapshots(
     while events:
         _, kind, i = heapq.heappop(events)
         (replay.admit if kind == 0 else replay.finish)(trace.requests[i])
-    return SnapshotReplay(policy.name, slots, replay.prompt, replay.cached)
+    return SnapshotReplay(policy.name, slots, replay.prompt, replay.cached, replay.kv_cached)

@@ -110,15 +110,19 @@ def state_pool(
     model, args: EngineArgs, kv_bytes_per_token: int, dtype: torch.dtype
 ) -> StatePoolInfo | None:
     """A hybrid model's state slots: one per request row, then --max-mamba-cache-size
-    snapshot slots (default 4 per running request), made room for after the rows; their
-    interval --mamba-track-interval, else the tokens whose KV a state is worth."""
+    snapshot slots (default 4 per running request), made room for after the rows; recurrent
+    states stored as --mamba-ssm-dtype; the snapshots' interval --mamba-track-interval, else
+    the tokens whose KV a state is worth."""
     if not model.cfg.keeps_state:
         return None
     count = args.max_mamba_cache_size
     model.states.snapshot_slots = 4 * args.max_running_requests if count is None else count
+    model.states.ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
     size = model.state_bytes(dtype)
     covered = covered_tokens(size, kv_bytes_per_token)
     interval = covered if args.mamba_track_interval is None else args.mamba_track_interval
+    cfg = model.cfg
+    per_layer = covered_tokens(size * cfg.num_kv_layers // cfg.state_layers, kv_bytes_per_token)
     return StatePoolInfo(
-        args.max_running_requests, model.states.snapshot_slots, size, covered, interval
+        args.max_running_requests, model.states.snapshot_slots, size, covered, interval, per_layer
     )
