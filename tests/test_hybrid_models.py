@@ -285,3 +285,15 @@ def test_recurrent_states_stored_in_bfloat16_take_half_the_memory(tmp_path, capl
     torch.testing.assert_close(got["bfloat16"][0], got["float32"][0], rtol=0, atol=1e-3)
     assert len(got["bfloat16"][1]) == NEW_TOKENS
     assert got["bfloat16"][1][0] == got["float32"][1][0]
+
+
+def test_the_state_pool_sized_as_a_share_of_the_kv_pool(tmp_path, caplog):
+    """--mamba-full-memory-ratio 1: the states take as many bytes as the KV pool (1,024
+    tokens x 256 B), 170 LFM2 states of 1.5 KiB: 64 running requests' and 106 snapshots."""
+    _, path = build_checkpoint(tmp_path, "lfm2")
+    with caplog.at_level("INFO", logger="radixserve"):
+        with Engine(
+            model=str(path), max_total_tokens=1024, dtype="float32", mamba_full_memory_ratio=1.0
+        ) as eng:
+            assert len(eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
+    assert "state pool 64 + 106 snapshots x 1.50 KiB" in caplog.text

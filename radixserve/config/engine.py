@@ -42,6 +42,8 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
             yield "chunked_prefill_size must be >= page_size"
         if self.swa_full_tokens_ratio is not None and not 0 < self.swa_full_tokens_ratio <= 1:
             yield "swa_full_tokens_ratio must be in (0, 1]"
+        if self.mamba_full_memory_ratio is not None and self.mamba_full_memory_ratio <= 0:
+            yield "mamba_full_memory_ratio must be > 0"
         if self.mamba_track_interval is not None and self.mamba_track_interval < 0:
             yield "mamba_track_interval must be >= 0"
         if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 0:

@@ -186,6 +186,13 @@ class CacheOptions:
         "next request on that prefix resumes; 0 turns prefix reuse off for such models "
         "(default: 4x --max-running-requests)",
     )
+    mamba_full_memory_ratio: float | None = option(
+        None,
+        "a hybrid model's state pool (one state per running request, then the snapshots) in "
+        "bytes as a multiple of the KV pool's: the snapshots are what it holds beyond the "
+        "running requests' states (default: 4 snapshots per running request; "
+        "--max-mamba-cache-size overrides both)",
+    )
     mamba_ssm_dtype: str = option(
         "float32",
         "how a hybrid model's recurrent states (delta rule, SSM) are stored, running and in "

@@ -107,22 +107,26 @@ def kv_pool(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def state_pool(
-    model, args: EngineArgs, kv_bytes_per_token: int, dtype: torch.dtype
+    model, args: EngineArgs, kv_bytes_per_token: int, kv_tokens: int, dtype: torch.dtype
 ) -> StatePoolInfo | None:
-    """A hybrid model's state slots: one per request row, then --max-mamba-cache-size
-    snapshot slots (default 4 per running request), made room for after the rows; recurrent
-    states stored as --mamba-ssm-dtype; the snapshots' interval --mamba-track-interval, else
-    the tokens whose KV a state is worth."""
+    """A hybrid model's state slots: one per request row, then the snapshot slots, made room
+    for after the rows: --max-mamba-cache-size, else what --mamba-full-memory-ratio times the
+    KV pool's bytes holds beyond the rows, else 4 per running request. Recurrent states are
+    stored as --mamba-ssm-dtype; the snapshots' interval is --mamba-track-interval, else the
+    tokens whose KV a state is worth."""
     if not model.cfg.keeps_state:
         return None
-    count = args.max_mamba_cache_size
-    model.states.snapshot_slots = 4 * args.max_running_requests if count is None else count
     model.states.ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
     size = model.state_bytes(dtype)
+    rows = args.max_running_requests
+    count = args.max_mamba_cache_size
+    if count is None and args.mamba_full_memory_ratio is not None:
+        count = max(
+            int(args.mamba_full_memory_ratio * kv_tokens * kv_bytes_per_token) // size - rows, 0
+        )
+    model.states.snapshot_slots = 4 * rows if count is None else count
     covered = covered_tokens(size, kv_bytes_per_token)
     interval = covered if args.mamba_track_interval is None else args.mamba_track_interval
     cfg = model.cfg
     per_layer = covered_tokens(size * cfg.num_kv_layers // cfg.state_layers, kv_bytes_per_token)
-    return StatePoolInfo(
-        args.max_running_requests, model.states.snapshot_slots, size, covered, interval, per_layer
-    )
+    return StatePoolInfo(rows, model.states.snapshot_slots, size, covered, interval, per_layer)

@@ -115,7 +115,7 @@ class ModelRunner:
         self.pool, self.window_pool, self.backend_name, self.backend = make_pools(
             self.model, self.windows, args, (num_pages + 1) * ps, self.kv_dtype, self.device
         )
-        states = state_pool(self.model, args, per_token, self.dtype)
+        states = state_pool(self.model, args, per_token, num_pages * ps, self.dtype)
         self._prepare_forward()
         self.info = WorkerInfo(
             num_pages,
