@@ -96,3 +96,21 @@ def test_a_prefix_resumes_where_its_window_kv_is_held(gemma3):
     want = [families.hf_greedy(model, ids, NEW_TOKENS) for ids in [base, *branches]]
     assert [first["output_ids"], *(g["output_ids"] for g in got)] == want
     assert again["output_ids"] == first["output_ids"]
+
+
+def test_a_window_pool_too_small_for_the_traffic_retracts_and_stays_exact(gemma3):
+    """--swa-full-tokens-ratio 0.05 of 8,192 tokens: 409 window slots against 8 concurrent
+    300-token prompts (a chunk needs a slot per token): requests wait, evict and retract (6
+    retractions here), all finish with the tokens of the run that keeps every token's KV,
+    nothing leaks."""
+    _, path = gemma3
+    batch = [ids[:300] for ids in prompts(8)]
+    runs = []
+    for options in ({"swa_full_tokens_ratio": 0.05}, {"disable_hybrid_swa_memory": True}):
+        with Engine(model=str(path), dtype="float32", max_total_tokens=8192, **options) as eng:
+            out = eng.generate(input_ids=batch, sampling_params=GREEDY)
+            eng.check_memory()
+            runs.append(([r["output_ids"] for r in out], eng.get_stats().retractions_total))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] > 0  # the window pool was the bottleneck
+    assert runs[1][1] == 0
