@@ -24,6 +24,7 @@ COMMAND_ONLY = {
         "block_tokens",
         "json",
         "plot",
+        "snapshot_slots",
     },
 }
 CLASSES = {
