@@ -297,3 +297,31 @@ def test_the_state_pool_sized_as_a_share_of_the_kv_pool(tmp_path, caplog):
         ) as eng:
             assert len(eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
     assert "state pool 64 + 106 snapshots x 1.50 KiB" in caplog.text
+
+
+def test_experts_stacked_in_the_checkpoint_load_like_per_expert_ones(tmp_path):
+    """A Qwen3.5-MoE checkpoint with its experts stacked as HF's expert modules hold them
+    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) serves the same tokens
+    as the per-expert one HF saves."""
+    from safetensors.torch import load_file, save_file
+
+    model, path = build_checkpoint(tmp_path, "qwen3_5_moe_text")
+    tensors = load_file(path / "model.safetensors")
+    stacked = {}
+    for name, tensor in tensors.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            stacked[name] = tensor
+            continue
+        expert, kind = int(rest.split(".")[0]), rest.split(".")[1]
+        stacked.setdefault(f"{head}.mlp.experts.{kind}", {})[expert] = tensor
+    for name in [n for n, v in stacked.items() if isinstance(v, dict)]:
+        parts = stacked.pop(name)
+        stacked[name] = torch.stack([parts[e] for e in sorted(parts)])
+    for name in [n for n in stacked if n.endswith(".gate_proj")]:
+        up = stacked.pop(name.replace("gate_proj", "up_proj"))
+        stacked[name.replace("gate_proj", "gate_up_proj")] = torch.cat([stacked.pop(name), up], 1)
+    save_file({n: t.contiguous() for n, t in stacked.items()}, path / "model.safetensors")
+    with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
+        got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    assert got == hf_greedy(model, PROMPTS[1])
