@@ -325,3 +325,18 @@ def test_experts_stacked_in_the_checkpoint_load_like_per_expert_ones(tmp_path):
     with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
         got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
     assert got == hf_greedy(model, PROMPTS[1])
+
+
+def test_nemotron_h_layer_patterns_and_refusals_from_config_json(tmp_path):
+    """A Nemotron-H config.json names its layers by `hybrid_override_pattern` (M: Mamba2, *:
+    attention, -: MLP) as released checkpoints do; its MoE blocks (E) are refused in one line
+    naming them."""
+    from radixserve.model_config import ModelConfig
+    from radixserve.models.registry import UnsupportedModel, check_supported
+
+    config = hf.NemotronHConfig(**COMMON, head_dim=16).to_dict()
+    config.pop("layers_block_type", None)
+    cfg = ModelConfig.from_hf_dict(dict(config, hybrid_override_pattern="M-*M"))
+    assert (cfg.num_layers, cfg.num_kv_layers, cfg.state_layers) == (4, 1, 2)
+    with pytest.raises(UnsupportedModel, match="'moe' layers"):
+        check_supported(dict(config, hybrid_override_pattern="ME*M"))
