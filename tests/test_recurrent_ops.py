@@ -145,7 +145,7 @@ def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
 def test_the_cpu_kernels_step_like_torch_in_place_on_the_rows():
     """The C++ decode steps (kernels/radixserve_kernels/cpu_recurrent.cpp) equal the torch
     steps, updating only the named rows of the states in place."""
-    from radixserve.models.mamba2 import mamba2_step
+    from radixserve.models.mamba2 import mamba2_step, mamba2_step_in_place
     from radixserve.models.recurrent import delta_step_in_place
     from radixserve_kernels.cpu_ops import load
 
@@ -171,6 +171,6 @@ def test_the_cpu_kernels_step_like_torch_in_place_on_the_rows():
     picked = want_ssm[rows]
     want = mamba2_step(x, dt, a, b, c, d, picked)
     want_ssm[rows] = picked
-    got = kernels.mamba2_step(ssm, rows, x, dt, a, b, c, d)
+    got = mamba2_step_in_place(kernels, ssm, rows, x, dt, a, b, c, d)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(ssm, want_ssm, **TOL)

@@ -74,6 +74,21 @@ def mamba2_step(x, dt, a, b, c, d, states):
     return out.to(x.dtype)
 
 
+def mamba2_step_in_place(kernels, states, rows, x, dt, a, b, c, d) -> torch.Tensor:
+    """`mamba2_step` through the CPU kernel, on `states[rows]` in place."""
+    out = kernels.mamba2_step(
+        states,
+        rows,
+        x.float().contiguous(),
+        dt.float().contiguous(),
+        a.float(),
+        b.float().contiguous(),
+        c.float().contiguous(),
+        d.float(),
+    )
+    return out.to(x.dtype)
+
+
 def time_step_limit(hf: dict) -> tuple[float, float]:
     """config.json's `time_step_limit`, whose infinity HF writes as {"__float__": "Infinity"}."""
     limits = hf.get("time_step_limit") or (0.0, float("inf"))
@@ -162,16 +177,9 @@ class Mamba2Mixer(nn.Module):
             c.reshape(tokens, shape.groups, shape.state_size),
             in_place=None
             if kernels is None
-            else lambda s, rows, x, dt, b, c: kernels.mamba2_step(
-                s,
-                rows,
-                x.float().contiguous(),
-                dt,
-                a,
-                b.float().contiguous(),
-                c.float().contiguous(),
-                d.float(),
-            ).to(x.dtype),
+            else lambda s, rows, x, dt, b, c: mamba2_step_in_place(
+                kernels, s, rows, x, dt, a, b, c, d
+            ),
         ).reshape(tokens, inner)
         if self.norm is None:
             y = y * F.silu(z)
