@@ -83,6 +83,34 @@ class LogprobRequest:
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt: its content hash (its tokens' ids derive from it), where its
+    tokens lie in the prompt, and its preprocessed pixels (float32 bytes, `[patches, patch_dim]`)
+    with their (t, h, w) patch grid."""
+
+    digest: int
+    offset: int
+    tokens: int
+    grid: list[int]
+    pixels: bytes
+    patch_dim: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.tokens
+
+
+@dataclass
+class ImageSlice:
+    """The tokens [start, end) of an image that a step computes, at `row` of the step's tokens."""
+
+    row: int
+    image: ImageInput
+    start: int
+    end: int
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     input_ids: list[int]
@@ -102,6 +130,10 @@ class ForwardBatch:
     lora_names: list[str | None] | None = None
     # window layers kept apart: (full slots, their window slots) the worker has not seen
     window_map: tuple[list[int], list[int]] | None = None
+    # vision-language models: the image tokens of this step, and (time, height, width)
+    # positions of every token where a request has images (M-RoPE)
+    images: list[ImageSlice] | None = None
+    mrope_positions: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -155,6 +187,7 @@ class GenerateReq:
     pooling: str | None = None  # an embedding request: its prompt pooled ("last", "mean")
     lora_path: str | None = None  # the LoRA adapter's name (None: the base model)
     bootstrap: Bootstrap | None = None  # on a disaggregated server: the request's transfer
+    images: list[ImageInput] | None = None  # a vision-language model's images, in prompt order
 
 
 @dataclass

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .messages import Bootstrap, GenerateReq
+from .messages import Bootstrap, GenerateReq, ImageInput
+from .multimodal.processing import image_token_id
 from .worker_info import WorkerInfo
 
 MAX_TOP_LOGPROBS = 100
@@ -19,7 +20,7 @@ HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\
 
 def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
     """Raise ValueError if `req` can never run on this model and pool."""
-    _check_prompt(req.input_ids, info)
+    _check_prompt(req.input_ids, info, req.images)
     params = req.sampling_params
     outside = [t for t in params.stop_token_ids if t >= info.vocab_size]
     if outside:
@@ -106,7 +107,7 @@ def context_limit(info: WorkerInfo) -> int:
     return min(info.max_context_len, info.num_slots)
 
 
-def _check_prompt(ids: list[int], info: WorkerInfo) -> None:
+def _check_prompt(ids: list[int], info: WorkerInfo, images: list[ImageInput] | None) -> None:
     limit = context_limit(info)
     if not ids:
         raise ValueError("the prompt is empty")
@@ -115,7 +116,21 @@ def _check_prompt(ids: list[int], info: WorkerInfo) -> None:
             f"the prompt has {len(ids)} tokens; this server accepts at most {limit - 1} "
             "(the context and the KV pool must hold the prompt and one new token)"
         )
+    text = _text_ids(ids, images) if images else ids
     if any(
-        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size for t in ids
+        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size for t in text
     ):
         raise ValueError(f"input_ids must be integers in the vocabulary [0, {info.vocab_size})")
+
+
+def _text_ids(ids: list[int], images: list[ImageInput]) -> list[int]:
+    """The prompt without its images' tokens, each image's span checked to hold its ids."""
+    text, last = [], 0
+    for image in images:
+        if image.offset < last or image.end > len(ids):
+            raise ValueError("images must lie in the prompt, in order, apart")
+        if set(ids[image.offset : image.end]) != {image_token_id(image.digest)}:
+            raise ValueError("an image's tokens must be its content-hash ids")
+        text += ids[last : image.offset]
+        last = image.end
+    return text + ids[last:]

@@ -71,6 +71,7 @@ class WorkerInfo:
     prefix_reuse: bool = True  # False: a hybrid model without state snapshots
     state_pool: StatePoolInfo | None = None  # a hybrid model's states and their snapshots
     window_kv: WindowKVInfo | None = None  # window layers' KV kept apart and freed
+    mrope_merge_size: int | None = None  # M-RoPE models: patches a side per image token
 
     @property
     def num_slots(self) -> int:

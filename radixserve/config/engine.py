@@ -46,6 +46,8 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
             yield "mamba_full_memory_ratio must be > 0"
         if self.mamba_track_interval is not None and self.mamba_track_interval < 0:
             yield "mamba_track_interval must be >= 0"
+        if self.mm_encoder_cache_mb < 0:
+            yield "mm_encoder_cache_mb must be >= 0"
         if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 0:
             yield "max_mamba_cache_size must be >= 0"
         if self.prefill_admit_tokens is not None and self.prefill_admit_tokens < 1:

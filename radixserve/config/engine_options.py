@@ -210,6 +210,11 @@ class CacheOptions:
         "publish KV cache events for KV-aware routers (Dynamo, llm-d) as vLLM does, e.g. "
         '\'{"endpoint": "tcp://*:5557", "topic": "kv"}\'',
     )
+    mm_encoder_cache_mb: int = option(
+        256,
+        "vision-language models: MiB of image features kept by content hash, so a repeated "
+        "image skips the vision tower even when its KV was evicted (0: none kept)",
+    )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ engine's `EngineArgs`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..multimodal.media import MediaPolicy, image_limit
 from .engine import EngineArgs
 from .options import check_choices, option, refuse_problems
 
@@ -58,8 +60,34 @@ class ServerArgs:
         "GPUs), behind a router on --host/--port",
     )
 
+    allowed_media_domains: tuple[str, ...] = option(
+        (),
+        "hosts (and their subdomains) images may be fetched from over http(s); none by "
+        "default. A name must not resolve to a private address; an address listed here is "
+        "allowed as it is",
+    )
+    allowed_local_media_path: str | None = option(
+        None, "a folder images may be read from as file:// URLs (none by default)"
+    )
+    limit_mm_per_prompt: str = option(
+        '{"image": 8}', "the images a prompt may carry, as a JSON object"
+    )
+    media_fetch_timeout: float = option(10.0, "seconds an image fetch may take")
+    max_image_pixels: int = option(
+        40_000_000, "the largest image accepted, in pixels (a larger one is a 400)"
+    )
+
     def __post_init__(self) -> None:
         refuse_problems("server", self._problems())
+
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy(
+            tuple(d.lower() for d in self.allowed_media_domains),
+            self.allowed_local_media_path,
+            self.max_request_bytes,
+            self.media_fetch_timeout,
+            self.max_image_pixels,
+        )
 
     def _problems(self):
         yield from check_choices(self)
@@ -71,6 +99,17 @@ class ServerArgs:
             yield "max_queued_requests must be >= 0"
         if self.dp_size < 1:
             yield "dp_size must be >= 1"
+        try:
+            image_limit(self.limit_mm_per_prompt)
+        except ValueError as exc:
+            yield str(exc)
+        if (
+            self.allowed_local_media_path is not None
+            and not Path(self.allowed_local_media_path).is_dir()
+        ):
+            yield f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder"
+        if self.media_fetch_timeout <= 0 or self.max_image_pixels < 1:
+            yield "media_fetch_timeout and max_image_pixels must be > 0"
         if self.dp_size > 1 and self.engine.nnodes > 1:
             yield (
                 "dp_size with nnodes is not supported: start each multi-node replica on its own, "

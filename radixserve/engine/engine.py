@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from ..config import EngineArgs, refuse_problems
 from ..detokenizer import Detokenizer
 from ..messages import GenerateReq, SchedulerStats
-from ..models.registry import recurrent_problems
+from ..models.registry import model_problems
 from ..models.source import resolve_model
 from ..request_state import RequestState
 from ..sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class Engine:
                 "KV events are published by the server: `radixserve serve --kv-events-config ...`"
             )
         source = resolve_model(self.args.model)
-        refuse_problems("model", recurrent_problems(source.config, self.args))
+        refuse_problems("model", model_problems(source.config, self.args))
         self.model_name = source.name
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None

@@ -16,7 +16,7 @@ from torch import nn
 from ..attention import PLAIN, AttentionBackend, LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from .layers import Linear, RMSNorm, RotaryEmbedding, StepImages, SwiGLU, apply_rotary
 
 # checkpoint leaf -> (our fused module, shard index)
 FUSED_SHARDS = {
@@ -158,18 +158,37 @@ class CausalLM(nn.Module):
 
     # ---- forward -----------------------------------------------------------
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states `[T, hidden]` of this step's tokens."""
-        x = self.model.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        """Final-normed hidden states `[T, hidden]` of this step's tokens; `images`: the image
+        features that take the place of image tokens (vision-language models)."""
+        x = self.embed(input_ids, images)
         ropes = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
         layers = self.model.layers
         normed = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             x, normed = layer(x, normed, ropes, backend, self.norm_after(i))
+            if images is not None and i < len(images.deepstack):
+                x = x.index_add(0, images.rows, images.deepstack[i].to(x.dtype))
+                normed = self.norm_after(i)(x)
         return normed
+
+    def embed(self, input_ids: torch.Tensor, images: StepImages | None = None) -> torch.Tensor:
+        """Token embeddings (times `embed_scale`); image tokens (ids past the vocabulary) take
+        their image's features instead."""
+        if images is None:
+            x = self.model.embed_tokens(input_ids)
+        else:
+            x = self.model.embed_tokens(input_ids.clamp(max=self.cfg.vocab_size - 1))
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if images is not None:
+            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+        return x
 
     def norm_after(self, i: int) -> RMSNorm:
         """The norm of layer i's output: the next layer's input norm, or the final norm."""

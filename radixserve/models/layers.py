@@ -9,6 +9,7 @@ of a chain of small torch ops. Under torch.compile they keep the torch code, whi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,16 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
     return torch.where(is_mid, mixed, scaled)
+
+
+@dataclass
+class StepImages:
+    """A step's image features: `embeds[i]` takes the place of token `rows[i]`; DeepStack
+    models add `deepstack[k][i]` to that token's hidden state after layer k."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
 
 
 class RotaryEmbedding(nn.Module):

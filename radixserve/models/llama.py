@@ -11,7 +11,7 @@ from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
-from .layers import Linear, RMSNorm, fused
+from .layers import Linear, RMSNorm, StepImages, fused
 from .registry import num_labels
 
 NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter rows
@@ -22,12 +22,16 @@ class LlamaForCausalLM(CausalLM):
     adapters' deltas included (float32)."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         groups = backend.kernel_groups() if fused(self.cpu_decoder) is not None else None
-        if not groups:
-            return super().forward(input_ids, positions, backend)
-        embedded = self.model.embed_tokens(input_ids)
+        if not groups or (images is not None and images.deepstack):
+            return super().forward(input_ids, positions, backend, images)
+        embedded = self.embed(input_ids, images)
         cos, sin = self.rotaries[0].cos_sin(positions, torch.float32)
         normed = self.model.layers[0].input_layernorm(embedded).float()
         x = embedded.float()  # the decoder's residual stream is float32 in either dtype

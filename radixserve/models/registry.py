@@ -31,6 +31,9 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    # vision-language: the language model and its vision tower
+    "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -61,6 +64,12 @@ LANGUAGE_MODELS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+# vision-language checkpoints served whole: the config keys of the top level they keep
+VISION_LANGUAGE = {
+    "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
+    "Qwen3VLForConditionalGeneration": {},
+}
+VISION_KEYS = ("vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id")
 # architectures that rotate part of each head
 PARTIAL_ROTARY = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
 
@@ -74,10 +83,16 @@ def language_model_config(hf: dict) -> dict:
     architecture, and the stop tokens and tying the top level sets) where its language model
     is served; else the config itself."""
     named = (hf.get("architectures") or [None])[0]
-    if named not in LANGUAGE_MODELS:
-        return hf
-    text = dict(hf["text_config"], architectures=[LANGUAGE_MODELS[named]], vision_not_served=named)
-    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+    if named in VISION_LANGUAGE:
+        return _flattened(hf, named, VISION_KEYS, **VISION_LANGUAGE[named])
+    if named in LANGUAGE_MODELS:
+        return _flattened(hf, LANGUAGE_MODELS[named], (), vision_not_served=named)
+    return hf
+
+
+def _flattened(hf: dict, architecture: str, keys: tuple[str, ...], **extra) -> dict:
+    text = dict(hf["text_config"], architectures=[architecture], **extra)
+    for key in keys + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key in hf and key not in text:
             text[key] = hf[key]
     return text
@@ -156,7 +171,26 @@ def _check_nemotron_h(hf: dict) -> None:
         )
 
 
-def recurrent_problems(cfg: ModelConfig, args: EngineArgs):
+def model_problems(cfg: ModelConfig, args: EngineArgs):
+    """What the served model does not run with yet, by option name."""
+    yield from _recurrent_problems(cfg, args)
+    yield from _vision_problems(cfg, args)
+
+
+def _vision_problems(cfg: ModelConfig, args: EngineArgs):
+    if cfg.architecture not in VISION_LANGUAGE:
+        return
+    for name, on in (
+        ("tp_size", args.tp_size > 1),
+        ("speculative_algorithm", args.speculative_algorithm is not None),
+        ("disaggregation_mode", args.disaggregation_mode != "null"),
+        ("enable_torch_compile", args.enable_torch_compile),
+    ):
+        if on:
+            yield f"{name} with {cfg.architecture}'s images is not supported yet"
+
+
+def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     """What a hybrid model (layers that keep a state per sequence) does not run with yet, by
     option name; nothing for other models."""
     if not cfg.keeps_state:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..constrained import GrammarBackend
-from ..messages import ForwardBatch, ForwardMode, LogprobRequest, SamplingBatch
+from ..messages import ForwardBatch, ForwardMode, ImageSlice, LogprobRequest, SamplingBatch
+from ..multimodal.processing import is_image_token
 from ..sampling_params import SamplingParams
 from .req import Req
 
@@ -55,9 +56,12 @@ def build_batch(
     """Request i feeds its last `lens[i]` slots; a row's new prefix slots go as `row_writes`;
     `window_map`: the window slots of full slots, where window layers keep KV apart."""
     ids, positions, locs, writes, seq_lens, logprobs = [], [], [], [], [], []
+    images: list[ImageSlice] = []
     for req, n in zip(reqs, lens):
         end = len(req.kv_slots)
         start = end - n
+        if req.images:
+            images += image_slices(req, start, end, len(ids))
         ids += (req.fill_ids + req.drafts)[start:end] if req.drafts else req.fill_ids[start:end]
         positions += range(start, end)
         locs += req.kv_slots[start:end]
@@ -69,6 +73,7 @@ def build_batch(
     draft_lens = [len(r.drafts) for r in reqs] if any(r.drafts for r in reqs) else None
     pooling = [r.pooling for r in reqs] if any(r.pooling for r in reqs) else None
     lora_names = [r.lora for r in reqs] if any(r.lora for r in reqs) else None
+    mrope = mrope_rows(reqs, lens) if any(r.mrope for r in reqs) else None
     return ForwardBatch(
         mode,
         ids,
@@ -84,7 +89,37 @@ def build_batch(
         pooling,
         lora_names,
         window_map,
+        images or None,
+        mrope,
     )
+
+
+def image_slices(req: Req, start: int, end: int, row: int) -> list[ImageSlice]:
+    """The parts of the request's images among its tokens [start, end), which sit at `row` of
+    the step's tokens."""
+    return [
+        ImageSlice(
+            row + max(im.offset, start) - start,
+            im,
+            max(start - im.offset, 0),
+            min(end, im.end) - im.offset,
+        )
+        for im in req.images
+        if im.offset < end and im.end > start
+    ]
+
+
+def mrope_rows(reqs: list[Req], lens: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(time, height, width) positions of the step's tokens: a request's own M-RoPE positions,
+    or its plain positions on all three axes."""
+    rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for req, n in zip(reqs, lens):
+        end = len(req.kv_slots)
+        for index in range(end - n, end):
+            p = req.mrope.at(index) if req.mrope else (index, index, index)
+            for axis in range(3):
+                rows[axis].append(p[axis])
+    return rows
 
 
 def logprob_request(req: Req, start: int, end: int) -> LogprobRequest | None:
@@ -113,7 +148,7 @@ def sampling_batch(reqs: list[Req], ctx: SamplingContext) -> SamplingBatch:
         presence_penalties=[p.presence_penalty for p in ps],
         repetition_penalties=[p.repetition_penalty for p in ps],
         penalty_outputs=[list(r.output_ids) if r.params.has_penalties else None for r in reqs],
-        penalty_prompts=[r.input_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+        penalty_prompts=[penalty_prompt(r) for r in reqs],
         suppressed_ids=[suppressed_ids(r, ctx.eos_ids) for r in reqs],
         token_masks=token_masks(reqs, ctx.grammars),
         logit_biases=logit_biases(ps),
@@ -124,6 +159,15 @@ def sampling_batch(reqs: list[Req], ctx: SamplingContext) -> SamplingBatch:
         if checks_drafts
         else None,
     )
+
+
+def penalty_prompt(req: Req) -> list[int] | None:
+    """The prompt tokens a repetition penalty counts (an image's tokens are not words)."""
+    if req.params.repetition_penalty == 1:
+        return None
+    if not req.images:
+        return req.input_ids
+    return [t for t in req.input_ids if not is_image_token(t)]
 
 
 def token_masks(reqs: list[Req], grammars: GrammarBackend | None) -> list[list[int] | None] | None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from ..constrained import GrammarBackend, GrammarSpec
 from ..lora import cache_namespace
 from ..messages import GenerateReq
+from ..multimodal.positions import mrope_positions
 from ..sampling_params import SamplingParams
 from ..worker_info import WorkerInfo
 from .adapters import AdapterTable
@@ -29,6 +30,7 @@ class Intake:
         """`first_token_only`: a prefill server of a disaggregated pair (the decode server makes
         the rest)."""
         self.max_len = min(info.max_context_len, num_slots)
+        self.mrope_merge_size = info.mrope_merge_size
         self.adapters, self.grammars = adapters, grammars
         self.speculative, self.first_token_only = speculative, first_token_only
 
@@ -51,7 +53,11 @@ class Intake:
             pooling=msg.pooling,
             lora=msg.lora_path,
             bootstrap=msg.bootstrap,
+            images=msg.images or None,
         )
+        if req.images and self.mrope_merge_size:
+            spans = [(im.offset, tuple(im.grid)) for im in req.images]
+            req.mrope = mrope_positions(len(req.input_ids), spans, self.mrope_merge_size)
         req.grammar = self._grammar_matcher(params)
         if self.speculative:
             req.spec = SpecState()

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..mem.radix_cache import TreeNode
-from ..messages import Bootstrap, FinishReason
+from ..messages import Bootstrap, FinishReason, ImageInput
+from ..multimodal.positions import MRopePositions
 from ..sampling_params import SamplingParams
 from .speculative import SpecState
 
@@ -29,6 +30,8 @@ class Req:
     pooled: Any = None  # the running sum (mean) or the last hidden state so far
     embedding: list[float] | None = None
     bootstrap: Bootstrap | None = None  # disaggregated: where its prefill runs, its room
+    images: list[ImageInput] | None = None  # a vision-language model's images, prompt order
+    mrope: MRopePositions | None = None  # its tokens' 3-D positions (M-RoPE models)
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.

@@ -50,7 +50,7 @@ def anthropic_routes(app: FastAPI, tm: TokenizerManager, setup: ChatSetup) -> No
     async def count_tokens(request: Request):
         body = await parse_body(request, CountTokensRequest)
         chat = chat_request_of(body.chat_fields())
-        return {"input_tokens": len(await chat_prompt_ids(tm, chat))}
+        return {"input_tokens": len((await chat_prompt_ids(tm, chat))[0])}
 
 
 def stop_of(finish_reason: str | None, matched: Any) -> tuple[str, str | None]:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .content_parts import image_url_part
 from .http import RequestError
 from .openai_protocol import ChatCompletionRequest, chat_request_of
 
@@ -150,7 +151,9 @@ def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_block_text(block, at))
+            texts.append({"type": "text", "text": _block_text(block, at)})
+        elif kind == "image" and message.role == "user":
+            texts.append(_image_part(block, at))
         elif kind == "tool_use" and message.role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and message.role == "user":
@@ -159,11 +162,32 @@ def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:
             raise RequestError(f"{at}: {message.role} blocks of type {kind!r} are not supported")
     out = list(results)
     if texts or calls or not results:
-        turn: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        images = any(part["type"] != "text" for part in texts)
+        content = texts if images else "".join(part["text"] for part in texts)
+        turn: dict[str, Any] = {"role": message.role, "content": content}
         if calls:
             turn["tool_calls"] = calls
         out.append(turn)
     return out
+
+
+def _image_part(block: dict, where: str) -> dict[str, Any]:
+    """An image block (a base64 or url source) as a chat image part."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise RequestError(f"{where}.source needs a string media_type and data")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url":
+        url = source.get("url")
+    else:
+        raise RequestError(f"{where}.source.type must be 'base64' or 'url', not {kind!r}")
+    try:
+        return image_url_part(url, f"{where}.source")
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _tool_call(block: dict, where: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import ServerArgs
 from ..ipc import Heartbeat
-from ..messages import GenerateReq
+from ..messages import GenerateReq, ImageInput
 from ..tokenizer import chat_roles
 from .anthropic_api import anthropic_routes
 from .embeddings_api import EmbeddingSetup, embeddings_routes
@@ -30,6 +30,7 @@ from .http import (
     parse_body,
     sse,
 )
+from .images import ImagePart
 from .lora_api import lora_routes
 from .metrics import Metrics
 from .openai_api import ChatSetup, openai_routes, served_name
@@ -129,6 +130,20 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
     return [value] * count
 
 
+async def _generate_images(
+    tm: TokenizerManager, body: GenerateRequest, single: bool, ids: list[int]
+) -> tuple[list[int], list[ImageInput] | None]:
+    """A /generate prompt's `image_data`: one prompt's images, each marked in its text (or by
+    the image token among its input_ids)."""
+    if body.image_data is None:
+        return ids, None
+    if not single:
+        raise RequestError("image_data goes with one prompt, not a batch")
+    urls = [body.image_data] if isinstance(body.image_data, str) else body.image_data
+    parts = [ImagePart(url, f"image_data[{i}]") for i, url in enumerate(urls)]
+    return tm.images.attach(ids, await tm.images.prepare(parts))
+
+
 async def build_generate(
     tm: TokenizerManager, body: GenerateRequest
 ) -> tuple[list[GenerateReq], bool]:
@@ -144,6 +159,7 @@ async def build_generate(
         id_lists = [body.input_ids] if single else body.input_ids
     if not id_lists:
         raise RequestError("the batch is empty")
+    id_lists[0], images = await _generate_images(tm, body, single, id_lists[0])
     n = len(id_lists)
     params = _per_prompt(body.sampling_params, n, "sampling_params")
     rids = (
@@ -175,6 +191,7 @@ async def build_generate(
             cache_salt=body.cache_salt,
             lora_path=adapters[i],
             bootstrap=body.bootstrap(),
+            images=images,
         )
         reqs += tm.expand_n(req)
     tm.check_disaggregated(reqs)

@@ -23,12 +23,15 @@ from ..config import EngineArgs, ServerArgs, refuse_problems
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
-from ..models.registry import is_classifier, recurrent_problems
+from ..models.registry import is_classifier, model_problems
 from ..models.source import resolve_draft_model, resolve_model
+from ..multimodal.media import image_limit
+from ..multimodal.spec import VisionSpec
 from ..quant import quantization_problems
 from ..tokenizer import load_tokenizer_or_none
 from .api import Health, create_app
 from .embeddings_api import EmbeddingSetup
+from .images import ImageInputs
 from .tokenizer_manager import TokenizerManager, api_inbox
 
 log = logging.getLogger("radixserve")
@@ -204,7 +207,7 @@ def launch_server(args: ServerArgs) -> int:
             source.config.hf_config, args.engine.quantization, args.engine.tp_size
         ),
     )
-    refuse_problems("model", recurrent_problems(source.config, args.engine))
+    refuse_problems("model", model_problems(source.config, args.engine))
     if args.engine.speculative_draft_model is not None:
         resolve_draft_model(
             args.engine.speculative_draft_model, source
@@ -223,6 +226,10 @@ def launch_server(args: ServerArgs) -> int:
             args.max_queued_requests,
             args.engine.enable_priority_scheduling,
             args.engine.disaggregation_mode,
+        )
+        spec = VisionSpec.of(source.config.hf_config, source.weights_dir)
+        tm.images = ImageInputs(
+            spec, args.media_policy(), image_limit(args.limit_mm_per_prompt), tokenizer
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 
 from ..config import ServerArgs
 from ..constrained import GRAMMAR_KEYS
-from ..messages import GenerateReq
+from ..messages import GenerateReq, ImageInput
 from ..models.source import BUNDLED_NAME, bundled_model_dir
 from ..reasoning import ReasoningParser, detect_reasoning, make_reasoning_parser
 from ..tool_calls import (
@@ -123,7 +123,7 @@ async def start_chat(
     """The scheduler requests of a chat body and the adapter that turns their states into
     chat completions: the prompt from the template, tools constrained or parsed."""
     functions = body.offered_functions()
-    prompt_ids = await chat_prompt_ids(tm, body)
+    prompt_ids, images = await chat_prompt_ids(tm, body)
     length_field = "max_tokens"
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens, length_field = body.max_completion_tokens, "max_completion_tokens"
@@ -147,19 +147,25 @@ async def start_chat(
         if tag is not None:  # auto: free text, or calls that validate
             params["structural_tag"] = tag
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = _requests(tm, [prompt_ids], params, body, logprobs=top, length_field=length_field)
+    reqs = _requests(
+        tm, [prompt_ids], params, body, logprobs=top, length_field=length_field, images=images
+    )
     reasoning = setup.reasoning_parser if body.separate_reasoning else None
     return reqs, ChatAdapter(tm, setup.model, body, parser, reasoning)
 
 
-async def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest) -> list[int]:
-    """The prompt a chat body renders to, through the model's chat template."""
+async def chat_prompt_ids(
+    tm: TokenizerManager, body: ChatCompletionRequest
+) -> tuple[list[int], list[ImageInput] | None]:
+    """The prompt a chat body renders to, through the model's chat template, each image's
+    marker expanded to its content-hash tokens; and its images."""
+    images = await tm.images.prepare(body.image_parts())
     prompt = await tm.inputs.chat_prompt(
-        [m.template_dict() for m in body.messages],
+        [m.template_dict(tm.images.marker) for m in body.messages],
         body.template_functions() or None,
         **body.template_options(),
     )
-    return await tm.inputs.encode(prompt)
+    return tm.images.attach(await tm.inputs.encode(prompt), images)
 
 
 async def _prompt_ids(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
@@ -191,6 +197,7 @@ def _requests(
     logprobs: int | None,
     prompt_logprobs: bool = False,
     length_field: str = "max_tokens",
+    images: list[ImageInput] | None = None,
 ) -> list[GenerateReq]:
     """One scheduler request per (prompt, sample). A default output length is capped by the
     context; an explicit one that does not fit is refused, naming `length_field`."""
@@ -212,6 +219,7 @@ def _requests(
             cache_salt=body.cache_salt,
             lora_path=body.model if body.model in tm.lora_adapters else None,
             bootstrap=body.bootstrap(),
+            images=images,
         )
         reqs += tm.expand_n(req)
     tm.check_disaggregated(reqs)

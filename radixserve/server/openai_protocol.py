@@ -8,7 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .content_parts import check_parts, image_parts, parts_text
 from .http import RequestError
+from .images import ImagePart
 from .protocol import BootstrapFields, refuse_unsupported
 
 # OpenAI request fields with no implementation here: refused when set to anything but these
@@ -30,7 +32,6 @@ TOOL_FIELDS: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
 }
-TEXT_PART = "text"
 # apply_chat_template's own arguments, not template variables
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -221,24 +222,23 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        for part in content if isinstance(content, list) else []:
-            kind = part.get("type")
-            if kind != TEXT_PART or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"content parts must be {{'type': 'text', 'text': str}}; "
-                    f"parts of type {kind!r} are not supported"
-                )
+    def _text_and_image_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            check_parts(content)
         return content
 
-    def text(self) -> str:
+    def text(self, image_marker: str | None = None) -> str:
         if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
+            return parts_text(self.content, image_marker)
         return self.content or ""
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it (tool calls with their arguments as objects)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def images(self, where: str) -> list[ImagePart]:
+        return image_parts(self.content, where) if isinstance(self.content, list) else []
+
+    def template_dict(self, image_marker: str | None = None) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls with their arguments as objects,
+        each image as the model's image marker)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(image_marker)}
         if self.tool_calls:
             out["tool_calls"] = [
                 {
@@ -339,6 +339,14 @@ class ChatCompletionRequest(_OpenAIBase):
                 f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
             )
         return self
+
+    def image_parts(self) -> list[ImagePart]:
+        """Every image of the conversation, in order."""
+        return [
+            part
+            for i, message in enumerate(self.messages)
+            for part in message.images(f"messages[{i}].content")
+        ]
 
     def template_functions(self) -> list[dict[str, Any]]:
         """The functions the prompt shows, as OpenAI dicts: every tool, with tool_choice 'none'

@@ -57,6 +57,7 @@ class GenerateRequest(BootstrapFields):
     priority: int | None = None  # with --enable-priority-scheduling: higher runs first
     cache_salt: str | None = None  # requests of different salts never share cached KV
     lora_path: str | list[str | None] | None = None  # a served adapter's name, or one a prompt
+    image_data: str | list[str] | None = None  # images (URLs, data URLs, base64) of one prompt
 
 
 class TokenizeRequest(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .content_parts import image_url_part
 from .http import RequestError
 from .openai_protocol import ChatCompletionRequest, chat_request_of
 
@@ -152,7 +153,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
             raise RequestError(f"{where}.role: {role!r} is not a message role")
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        messages.append({"role": role, "content": _content_of(item.get("content"), where)})
     elif kind == "function_call":
         call = {
             "id": _string(item, "call_id", where),
@@ -191,6 +192,27 @@ def _text_of(content: Any, where: str, name: str = "content") -> str:
             raise RequestError(f"{where}.{name}[{j}]: parts of type {kind!r} are not supported")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or chat parts where it holds images (`input_image`)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if part.get("file_id") is not None or part.get("image_url") is None:
+                raise RequestError(f"{at}: send the image as image_url (file_id is not supported)")
+            try:
+                parts.append(image_url_part(part["image_url"], at, part.get("detail", "auto")))
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}.content[{j}]")})
+    return parts
 
 
 def _string(item: dict, key: str, where: str) -> str:

@@ -19,8 +19,10 @@ from ..messages import (
     ControlReply,
     ControlReq,
     GenerateReq,
+    ImageInput,
     SchedulerReady,
 )
+from ..multimodal.media import MediaPolicy
 from ..request_state import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import decode_ids
@@ -32,6 +34,7 @@ from ..validation import (
     check_priority,
 )
 from .http import RequestError
+from .images import ImageInputs
 from .tokenizing import InputTokenizer
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class TokenizerManager:
         self.weight_version = "default"  # named by /update_weights_from_disk; in every reply
         self.only_pooling: str | None = None  # a classifier serves pooling requests only
         self.lora_adapters = list(ready.lora_adapters)  # kept by /load_ and /unload_lora_adapter
+        self.images = ImageInputs(None, MediaPolicy(), 0, None)  # a vision model's: set at launch
 
     async def start(self, inbox: zmq.Socket | None = None) -> None:
         """Bind sockets and start reading outputs (call inside the server's event loop)."""
@@ -97,6 +101,7 @@ class TokenizerManager:
         pooling: str | None = None,
         lora_path: str | None = None,
         bootstrap: Bootstrap | None = None,
+        images: list[ImageInput] | None = None,
     ) -> GenerateReq:
         """A validated request: the scheduler never sees bad input. `max_tokens_field` names
         the field when the output length was given explicitly (then it must fit the context)."""
@@ -116,6 +121,7 @@ class TokenizerManager:
             pooling=pooling,
             lora_path=lora_path,
             bootstrap=bootstrap,
+            images=images,
         )
         if self.only_pooling is not None and pooling != self.only_pooling:
             raise RequestError(CLASSIFIER_ONLY)

@@ -13,8 +13,10 @@ from ..attention import create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
 from ..memory_plan import covered_tokens, kv_pages
+from ..models.layers import make_batch_invariant
 from ..worker_info import StatePoolInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
+from .torch_compile import CompiledForward
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,24 @@ def attention_backend(model, pool, args: EngineArgs, device: torch.device):
         **({"deterministic": True} if deterministic else {}),
     )
     return name, backend
+
+
+def prepare_forward(
+    model, backend, req_to_token, max_context_len: int, args: EngineArgs, graph_cls, lora
+):
+    """What runs the model's steps: fused CPU layers, decode graphs (or None) and a compiled
+    forward (or None)."""
+    if args.enable_deterministic_inference:
+        make_batch_invariant(model)
+    cpu = req_to_token.device.type == "cpu"
+    if cpu and not args.enable_torch_compile and model.fuse_cpu_layers(backend):
+        log.info(
+            "CPU forward: the decoder layers run in one C++ call "
+            "(radixserve_kernels/cpu_decoder.cpp)"
+        )
+    graphs = capture_graphs(model, backend, req_to_token, max_context_len, args, graph_cls, lora)
+    compiled = CompiledForward(model, backend, req_to_token) if args.enable_torch_compile else None
+    return graphs, compiled
 
 
 def capture_graphs(

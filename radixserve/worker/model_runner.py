@@ -17,17 +17,16 @@ from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import kv_storage_dtype
 from ..memory_plan import context_problem
 from ..messages import ForwardBatch, ForwardMode, ForwardResult
-from ..models.layers import make_batch_invariant
 from ..models.loader import build_model, model_bytes, with_max_context
 from ..models.lora_weights import LoraPool
 from ..models.source import ModelSource, resolve_model
 from ..worker_info import WorkerInfo
-from .build import capture_graphs, kv_num_pages, state_pool
+from .build import kv_num_pages, prepare_forward, state_pool
 from .device import default_device, resolve_dtype
 from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
 from .step_inputs import StepInputs
-from .torch_compile import CompiledForward
+from .vision import VisionEncoder
 from .window_pools import make_pools, pool_bytes, window_info, window_layers
 
 log = logging.getLogger(__name__)
@@ -134,39 +133,23 @@ class ModelRunner:
             states is None or states.snapshots > 0,
             states,
             window_info(self.windows, self.window_pool),
+            getattr(self.model, "mrope_merge_size", None),
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
             raise ValueError(problem)
 
     def _prepare_forward(self) -> None:
-        """What runs the model's steps: fused CPU layers, decode graphs or a compiled forward."""
-        args = self.args
-        if args.enable_deterministic_inference:
-            make_batch_invariant(self.model)
-        if (
-            self.device.type == "cpu"
-            and not args.enable_torch_compile
-            and self.model.fuse_cpu_layers(self.backend)
-        ):
-            log.info(
-                "CPU forward: the decoder layers run in one C++ call "
-                "(radixserve_kernels/cpu_decoder.cpp)"
-            )
-        self.graphs = capture_graphs(
+        self.graphs, self.compiled = prepare_forward(
             self.model,
             self.backend,
             self.req_to_token,
             self.max_context_len,
-            args,
+            self.args,
             self.graph_cls,
             self.lora,
         )
-        self.compiled = (
-            CompiledForward(self.model, self.backend, self.req_to_token)
-            if args.enable_torch_compile
-            else None
-        )
+        self.vision = VisionEncoder.of(self.model, self.device, self.args.mm_encoder_cache_mb)
 
     def update_weights(self, model_path: str) -> None:
         """Serve the weights of the checkpoint at `model_path` instead. The new model is built
@@ -224,7 +207,7 @@ class ModelRunner:
         if "weights" in tags:
             if self.tp.size > 1:
                 raise ValueError("releasing weights with --tp-size > 1 is not supported")
-            self.model = self.graphs = self.compiled = None
+            self.model = self.graphs = self.compiled = self.vision = None
             gc.collect()
 
     def resume_memory(self, tags: frozenset[str]) -> None:
@@ -239,6 +222,8 @@ class ModelRunner:
         """Run one scheduler step and sample; as TP rank 0, first send the step to the other ranks.
         Logits stay on the model's device: only token ids and asked-for logprobs come back."""
         inputs = StepInputs.from_batch(fb, self.device)
+        if fb.images:
+            inputs.images = self.vision.step_images(fb.images)
         if fb.window_map is not None:
             self.backend.map_window(*(torch.tensor(s, dtype=torch.long) for s in fb.window_map))
         if self.lora is not None:
@@ -298,12 +283,15 @@ class ModelRunner:
                 max_extend_len=inputs.max_extend_len,
             )
         )
-        hidden = (self.compiled or self.model)(inputs.input_ids, inputs.positions, self.backend)
+        positions = inputs.positions if inputs.mrope_positions is None else inputs.mrope_positions
+        images = {} if inputs.images is None else {"images": inputs.images}
+        hidden = (self.compiled or self.model)(inputs.input_ids, positions, self.backend, **images)
         return self.model.compute_logits(hidden[inputs.logit_index]), hidden
 
     def _fits_graph(self, inputs: StepInputs) -> bool:
         return (
             self.graphs is not None
             and inputs.mode == ForwardMode.DECODE
+            and inputs.mrope_positions is None
             and inputs.batch_size <= self.graphs.max_bs
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..messages import ForwardBatch, ForwardMode
+from ..models.layers import StepImages
 
 _HEADER = 7  # mode, tokens, requests, table entries, logit rows, longest sequence, longest extend
 
@@ -37,6 +38,10 @@ class StepInputs:
     logit_index: torch.Tensor
     max_seq_len: int
     max_extend_len: int
+    # vision-language models (rank 0 only): the step's image features, and the tokens'
+    # (time, height, width) positions `[3, T]` where a request has images
+    images: StepImages | None = None
+    mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def from_batch(cls, fb: ForwardBatch, device: torch.device) -> "StepInputs":
@@ -65,11 +70,13 @@ class StepInputs:
             table_slots,
             logit_index,
         ]
+        mrope = fb.mrope_positions
         return cls(
             fb.mode,
             *(torch.tensor(v, dtype=torch.long, device=device) for v in values),
             max(fb.seq_lens),
             max(fb.extend_lens),
+            mrope_positions=None if mrope is None else torch.tensor(mrope, device=device),
         )
 
     @property
@@ -91,7 +98,7 @@ class StepInputs:
             dtype=torch.long,
             device=self.rows.device,
         )
-        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-2]])
+        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-4]])
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "StepInputs":

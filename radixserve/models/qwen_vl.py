@@ -1,0 +1,86 @@
+"""Qwen2.5-VL and Qwen3-VL: the Qwen2 and Qwen3 language models with M-RoPE (each rotary
+frequency turned by the time, row or column position of its section) and their vision towers
+(`qwen_vision`). Image tokens take the tower's features (`CausalLM.embed`); Qwen3-VL's DeepStack
+features are added after its first layers (`CausalLM.forward`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import TPGroup
+from .layers import RotaryEmbedding
+from .llama import LlamaForCausalLM, Qwen3ForCausalLM
+from .qwen_vision import Qwen3VisionTower, Qwen25VisionTower
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Rotary tables read at 3-D positions `[3, T]` (time, height, width): frequency j takes
+    the axis `axis[j]` gives it, in consecutive sections (Qwen2.5-VL) or interleaved ones
+    (Qwen3-VL: t h w t h w ..., the rest time). 1-D positions (a step of text only, where all
+    three axes agree) read the table as usual."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling, mrope: dict):
+        super().__init__(head_dim, max_positions, theta, scaling)
+        section = mrope["mrope_section"]
+        axis = torch.zeros(head_dim // 2, dtype=torch.long)
+        if mrope.get("mrope_interleaved"):
+            for a in (1, 2):
+                axis[a : section[a] * 3 : 3] = a
+        else:
+            axis[section[0] : section[0] + section[1]] = 1
+            axis[section[0] + section[1] : sum(section)] = 2
+        self.register_buffer("axis", axis, persistent=False)
+        self.register_buffer("freq", torch.arange(head_dim // 2), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        at = positions[self.axis].T  # [T, head_dim/2]: each frequency's position
+        return (
+            self.cos[at, self.freq].unsqueeze(1).to(dtype),
+            self.sin[at, self.freq].unsqueeze(1).to(dtype),
+        )
+
+
+class VisionLanguage:
+    """What both families add to their language model: the tower under `visual`, M-RoPE, and
+    the checkpoint's names (`model.language_model.` and `model.visual.`, or the older
+    `model.` and `visual.`)."""
+
+    tower_class: type
+
+    def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
+        super().__init__(cfg, max_positions, tp)
+        self.visual = self.tower_class(self.hf["vision_config"])
+
+    def make_rotaries(self, max_positions: int):
+        cfg = self.cfg
+        mrope = self.hf.get("rope_parameters") or self.hf.get("rope_scaling")
+        rotary = MRotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict, mrope
+        )
+        return [rotary]
+
+    def rename(self, name: str) -> str | None:
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        if name.startswith("model.visual."):
+            return name.removeprefix("model.")
+        return name
+
+    @property
+    def mrope_merge_size(self) -> int:
+        return self.visual.merge
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]):
+        """Each image's tokens `[tokens, hidden]` in order, and the DeepStack features alike."""
+        return self.visual(pixels, grids)
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
+    tower_class = Qwen25VisionTower
+
+
+class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):
+    tower_class = Qwen3VisionTower

@@ -1,0 +1,208 @@
+"""An image's bytes from a `data:` URL, an allowed http(s) host or an allowed local folder, and
+the decoded picture, with every refusal a `MediaError` naming the request part."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import ipaddress
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote_to_bytes, urlsplit
+
+import aiohttp
+from PIL import Image
+from yarl import URL
+
+MODES = {"RGB": "RGB", "RGBA": "RGB", "L": "RGB", "LA": "RGB", "P": "RGB", "1": "RGB"}
+MIN_SIDE = 4  # pixels; a thinner image carries nothing a vision tower can read
+MAX_ASPECT = 200  # the longer side over the shorter (Qwen-VL's own limit)
+MAX_REDIRECTS = 3
+
+
+class MediaError(ValueError):
+    """A request's image that cannot be used; the message names the part (a 400)."""
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What the operator allows: http(s) hosts (none by default), one local folder (none by
+    default), the largest download or data URL, the fetch time and the largest image."""
+
+    allowed_domains: tuple[str, ...] = ()
+    allowed_local_path: str | None = None
+    max_bytes: int = 20 << 20
+    fetch_timeout_s: float = 10.0
+    max_pixels: int = 40_000_000
+
+
+def image_limit(limit_mm_per_prompt: str) -> int:
+    """The images a prompt may carry, from `--limit-mm-per-prompt '{"image": N}'`."""
+    try:
+        limits = json.loads(limit_mm_per_prompt)
+        count = limits["image"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        raise ValueError(
+            "limit_mm_per_prompt must be a JSON object like '{\"image\": 8}'"
+        ) from None
+    if set(limits) != {"image"} or not isinstance(count, int) or count < 0:
+        raise ValueError("limit_mm_per_prompt takes one key, 'image', with a count >= 0")
+    return count
+
+
+async def image_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
+    """The encoded image a URL names: a data URL (or bare base64), http(s) or a file: URL."""
+    if not isinstance(url, str) or not url:
+        raise MediaError(f"{where}: an image URL must be a non-empty string")
+    scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
+    if scheme == "data":
+        return _data_url(url, policy, where)
+    if scheme in ("http", "https"):
+        return await _fetch(url, policy, where)
+    if scheme == "file":
+        return _local_file(url, policy, where)
+    if scheme == "":
+        return _base64(url, policy, where)
+    raise MediaError(f"{where}: URL scheme {scheme!r} is not allowed (data, http, https, file)")
+
+
+def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
+    """The picture, RGB, checked before its pixels are decoded: a size within `max_pixels`,
+    sides of at least MIN_SIDE, an aspect ratio within MAX_ASPECT, one frame, 8-bit colour."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise MediaError(f"{where}: not an image Pillow can read ({_short(exc)})") from None
+    width, height = image.size
+    if width * height > policy.max_pixels:
+        raise MediaError(
+            f"{where}: the image has {width}x{height} pixels; at most {policy.max_pixels} "
+            "are accepted"
+        )
+    if min(width, height) < MIN_SIDE:
+        raise MediaError(f"{where}: the image is {width}x{height}; each side needs {MIN_SIDE}+")
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise MediaError(
+            f"{where}: the image is {width}x{height}; its aspect ratio must be within "
+            f"{MAX_ASPECT}:1"
+        )
+    if getattr(image, "n_frames", 1) > 1:
+        raise MediaError(f"{where}: animated images are not accepted; send one frame")
+    if image.mode not in MODES:
+        raise MediaError(
+            f"{where}: images of mode {image.mode!r} are not accepted; send 8-bit RGB, RGBA or grey"
+        )
+    try:
+        image.load()
+        return image.convert(MODES[image.mode])
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise MediaError(
+            f"{where}: the image data is truncated or corrupt ({_short(exc)})"
+        ) from None
+
+
+def _data_url(url: str, policy: MediaPolicy, where: str) -> bytes:
+    head, sep, body = url.partition(",")
+    if not sep:
+        raise MediaError(f"{where}: a data URL needs a ',' before its data")
+    if not head.lower().startswith("data:image/"):
+        raise MediaError(f"{where}: a data URL must have an image/* media type")
+    if len(body) > policy.max_bytes * 4 // 3 + 4:
+        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+    if head.lower().endswith(";base64"):
+        return _base64(body, policy, where)
+    return _limited(unquote_to_bytes(body), policy, where)
+
+
+def _base64(text: str, policy: MediaPolicy, where: str) -> bytes:
+    if len(text) > policy.max_bytes * 4 // 3 + 4:
+        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError(f"{where}: the image data is not valid base64") from None
+
+
+def _local_file(url: str, policy: MediaPolicy, where: str) -> bytes:
+    if policy.allowed_local_path is None:
+        raise MediaError(f"{where}: file URLs need --allowed-local-media-path")
+    root = Path(policy.allowed_local_path).resolve()
+    path = Path(unquote_to_bytes(urlsplit(url).path).decode("utf-8", "replace")).resolve()
+    if not path.is_relative_to(root):
+        raise MediaError(f"{where}: the file is outside --allowed-local-media-path")
+    if not path.is_file():
+        raise MediaError(f"{where}: no such file under --allowed-local-media-path")
+    if path.stat().st_size > policy.max_bytes:
+        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+    return path.read_bytes()
+
+
+async def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
+    """GET an allowed URL; redirects are followed only to allowed hosts, at most MAX_REDIRECTS."""
+    timeout = aiohttp.ClientTimeout(total=policy.fetch_timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for _ in range(MAX_REDIRECTS + 1):
+                _check_host(url, policy, where)
+                async with session.get(url, allow_redirects=False) as resp:
+                    if resp.status in (301, 302, 303, 307, 308) and "Location" in resp.headers:
+                        url = str(resp.url.join(URL(resp.headers["Location"])))
+                        continue
+                    if resp.status != 200:
+                        raise MediaError(f"{where}: fetching the image gave HTTP {resp.status}")
+                    return await _read_limited(resp, policy, where)
+    except MediaError:
+        raise
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        raise MediaError(f"{where}: the image could not be fetched ({_short(exc)})") from None
+    raise MediaError(f"{where}: more than {MAX_REDIRECTS} redirects")
+
+
+async def _read_limited(resp, policy: MediaPolicy, where: str) -> bytes:
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > policy.max_bytes:
+            raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_host(url: str, policy: MediaPolicy, where: str) -> None:
+    """The host must be allowed by name; a name (not an address the operator listed) must not
+    resolve to a private, loopback or link-local address."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise MediaError(f"{where}: a redirect to scheme {parts.scheme!r} is not followed")
+    host = (parts.hostname or "").lower()
+    if not any(host == d or host.endswith("." + d) for d in policy.allowed_domains):
+        raise MediaError(f"{where}: the host {host!r} is not in --allowed-media-domains")
+    if host in policy.allowed_domains and _is_address(host):
+        return
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, parts.port or 443)}
+    except OSError:
+        raise MediaError(f"{where}: the host {host!r} does not resolve") from None
+    if any(not ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+        raise MediaError(f"{where}: the host {host!r} resolves to a private address")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _limited(data: bytes, policy: MediaPolicy, where: str) -> bytes:
+    if len(data) > policy.max_bytes:
+        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+    return data
+
+
+def _short(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:200]

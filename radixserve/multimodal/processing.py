@@ -1,0 +1,103 @@
+"""An image as the vision tower takes it, and the ids that name it in a prompt.
+
+The Qwen-VL preprocessing is HF's `Qwen2VLImageProcessor` (PIL backend) step by step: the sides
+rounded to multiples of patch x merge within the pixel budget, a PIL resize, x 1/255 in float64
+then float32, normalized, cut into patches in the order the tower merges them. Its content hash
+(over the processed pixels and their grid) names the image everywhere: in the radix tree its
+tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal images share a cached prefix and
+different ones part at their first token."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from .spec import VisionSpec
+
+IMAGE_ID_BASE = 1 << 30  # above every vocabulary; below 2**31
+IMAGE_ID_SPAN = (1 << 31) - 1 - IMAGE_ID_BASE
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixels: np.ndarray  # float32 [patches, channels x temporal x patch x patch]
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    tokens: int  # prompt tokens it becomes
+    digest: int  # content hash
+
+    @property
+    def token_id(self) -> int:
+        return image_token_id(self.digest)
+
+
+def image_token_id(digest: int) -> int:
+    return IMAGE_ID_BASE + digest % IMAGE_ID_SPAN
+
+
+def is_image_token(token: int) -> bool:
+    return token >= IMAGE_ID_BASE
+
+
+def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
+    height, width = fitted_size(image.height, image.width, spec)
+    resized = np.asarray(image.resize((width, height), resample=spec.resample))
+    scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.asarray(spec.mean, dtype=np.float32)
+    std = np.asarray(spec.std, dtype=np.float32)
+    normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
+    pixels, grid = patchify(normed, spec)
+    digest = int.from_bytes(
+        hashlib.sha256(np.asarray(grid).tobytes() + pixels.tobytes()).digest()[:8], "little"
+    )
+    return ProcessedImage(pixels, grid, grid[1] * grid[2] // spec.merge_size**2, digest)
+
+
+def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """Qwen-VL's `smart_resize`: sides that are multiples of `spec.factor`, the area within
+    [min_pixels, max_pixels], the aspect ratio kept as nearly as that allows."""
+    factor = spec.factor
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > spec.max_pixels:
+        beta = math.sqrt(height * width / spec.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """[C, H, W] -> [patches, C x T x P x P], the patches of each merge x merge block together
+    (the frame repeated over the temporal patch)."""
+    channels, height, width = image.shape
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    gh, gw = height // p, width // p
+    blocks = image.reshape(channels, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
+    return np.ascontiguousarray(frames.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
+
+
+def expand_images(
+    ids: list[int], images: list[ProcessedImage], spec: VisionSpec
+) -> tuple[list[int], list[int]]:
+    """The prompt with each image token replaced by its image's tokens, and where each image's
+    tokens start. ValueError when the prompt holds another number of image tokens."""
+    places = [i for i, t in enumerate(ids) if t == spec.image_token_id]
+    if len(places) != len(images):
+        raise ValueError(
+            f"the prompt has {len(places)} image placeholders for {len(images)} images"
+        )
+    out, offsets, last = [], [], 0
+    for place, image in zip(places, images):
+        out += ids[last:place]
+        offsets.append(len(out))
+        out += [image.token_id] * image.tokens
+        last = place + 1
+    return out + ids[last:], offsets

@@ -1,0 +1,85 @@
+"""What a vision-language checkpoint expects of an image: its family, the token that stands for
+image features in a prompt, the text that stands for one image in a chat turn, and how pixels
+are resized, normalized and cut into patches (from `preprocessor_config.json`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# vision-language architectures -> family
+FAMILIES = {
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+}
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3  # PIL's resampling filter number
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    family: str
+    image_token_id: int  # the prompt token each image feature replaces
+    start_token_id: int | None  # tokens the chat turn puts around an image
+    end_token_id: int | None
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int  # merge_size x merge_size patches make one prompt token
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    resample: int = BICUBIC
+    mrope: bool = True  # 3-D rotary positions (time, height, width) for image tokens
+
+    @classmethod
+    def of(cls, hf: dict, folder: Path | None) -> VisionSpec | None:
+        """The spec of a served vision-language config (None for a text model)."""
+        family = FAMILIES.get((hf.get("architectures") or [None])[0])
+        if family is None:
+            return None
+        vision = hf["vision_config"]
+        pre = _preprocessor_config(folder)
+        size = pre.get("size") or {}
+        default_patch = 16 if family == "qwen3_vl" else 14
+        return cls(
+            family=family,
+            image_token_id=int(hf["image_token_id"]),
+            start_token_id=hf.get("vision_start_token_id"),
+            end_token_id=hf.get("vision_end_token_id"),
+            patch_size=int(pre.get("patch_size", vision.get("patch_size", default_patch))),
+            temporal_patch_size=int(
+                pre.get("temporal_patch_size", vision.get("temporal_patch_size", 2))
+            ),
+            merge_size=int(pre.get("merge_size", vision.get("spatial_merge_size", 2))),
+            min_pixels=int(pre.get("min_pixels", size.get("shortest_edge", 56 * 56))),
+            max_pixels=int(pre.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))),
+            mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+            std=tuple(pre.get("image_std", CLIP_STD)),
+            resample=int(pre.get("resample", BICUBIC)),
+        )
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this many pixels."""
+        return self.patch_size * self.merge_size
+
+    def marker_ids(self) -> list[int]:
+        """The token ids a chat turn holds for one image before it is expanded."""
+        return [
+            t
+            for t in (self.start_token_id, self.image_token_id, self.end_token_id)
+            if t is not None
+        ]
+
+
+def _preprocessor_config(folder: Path | None) -> dict:
+    path = folder / "preprocessor_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read: {exc}") from None

@@ -1,0 +1,103 @@
+"""The api process's side of images: each request part fetched or decoded (`multimodal.media`),
+preprocessed off the event loop (`multimodal.processing`), and put into the prompt as its
+content-hash tokens (`ImageInput`s for the scheduler). Every failure is a 400 naming the part;
+a failed image fails its request alone."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..messages import ImageInput
+from ..multimodal.media import MediaError, MediaPolicy, decode_image, image_bytes
+from ..multimodal.processing import ProcessedImage, expand_images, preprocess
+from ..multimodal.spec import VisionSpec
+from .http import RequestError
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    url: str
+    where: str  # the request part it came from, for errors
+    detail: str = "auto"
+
+
+class ImageInputs:
+    def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
+        self.spec, self.policy, self.limit = spec, policy, limit
+        self.marker = _marker_text(spec, tokenizer)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="images")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, parts: list[ImagePart]) -> list[ProcessedImage]:
+        """Each part's image, preprocessed, in order."""
+        if not parts:
+            return []
+        if self.spec is None:
+            raise RequestError(f"{parts[0].where}: this model takes no images")
+        if len(parts) > self.limit:
+            raise RequestError(
+                f"{parts[self.limit].where}: at most {self.limit} images a prompt "
+                "(--limit-mm-per-prompt)"
+            )
+        for part in parts:
+            if part.detail not in ("auto", "low", "high"):
+                raise RequestError(f"{part.where}.detail must be 'auto', 'low' or 'high'")
+        try:
+            datas = await asyncio.gather(*(image_bytes(p.url, self.policy, p.where) for p in parts))
+            loop = asyncio.get_running_loop()
+            return list(
+                await asyncio.gather(
+                    *(
+                        loop.run_in_executor(self.pool, self._process, data, part)
+                        for data, part in zip(datas, parts)
+                    )
+                )
+            )
+        except MediaError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _process(self, data: bytes, part: ImagePart) -> ProcessedImage:
+        image = decode_image(data, self.policy, part.where)
+        try:
+            return preprocess(image, self.spec)
+        except (ValueError, OSError) as exc:
+            raise MediaError(f"{part.where}: the image cannot be preprocessed ({exc})") from None
+
+    def attach(
+        self, ids: list[int], images: list[ProcessedImage]
+    ) -> tuple[list[int], list[ImageInput] | None]:
+        """The prompt with its image tokens expanded to each image's hash tokens, and the
+        scheduler's view of the images."""
+        if not images:
+            if self.spec is not None and self.spec.image_token_id in ids:
+                raise RequestError(
+                    "the prompt holds an image placeholder but the request has no image"
+                )
+            return ids, None
+        try:
+            expanded, offsets = expand_images(ids, images, self.spec)
+        except ValueError as exc:
+            raise RequestError(f"{exc} (each image needs {self.marker!r} in the prompt)") from None
+        return expanded, [
+            ImageInput(
+                im.digest,
+                offset,
+                im.tokens,
+                list(im.grid),
+                im.pixels.tobytes(),
+                im.pixels.shape[1],
+            )
+            for im, offset in zip(images, offsets)
+        ]
+
+
+def _marker_text(spec: VisionSpec | None, tokenizer: Any) -> str | None:
+    """The text a chat turn holds for one image (the vision start, image and end tokens)."""
+    if spec is None or tokenizer is None:
+        return None
+    return "".join(tokenizer.convert_ids_to_tokens(spec.marker_ids()))

@@ -1,0 +1,114 @@
+"""A vision-language model's images in a step: features from the encoder cache (by content
+hash, least recently used out first, within `--mm-encoder-cache-mb`), the vision tower run
+once over the step's other images together, and the rows of the step they take."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..messages import ImageInput, ImageSlice
+from ..models.layers import StepImages
+
+
+@dataclass
+class ImageFeatures:
+    embeds: torch.Tensor  # [tokens, hidden]
+    deepstack: list[torch.Tensor]  # DeepStack models: [tokens, hidden] per early layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.embeds, *self.deepstack])
+
+
+@dataclass
+class VisionStats:
+    images_encoded: int = 0
+    cache_hits: int = 0
+    encode_seconds: float = 0.0
+
+
+class EncoderCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[int, ImageFeatures] = OrderedDict()
+
+    def get(self, digest: int) -> ImageFeatures | None:
+        found = self.entries.get(digest)
+        if found is not None:
+            self.entries.move_to_end(digest)
+        return found
+
+    def put(self, digest: int, features: ImageFeatures) -> None:
+        if features.nbytes > self.max_bytes or digest in self.entries:
+            return
+        while self.bytes + features.nbytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.nbytes
+        self.entries[digest] = features
+        self.bytes += features.nbytes
+
+
+class VisionEncoder:
+    def __init__(self, model, device: torch.device, cache_bytes: int):
+        self.model, self.device = model, device
+        self.cache = EncoderCache(cache_bytes)
+        self.stats = VisionStats()
+
+    @classmethod
+    def of(cls, model, device: torch.device, cache_mb: int) -> VisionEncoder | None:
+        if not hasattr(model, "encode_images"):
+            return None
+        return cls(model, device, cache_mb << 20)
+
+    def step_images(self, slices: list[ImageSlice]) -> StepImages:
+        features = self._features([s.image for s in slices])
+        rows = [torch.arange(s.row, s.row + s.end - s.start) for s in slices]
+        parts = [features[s.image.digest] for s in slices]
+        depth = len(parts[0].deepstack)
+        return StepImages(
+            torch.cat(rows).to(self.device),
+            torch.cat([f.embeds[s.start : s.end] for f, s in zip(parts, slices)]),
+            [
+                torch.cat([f.deepstack[k][s.start : s.end] for f, s in zip(parts, slices)])
+                for k in range(depth)
+            ],
+        )
+
+    def _features(self, images: list[ImageInput]) -> dict[int, ImageFeatures]:
+        """Each image's features: cached, or from one tower run over the missing ones."""
+        found: dict[int, ImageFeatures] = {}
+        missing: dict[int, ImageInput] = {}
+        for image in images:
+            cached = found.get(image.digest) or self.cache.get(image.digest)
+            if cached is not None:
+                self.stats.cache_hits += image.digest not in found
+                found[image.digest] = cached
+            else:
+                missing[image.digest] = image
+        if missing:
+            found.update(self._encode(list(missing.values())))
+        return found
+
+    def _encode(self, images: list[ImageInput]) -> dict[int, ImageFeatures]:
+        started = time.perf_counter()
+        pixels = torch.cat(
+            [
+                torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(-1, im.patch_dim)
+                for im in images
+            ]
+        ).to(self.device)
+        grids = [tuple(im.grid) for im in images]
+        embeds, deepstack = self.model.encode_images(pixels, grids)
+        sizes = [im.tokens for im in images]
+        out = {}
+        for i, (image, part) in enumerate(zip(images, embeds.split(sizes))):
+            layers = [d.split(sizes)[i].clone() for d in deepstack]
+            out[image.digest] = ImageFeatures(part.clone(), layers)
+            self.cache.put(image.digest, out[image.digest])
+        self.stats.images_encoded += len(images)
+        self.stats.encode_seconds += time.perf_counter() - started
+        return out

@@ -1,0 +1,104 @@
+"""Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL and
+Qwen3-VL checkpoints built with HF's classes, served, fed images through /generate and the
+OpenAI chat route, greedy tokens compared with HF's model fed by HF's image processor, fresh
+and from the radix cache, with prefill chunks (16 tokens) that split each image's tokens."""
+
+import pytest
+import transformers as hf
+from server_utils import start_server
+from vision_checkpoints import MARKERS, build_vl_checkpoint, data_url, hf_greedy, picture
+
+NEW = 8
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def served(request, tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp(request.param)
+    model, path = build_vl_checkpoint(root, request.param, model_dir)
+    server = start_server(
+        root, "--model", str(path), "--chunked-prefill-size", "16", "--max-total-tokens", "4096"
+    )
+    yield model, path, server
+    server.stop()
+
+
+def marker(model) -> list[int]:
+    c = model.config
+    return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
+
+
+def generate(server, ids, images):
+    body = {
+        "input_ids": ids,
+        "image_data": [data_url(im) for im in images],
+        "sampling_params": GREEDY,
+    }
+    r = server.client().post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_one_image_matches_hf_fresh_and_cached(served):
+    model, path, server = served
+    image = picture(1, (200, 150))
+    ids = BEFORE + marker(model) + AFTER
+    want, prompt_len = hf_greedy(model, path, ids, [image], NEW)
+    fresh = generate(server, ids, [image])
+    assert fresh["output_ids"] == want
+    assert fresh["meta_info"]["prompt_tokens"] == prompt_len  # image tokens count
+    again = generate(server, ids, [image])
+    assert again["output_ids"] == want
+    # the second reads >= 90% of its prompt, image included, from the cache
+    assert again["meta_info"]["cached_tokens"] >= 0.9 * prompt_len
+
+
+def test_two_images_in_one_prompt_match_hf(served):
+    model, path, server = served
+    images = [picture(2, (120, 90)), picture(3, (90, 160))]
+    ids = BEFORE + marker(model) + [400, 401] + marker(model) + AFTER
+    want, _ = hf_greedy(model, path, ids, images, NEW)
+    assert generate(server, ids, images)["output_ids"] == want
+    assert generate(server, ids, images)["output_ids"] == want
+
+
+def test_another_image_of_the_same_size_shares_no_kv_from_the_image_on(served):
+    model, path, server = served
+    ids = BEFORE + [7, 8] + marker(model) + AFTER
+    first = generate(server, ids, [picture(4, (200, 150))])
+    other = picture(5, (200, 150))
+    second = generate(server, ids, [other])
+    image_at = len(BEFORE) + 3  # the text before it and the vision start token
+    assert first["meta_info"]["prompt_tokens"] == second["meta_info"]["prompt_tokens"]
+    assert second["meta_info"]["cached_tokens"] == image_at
+    assert second["output_ids"] == hf_greedy(model, path, ids, [other], NEW)[0]
+
+
+def test_chat_route_with_an_image_part_answers_as_hf(served):
+    model, path, server = served
+    image = picture(6, (150, 150))
+    tokenizer = hf.AutoTokenizer.from_pretrained(path)
+    text = "What is in this picture?"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "".join(MARKERS) + text}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    want, prompt_len = hf_greedy(model, path, tokenizer.encode(rendered), [image], NEW)
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": text},
+    ]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = server.client().post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
+        want, skip_special_tokens=True
+    )
+    assert r.json()["usage"]["prompt_tokens"] == prompt_len
