@@ -58,13 +58,15 @@ def build_vl_checkpoint(root, family: str, model_dir):
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
     start, pad, end = tokenizer.convert_tokens_to_ids(MARKERS)
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = config_cls(
-        text_config={**TEXT, **text},
+        text_config={**TEXT, **text, **ends},
         vision_config={**VISION, **vision, "spatial_merge_size": 2, "temporal_patch_size": 2},
         image_token_id=pad,
         vision_start_token_id=start,
         vision_end_token_id=end,
         video_token_id=pad + 100,
+        **ends,
     )
     torch.manual_seed(0)
     model = model_cls(config)

@@ -3,12 +3,12 @@ the decoded picture, with every refusal a `MediaError` naming the request part."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import ipaddress
 import json
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote_to_bytes, urlsplit
@@ -21,6 +21,12 @@ MODES = {"RGB": "RGB", "RGBA": "RGB", "L": "RGB", "LA": "RGB", "P": "RGB", "1": 
 MIN_SIDE = 4  # pixels; a thinner image carries nothing a vision tower can read
 MAX_ASPECT = 200  # the longer side over the shorter (Qwen-VL's own limit)
 MAX_REDIRECTS = 3
+
+
+def load_image_plugins() -> None:
+    """Import Pillow's format plugins now (at start-up), not in the first request's thread,
+    where the imports would hold the interpreter for ~0.5 s."""
+    Image.init()
 
 
 class MediaError(ValueError):
@@ -53,15 +59,18 @@ def image_limit(limit_mm_per_prompt: str) -> int:
     return count
 
 
-async def image_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
-    """The encoded image a URL names: a data URL (or bare base64), http(s) or a file: URL."""
+def is_remote(url: str) -> bool:
+    """An http(s) URL: fetched on the event loop; anything else is read by `local_bytes`."""
+    return isinstance(url, str) and url[:8].lower().startswith(("http://", "https://"))
+
+
+def local_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
+    """The encoded image of a data URL (or bare base64) or an allowed file: URL."""
     if not isinstance(url, str) or not url:
         raise MediaError(f"{where}: an image URL must be a non-empty string")
     scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
     if scheme == "data":
         return _data_url(url, policy, where)
-    if scheme in ("http", "https"):
-        return await _fetch(url, policy, where)
     if scheme == "file":
         return _local_file(url, policy, where)
     if scheme == "":
@@ -140,13 +149,13 @@ def _local_file(url: str, policy: MediaPolicy, where: str) -> bytes:
     return path.read_bytes()
 
 
-async def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
+async def fetch_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
     """GET an allowed URL; redirects are followed only to allowed hosts, at most MAX_REDIRECTS."""
     timeout = aiohttp.ClientTimeout(total=policy.fetch_timeout_s)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for _ in range(MAX_REDIRECTS + 1):
-                _check_host(url, policy, where)
+                await _check_host(url, policy, where)
                 async with session.get(url, allow_redirects=False) as resp:
                     if resp.status in (301, 302, 303, 307, 308) and "Location" in resp.headers:
                         url = str(resp.url.join(URL(resp.headers["Location"])))
@@ -171,7 +180,7 @@ async def _read_limited(resp, policy: MediaPolicy, where: str) -> bytes:
     return b"".join(chunks)
 
 
-def _check_host(url: str, policy: MediaPolicy, where: str) -> None:
+async def _check_host(url: str, policy: MediaPolicy, where: str) -> None:
     """The host must be allowed by name; a name (not an address the operator listed) must not
     resolve to a private, loopback or link-local address."""
     parts = urlsplit(url)
@@ -183,7 +192,8 @@ def _check_host(url: str, policy: MediaPolicy, where: str) -> None:
     if host in policy.allowed_domains and _is_address(host):
         return
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, parts.port or 443)}
+        found = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 443)
+        addresses = {info[4][0] for info in found}
     except OSError:
         raise MediaError(f"{where}: the host {host!r} does not resolve") from None
     if any(not ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):

@@ -136,7 +136,7 @@ async def _generate_images(
     """A /generate prompt's `image_data`: one prompt's images, each marked in its text (or by
     the image token among its input_ids)."""
     if body.image_data is None:
-        return ids, None
+        return tm.images.attach(ids, [])
     if not single:
         raise RequestError("image_data goes with one prompt, not a batch")
     urls = [body.image_data] if isinstance(body.image_data, str) else body.image_data

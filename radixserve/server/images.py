@@ -11,10 +11,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..messages import ImageInput
-from ..multimodal.media import MediaError, MediaPolicy, decode_image, image_bytes
+from ..multimodal.media import (
+    MediaError,
+    MediaPolicy,
+    decode_image,
+    fetch_bytes,
+    is_remote,
+    load_image_plugins,
+    local_bytes,
+)
 from ..multimodal.processing import ProcessedImage, expand_images, preprocess
 from ..multimodal.spec import VisionSpec
 from .http import RequestError
+from .tokenizing import lower_this_threads_priority
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,13 @@ class ImageInputs:
     def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
         self.spec, self.policy, self.limit = spec, policy, limit
         self.marker = _marker_text(spec, tokenizer)
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="images")
+        if spec is not None:
+            load_image_plugins()
+        # at the lowest CPU priority, as long tokenizations: decoding a large image must not
+        # take a core from the scheduler's threads or the event loop
+        self.pool = ThreadPoolExecutor(
+            2, thread_name_prefix="images", initializer=lower_this_threads_priority
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -48,20 +63,28 @@ class ImageInputs:
             if part.detail not in ("auto", "low", "high"):
                 raise RequestError(f"{part.where}.detail must be 'auto', 'low' or 'high'")
         try:
-            datas = await asyncio.gather(*(image_bytes(p.url, self.policy, p.where) for p in parts))
+            fetched = await asyncio.gather(
+                *(fetch_bytes(p.url, self.policy, p.where) for p in parts if is_remote(p.url))
+            )
+            remote = iter(fetched)
             loop = asyncio.get_running_loop()
             return list(
                 await asyncio.gather(
                     *(
-                        loop.run_in_executor(self.pool, self._process, data, part)
-                        for data, part in zip(datas, parts)
+                        loop.run_in_executor(
+                            self.pool, self._process, next(remote) if is_remote(p.url) else None, p
+                        )
+                        for p in parts
                     )
                 )
             )
         except MediaError as exc:
             raise RequestError(str(exc)) from None
 
-    def _process(self, data: bytes, part: ImagePart) -> ProcessedImage:
+    def _process(self, data: bytes | None, part: ImagePart) -> ProcessedImage:
+        """On a pool thread: the bytes (unless fetched), the picture, its pixels."""
+        if data is None:
+            data = local_bytes(part.url, self.policy, part.where)
         image = decode_image(data, self.policy, part.where)
         try:
             return preprocess(image, self.spec)

@@ -22,7 +22,7 @@ LOWEST_PRIORITY = 19
 T = TypeVar("T")
 
 
-def _lower_this_threads_priority() -> None:
+def lower_this_threads_priority() -> None:
     """Linux gives each thread its own nice value (PRIO_PROCESS with a thread id)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
@@ -35,7 +35,7 @@ class InputTokenizer:
         self.tokenizer = tokenizer
         self.short_lane = ThreadPoolExecutor(4, thread_name_prefix="tokenize")
         self.long_lane = ThreadPoolExecutor(
-            2, thread_name_prefix="tokenize-long", initializer=_lower_this_threads_priority
+            2, thread_name_prefix="tokenize-long", initializer=lower_this_threads_priority
         )
 
     def close(self) -> None:
