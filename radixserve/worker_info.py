@@ -72,6 +72,7 @@ class WorkerInfo:
     state_pool: StatePoolInfo | None = None  # a hybrid model's states and their snapshots
     window_kv: WindowKVInfo | None = None  # window layers' KV kept apart and freed
     mrope_merge_size: int | None = None  # M-RoPE models: patches a side per image token
+    whole_images: bool = False  # an image's tokens attend both ways: steps compute it whole
 
     @property
     def num_slots(self) -> int:

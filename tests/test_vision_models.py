@@ -6,14 +6,22 @@ and from the radix cache, with prefill chunks (16 tokens) that split each image'
 import pytest
 import transformers as hf
 from server_utils import start_server
-from vision_checkpoints import MARKERS, build_vl_checkpoint, data_url, hf_greedy, picture
+from vision_checkpoints import (
+    build_vl_checkpoint,
+    data_url,
+    expanded,
+    hf_greedy,
+    image_processor,
+    marker,
+    picture,
+)
 
 NEW = 8
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)
     model, path = build_vl_checkpoint(root, request.param, model_dir)
@@ -24,9 +32,9 @@ def served(request, tmp_path_factory, model_dir):
     server.stop()
 
 
-def marker(model) -> list[int]:
-    c = model.config
-    return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
+def first_image_token(model, path, ids) -> int:
+    out = image_processor(path)(images=[picture(0)], return_tensors="pt")
+    return expanded(model, path, ids, out).index(model.config.image_token_id)
 
 
 def generate(server, ids, images):
@@ -69,7 +77,7 @@ def test_another_image_of_the_same_size_shares_no_kv_from_the_image_on(served):
     first = generate(server, ids, [picture(4, (200, 150))])
     other = picture(5, (200, 150))
     second = generate(server, ids, [other])
-    image_at = len(BEFORE) + 3  # the text before it and the vision start token
+    image_at = first_image_token(model, path, ids)  # the text and tokens before the image
     assert first["meta_info"]["prompt_tokens"] == second["meta_info"]["prompt_tokens"]
     assert second["meta_info"]["cached_tokens"] == image_at
     assert second["output_ids"] == hf_greedy(model, path, ids, [other], NEW)[0]
@@ -81,7 +89,7 @@ def test_chat_route_with_an_image_part_answers_as_hf(served):
     tokenizer = hf.AutoTokenizer.from_pretrained(path)
     text = "What is in this picture?"
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "".join(MARKERS) + text}],
+        [{"role": "user", "content": tokenizer.decode(marker(model)) + text}],
         tokenize=False,
         add_generation_prompt=True,
     )

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import transformers as hf
 from PIL import Image
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -50,10 +51,31 @@ FAMILIES = {
     ),
 }
 MAX_PIXELS = 56 * 56 * 16  # small images: at most ~64 tokens each
+GEMMA_MARKERS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA_TEXT = dict(
+    TEXT,
+    sliding_window=24,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=16,
+)
+GEMMA_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    image_size=64, patch_size=8,
+)  # fmt: skip
+GEMMA_PRE = {
+    "image_processor_type": "Gemma3ImageProcessor",
+    "size": {"height": 64, "width": 64},
+    "resample": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_pan_and_scan": False,
+}
 
 
 def build_vl_checkpoint(root, family: str, model_dir):
     """(HF model, its folder): weights large enough that greedy choices are not near-ties."""
+    if family == "gemma3":
+        return build_gemma3_checkpoint(root, model_dir)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -78,8 +100,7 @@ def build_vl_checkpoint(root, family: str, model_dir):
                 tensor.normal_(0, 0.2)
     model.eval()
     path = root / family
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save(model, tokenizer, path)
     pre = {
         "patch_size": patch,
         "merge_size": 2,
@@ -91,14 +112,64 @@ def build_vl_checkpoint(root, family: str, model_dir):
     return model, path
 
 
-def image_processor(path) -> Qwen2VLImageProcessorPil:
+def build_gemma3_checkpoint(root, model_dir):
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_MARKERS})
+    boi, eoi, soft = tokenizer.convert_tokens_to_ids(GEMMA_MARKERS)
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = hf.Gemma3Config(
+        text_config={**GEMMA_TEXT, **ends, "pad_token_id": 0},
+        vision_config=GEMMA_VISION,
+        mm_tokens_per_image=16,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=soft,
+        **ends,
+    )
+    torch.manual_seed(0)
+    model = hf.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "embed_tokens" in name:  # scaled by sqrt(hidden) in the model
+                tensor.normal_(0, 0.05)
+            else:
+                tensor.normal_(0, 0.1 if "norm" in name else 0.2)
+    model.eval()
+    path = root / "gemma3"
+    save(model, tokenizer, path)
+    (path / "preprocessor_config.json").write_text(json.dumps(GEMMA_PRE))
+    return model, path
+
+
+def save(model, tokenizer, path) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def image_processor(path):
     pre = json.loads((path / "preprocessor_config.json").read_text())
+    if pre.get("image_processor_type") == "Gemma3ImageProcessor":
+        return Gemma3ImageProcessorPil(
+            **{k: v for k, v in pre.items() if k != "image_processor_type"}
+        )
     return Qwen2VLImageProcessorPil(**pre)
 
 
+def marker(model) -> list[int]:
+    """The ids a prompt holds for one image."""
+    c = model.config
+    if c.model_type == "gemma3":
+        return [c.boi_token_index]
+    return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
+
+
 def picture(seed: int, size=(100, 70)) -> Image.Image:
+    """Random colour blobs (a 4x4 grid of random colours, smoothly resized) with fine noise:
+    pictures that differ at every scale."""
     rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
+    coarse = Image.fromarray((rng.random((4, 4, 3)) * 255).astype("uint8")).resize(size, 2)
+    noise = rng.normal(0, 20, (size[1], size[0], 3))
+    return Image.fromarray(np.clip(np.asarray(coarse) + noise, 0, 255).astype("uint8"))
 
 
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:
@@ -108,24 +179,46 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 
 
 def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: int):
-    """HF's greedy tokens for a prompt whose image tokens stand one per image."""
-    pad = model.config.image_token_id
+    """HF's greedy tokens for a prompt that marks each image, expanded as HF's processor does
+    (Gemma 3: two newlines, its start token, its tokens, its end token, two newlines), and
+    the expanded prompt's length."""
     out = image_processor(path)(images=images, return_tensors="pt")
-    grids = out["image_grid_thw"]
-    ids = []
-    counts = iter((grids.prod(-1) // 4).tolist())
-    for t in prompt_ids:
-        ids += [pad] * next(counts) if t == pad else [t]
+    ids, extra = expanded(model, path, prompt_ids, out), {}
     input_ids = torch.tensor([ids])
+    image = model.config.image_token_id
+    if model.config.model_type == "gemma3":
+        extra["token_type_ids"] = (input_ids == image).long()
+    else:
+        extra["image_grid_thw"] = out["image_grid_thw"]
+        extra["mm_token_type_ids"] = (input_ids == image).int()
     with torch.no_grad():
         gen = model.generate(
             input_ids,
             pixel_values=out["pixel_values"],
-            image_grid_thw=grids,
-            mm_token_type_ids=(input_ids == pad).int(),
             max_new_tokens=n,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **extra,
         )
     return gen[0, len(ids) :].tolist(), len(ids)
+
+
+def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
+    c = model.config
+    if c.model_type == "gemma3":
+        newlines = hf.AutoTokenizer.from_pretrained(path).encode("\n\n", add_special_tokens=False)
+        image = newlines + [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image
+        counts, place, after = None, c.boi_token_index, [c.eoi_token_index] + newlines
+    else:
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        place, after = c.image_token_id, []
+    ids = []
+    for t in prompt_ids:
+        if t != place:
+            ids.append(t)
+        elif counts is None:
+            ids += image + after
+        else:
+            ids += [place] * next(counts)
+    return ids

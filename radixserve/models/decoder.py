@@ -64,6 +64,10 @@ class Attention(nn.Module):
         self.cpu_ops = None
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        return self.tp.all_reduce(self.o_proj(self.attend(x, ropes, backend)[1]))
+
+    def attend(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        """(queries after the rotary embedding, attention output before o_proj)."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -75,8 +79,7 @@ class Attention(nn.Module):
             q = apply_rotary(q, cos, sin, self.cpu_ops)
             k = apply_rotary(k, cos, sin, self.cpu_ops)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        out = self.o_proj(backend.forward(self.layer, q, k, v, self.how))
-        return self.tp.all_reduce(out)
+        return q, backend.forward(self.layer, q, k, v, self.how)
 
 
 class DecoderLayer(nn.Module):

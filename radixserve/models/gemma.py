@@ -60,7 +60,7 @@ class Gemma2ForCausalLM(CausalLM):
             window=hf.get("sliding_window") if sliding else None,
             softcap=hf.get("attn_logit_softcapping"),
         )
-        attention = Attention(
+        attention = self.make_attention(
             cfg,
             i,
             self.tp,
@@ -73,6 +73,9 @@ class Gemma2ForCausalLM(CausalLM):
         return GemmaDecoderLayer(
             cfg, self.tp, attention, SwiGLU(cfg.hidden_size, cfg.intermediate_size, act)
         )
+
+    def make_attention(self, *args, **kwargs) -> Attention:
+        return Attention(*args, **kwargs)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         """[global, local]: the same table for Gemma 2."""

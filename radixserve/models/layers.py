@@ -134,6 +134,8 @@ class StepImages:
     rows: torch.Tensor
     embeds: torch.Tensor
     deepstack: list[torch.Tensor] = field(default_factory=list)
+    # whole images attended both ways (Gemma 3): (table row, first position, end, step row)
+    blocks: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class RotaryEmbedding(nn.Module):

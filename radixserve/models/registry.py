@@ -34,6 +34,7 @@ ARCHITECTURES = {
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -68,8 +69,18 @@ LANGUAGE_MODELS = {
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
     "Qwen3VLForConditionalGeneration": {},
+    "Gemma3ForConditionalGeneration": {},
 }
-VISION_KEYS = ("vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id")
+VISION_KEYS = (
+    "vision_config",
+    "image_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "image_token_index",
+    "boi_token_index",
+    "eoi_token_index",
+    "mm_tokens_per_image",
+)
 # architectures that rotate part of each head
 PARTIAL_ROTARY = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
 

@@ -43,17 +43,27 @@ def is_image_token(token: int) -> bool:
 
 
 def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
-    height, width = fitted_size(image.height, image.width, spec)
+    """Qwen-VL: resized within the pixel budget and cut into patches. Gemma 3: resized to its
+    one square size, kept whole (`[1, C x H x W]`, grid (1, H, W))."""
+    if spec.image_size:
+        height = width = spec.image_size
+    else:
+        height, width = fitted_size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
     scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
     mean = np.asarray(spec.mean, dtype=np.float32)
     std = np.asarray(spec.std, dtype=np.float32)
     normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
-    pixels, grid = patchify(normed, spec)
+    if spec.image_size:
+        pixels, grid, tokens = normed.reshape(1, -1), (1, height, width), spec.tokens_per_image
+    else:
+        pixels, grid = patchify(normed, spec)
+        tokens = grid[1] * grid[2] // spec.merge_size**2
+    pixels = np.ascontiguousarray(pixels)
     digest = int.from_bytes(
         hashlib.sha256(np.asarray(grid).tobytes() + pixels.tobytes()).digest()[:8], "little"
     )
-    return ProcessedImage(pixels, grid, grid[1] * grid[2] // spec.merge_size**2, digest)
+    return ProcessedImage(pixels, grid, tokens, digest)
 
 
 def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
@@ -87,17 +97,18 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int
 def expand_images(
     ids: list[int], images: list[ProcessedImage], spec: VisionSpec
 ) -> tuple[list[int], list[int]]:
-    """The prompt with each image token replaced by its image's tokens, and where each image's
-    tokens start. ValueError when the prompt holds another number of image tokens."""
-    places = [i for i, t in enumerate(ids) if t == spec.image_token_id]
+    """The prompt with each image placeholder replaced by `spec.before`, the image's tokens and
+    `spec.after`, and where each image's tokens start. ValueError when the prompt holds another
+    number of placeholders."""
+    places = [i for i, t in enumerate(ids) if t == spec.placeholder_id]
     if len(places) != len(images):
         raise ValueError(
             f"the prompt has {len(places)} image placeholders for {len(images)} images"
         )
     out, offsets, last = [], [], 0
     for place, image in zip(places, images):
-        out += ids[last:place]
+        out += ids[last:place] + list(spec.before)
         offsets.append(len(out))
-        out += [image.token_id] * image.tokens
+        out += [image.token_id] * image.tokens + list(spec.after)
         last = place + 1
     return out + ids[last:], offsets

@@ -12,10 +12,11 @@ from pathlib import Path
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-BICUBIC = 3  # PIL's resampling filter number
+BICUBIC, BILINEAR = 3, 2  # PIL's resampling filter numbers
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,14 @@ class VisionSpec:
     std: tuple[float, ...]
     resample: int = BICUBIC
     mrope: bool = True  # 3-D rotary positions (time, height, width) for image tokens
+    image_size: int = 0  # a fixed square size every image is resized to (Gemma 3)
+    tokens_per_image: int = 0  # a fixed number of tokens an image becomes (Gemma 3)
+    # the prompt token that stands for one image, and the tokens put in its place around the
+    # image's own (Gemma 3: two newlines and its start token before, its end token and two
+    # newlines after; the api process fills in the newlines' ids)
+    placeholder_id: int = 0
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, hf: dict, folder: Path | None) -> VisionSpec | None:
@@ -42,6 +51,8 @@ class VisionSpec:
             return None
         vision = hf["vision_config"]
         pre = _preprocessor_config(folder)
+        if family == "gemma3":
+            return cls._gemma3(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         return cls(
@@ -59,6 +70,33 @@ class VisionSpec:
             mean=tuple(pre.get("image_mean", CLIP_MEAN)),
             std=tuple(pre.get("image_std", CLIP_STD)),
             resample=int(pre.get("resample", BICUBIC)),
+            placeholder_id=int(hf["image_token_id"]),
+        )
+
+    @classmethod
+    def _gemma3(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
+        """SigLIP at one fixed size (pan-and-scan is not applied), pooled to a fixed number of
+        tokens; a prompt marks each image with its start token."""
+        size = int(vision.get("image_size", 896))
+        return cls(
+            family="gemma3",
+            image_token_id=int(hf.get("image_token_index", hf.get("image_token_id"))),
+            start_token_id=int(hf["boi_token_index"]),
+            end_token_id=int(hf["eoi_token_index"]),
+            patch_size=int(vision.get("patch_size", 14)),
+            temporal_patch_size=1,
+            merge_size=1,
+            min_pixels=0,
+            max_pixels=size * size,
+            mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+            std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+            resample=int(pre.get("resample", BILINEAR)),
+            mrope=False,
+            image_size=size,
+            tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
+            placeholder_id=int(hf["boi_token_index"]),
+            before=(int(hf["boi_token_index"]),),
+            after=(int(hf["eoi_token_index"]),),
         )
 
     @property
@@ -68,11 +106,10 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        return [
-            t
-            for t in (self.start_token_id, self.image_token_id, self.end_token_id)
-            if t is not None
-        ]
+        if self.family == "gemma3":
+            return [self.placeholder_id]
+        ids = (self.start_token_id, self.image_token_id, self.end_token_id)
+        return [t for t in ids if t is not None]
 
 
 def _preprocessor_config(folder: Path | None) -> dict:

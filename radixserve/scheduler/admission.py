@@ -142,11 +142,15 @@ class Admission:
         """`n`, or less: a request leaving a cached path where no state snapshot (or window
         KV) is ends its chunk from `start` there, so that one is kept there for the next
         request branching off there; a hybrid model's chunks also end at multiples of the
-        snapshot interval, where one is kept while a slot is free."""
+        snapshot interval, where one is kept while a slot is free. Where images are computed
+        whole, no chunk ends inside one."""
         if req.branch_at is not None and start < req.branch_at:
             n = min(n, req.branch_at - start)
         if self.kv.snapshots is not None and (interval := self.kv.snapshots.interval):
             n = min(n, (start // interval + 1) * interval - start)
+        if req.whole_images:  # an image inside the chunk's end: before it, or all of it
+            edge = req.image_edge(start + n, forward=False)
+            n = edge - start if edge > start else req.image_edge(start + n, forward=True) - start
         return n
 
     def _over_adapter_limit(self, req: Req, adapters: set[str]) -> bool:

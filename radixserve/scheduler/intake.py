@@ -30,7 +30,7 @@ class Intake:
         """`first_token_only`: a prefill server of a disaggregated pair (the decode server makes
         the rest)."""
         self.max_len = min(info.max_context_len, num_slots)
-        self.mrope_merge_size = info.mrope_merge_size
+        self.mrope_merge_size, self.whole_images = info.mrope_merge_size, info.whole_images
         self.adapters, self.grammars = adapters, grammars
         self.speculative, self.first_token_only = speculative, first_token_only
 
@@ -54,6 +54,7 @@ class Intake:
             lora=msg.lora_path,
             bootstrap=msg.bootstrap,
             images=msg.images or None,
+            whole_images=self.whole_images and bool(msg.images),
         )
         if req.images and self.mrope_merge_size:
             spans = [(im.offset, tuple(im.grid)) for im in req.images]

@@ -66,6 +66,8 @@ class KVManager:
         slots, node = self.cache.match_prefix(prefix, req.cache_salt)
         if self.tiers is not None and len(prefix) - len(slots) >= self.hicache.block:
             slots, node = self.tiers.extend(prefix, slots, node, req.cache_salt)
+        if (edge := req.image_edge(len(slots), forward=False)) < len(slots):
+            slots, node = self.cache.match_prefix(prefix[:edge], req.cache_salt)
         if self.snapshots is not None:
             slots, node = self.snapshots.cut(req, slots, node)
         if self.windows is not None:

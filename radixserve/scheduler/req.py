@@ -32,6 +32,7 @@ class Req:
     bootstrap: Bootstrap | None = None  # disaggregated: where its prefill runs, its room
     images: list[ImageInput] | None = None  # a vision-language model's images, prompt order
     mrope: MRopePositions | None = None  # its tokens' 3-D positions (M-RoPE models)
+    whole_images: bool = False  # chunks and cached prefixes end outside its images (Gemma 3)
 
     # memory: kv_slots[:cached_len] belong to the radix tree (locked through `node`);
     # the rest are this request's own pages. `synced` leading slots are in the worker's row.
@@ -93,6 +94,16 @@ class Req:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.prompt_logprobs_done
+
+    def image_edge(self, end: int, forward: bool) -> int:
+        """`end`, or, for a request whose images are computed whole, where the image `end`
+        falls inside starts (or, `forward`, ends)."""
+        if not self.whole_images:
+            return end
+        for image in self.images or ():
+            if image.offset < end < image.end:
+                return image.end if forward else image.offset
+        return end
 
     def max_prefix_len(self) -> int:
         """Cached prefix we may reuse: leave one token to compute, and the prompt positions whose

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..messages import ImageInput
@@ -35,6 +35,9 @@ class ImagePart:
 
 class ImageInputs:
     def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
+        if spec is not None and spec.family == "gemma3" and tokenizer is not None:
+            newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
+            spec = replace(spec, before=newlines + spec.before, after=spec.after + newlines)
         self.spec, self.policy, self.limit = spec, policy, limit
         self.marker = _marker_text(spec, tokenizer)
         if spec is not None:
@@ -97,7 +100,7 @@ class ImageInputs:
         """The prompt with its image tokens expanded to each image's hash tokens, and the
         scheduler's view of the images."""
         if not images:
-            if self.spec is not None and self.spec.image_token_id in ids:
+            if self.spec is not None and self.spec.placeholder_id in ids:
                 raise RequestError(
                     "the prompt holds an image placeholder but the request has no image"
                 )

@@ -134,6 +134,7 @@ class ModelRunner:
             states,
             window_info(self.windows, self.window_pool),
             getattr(self.model, "mrope_merge_size", None),
+            getattr(self.model, "whole_images", False),
         )
         asked = self.max_context_len if args.max_context_len is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
@@ -223,7 +224,7 @@ class ModelRunner:
         Logits stay on the model's device: only token ids and asked-for logprobs come back."""
         inputs = StepInputs.from_batch(fb, self.device)
         if fb.images:
-            inputs.images = self.vision.step_images(fb.images)
+            inputs.images = self.vision.step_images(fb)
         if fb.window_map is not None:
             self.backend.map_window(*(torch.tensor(s, dtype=torch.long) for s in fb.window_map))
         if self.lora is not None:

@@ -4,13 +4,15 @@ once over the step's other images together, and the rows of the step they take."
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..messages import ImageInput, ImageSlice
+from ..messages import ForwardBatch, ImageInput
 from ..models.layers import StepImages
 
 
@@ -64,7 +66,8 @@ class VisionEncoder:
             return None
         return cls(model, device, cache_mb << 20)
 
-    def step_images(self, slices: list[ImageSlice]) -> StepImages:
+    def step_images(self, fb: ForwardBatch) -> StepImages:
+        slices = fb.images
         features = self._features([s.image for s in slices])
         rows = [torch.arange(s.row, s.row + s.end - s.start) for s in slices]
         parts = [features[s.image.digest] for s in slices]
@@ -76,7 +79,18 @@ class VisionEncoder:
                 torch.cat([f.deepstack[k][s.start : s.end] for f, s in zip(parts, slices)])
                 for k in range(depth)
             ],
+            self._blocks(fb) if getattr(self.model, "whole_images", False) else [],
         )
+
+    @staticmethod
+    def _blocks(fb: ForwardBatch) -> list[tuple[int, int, int, int]]:
+        """Each image of the step as (table row, first position, end, step row)."""
+        starts = list(itertools.accumulate(fb.extend_lens, initial=0))
+        blocks = []
+        for s in fb.images:
+            b = bisect.bisect_right(starts, s.row) - 1
+            blocks.append((fb.rows[b], s.image.offset + s.start, s.image.offset + s.end, s.row))
+        return blocks
 
     def _features(self, images: list[ImageInput]) -> dict[int, ImageFeatures]:
         """Each image's features: cached, or from one tower run over the missing ones."""

@@ -54,6 +54,7 @@ def window_layers(model, args: EngineArgs, device: torch.device) -> WindowLayers
             ("speculative_algorithm", args.speculative_algorithm is not None),
             ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
             ("enable_torch_compile", args.enable_torch_compile),
+            ("images attended both ways", getattr(model, "whole_images", False)),
         )
         if on
     ]

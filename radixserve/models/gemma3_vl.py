@@ -1,0 +1,158 @@
+"""Gemma 3 with images: a SigLIP tower (one fixed size, patches embedded with learned
+positions, bidirectional blocks, a final layer norm), its output pooled to `mm_tokens_per_image`
+tokens, normed and projected to the language model's width. In the language model an image's
+tokens attend to each other both ways (each image a block; text stays causal), so a step
+computes an image whole: chunks and cached prefixes end outside images (`whole_images`), and
+after each layer's causal attention the rows of the step's image tokens are attended again
+over the request's keys up to their image's end (`BlockAttention`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import TPGroup
+from .decoder import Attention
+from .gemma import Gemma3ForCausalLM, GemmaNorm
+from .layers import StepImages
+from .qwen_vision import activation
+
+
+class SiglipLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, act: str, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self.self_attn, name, nn.Linear(dim, dim))
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, (n, t, d) = self.self_attn, x.shape
+        h = self.layer_norm1(x)
+        q, k, v = (
+            p(h).view(n, t, self.heads, -1).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj)
+        )
+        x = x + a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, d))
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.layer_norm2(x))))
+
+
+class Gemma3VisionTower(nn.Module):
+    """`vision_tower.*` and `multi_modal_projector.*` of the checkpoint; SigLIP's pooling head
+    is not used."""
+
+    def __init__(self, vc: dict, text_hidden: int, tokens_per_image: int):
+        super().__init__()
+        dim, eps = vc["hidden_size"], vc.get("layer_norm_eps", 1e-6)
+        self.size, patch = vc.get("image_size", 896), vc.get("patch_size", 14)
+        self.side = self.size // patch
+        self.pool = self.side // int(tokens_per_image**0.5)
+        self.embeddings = nn.Module()
+        self.embeddings.patch_embedding = nn.Conv2d(vc.get("num_channels", 3), dim, patch, patch)
+        self.embeddings.position_embedding = nn.Embedding(self.side * self.side, dim)
+        act = vc.get("hidden_act", "gelu_pytorch_tanh")
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            SiglipLayer(dim, vc["num_attention_heads"], vc["intermediate_size"], act, eps)
+            for _ in range(vc["num_hidden_layers"])
+        )
+        self.post_layernorm = nn.LayerNorm(dim, eps=eps)
+        self.norm = GemmaNorm(dim, eps)
+        self.projection = nn.Parameter(torch.zeros(dim, text_hidden))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`[images, C x H x W]` -> `[images x tokens_per_image, text_hidden]`."""
+        conv = self.embeddings.patch_embedding
+        x = conv(pixels.view(-1, conv.in_channels, self.size, self.size).to(conv.weight.dtype))
+        x = x.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight
+        for layer in self.encoder.layers:
+            x = layer(x)
+        x = self.post_layernorm(x)
+        n, _, d = x.shape
+        grid = x.transpose(1, 2).reshape(n, d, self.side, self.side)
+        pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2).reshape(-1, d)
+        return self.norm(pooled.contiguous()) @ self.projection
+
+
+class BlockAttention(Attention):
+    """Gemma 3's attention where the image tokens of a step see their whole image."""
+
+    def __init__(self, *args, blocks: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blocks = blocks  # the model's: this step's image blocks, shared by its layers
+
+    def forward(self, x, ropes, backend):
+        q, out = self.attend(x, ropes, backend)
+        for block in self.blocks:
+            out = self.attend_block(q, out, backend, *block)
+        return self.tp.all_reduce(self.o_proj(out))
+
+    def attend_block(self, q, out, backend, table_row: int, start: int, end: int, row: int):
+        """Rows [row, row + end - start) of the step are positions [start, end) of the request:
+        each sees the keys before it and all of its image (within the layer's window)."""
+        cfg, how = self.cfg, self.how
+        slots = backend.inputs.req_to_token[table_row, :end]
+        k = backend.pool.k[self.layer][slots].float()
+        v = backend.pool.v[self.layer][slots].float()
+        group = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        queries = torch.arange(start, end).unsqueeze(1)
+        keys = torch.arange(end).unsqueeze(0)
+        seen = (keys <= queries) | (keys >= start)
+        if how.window is not None:
+            seen &= keys > queries - how.window
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + end - start].float(), k)
+        scale = how.scale if how.scale is not None else cfg.head_dim**-0.5
+        scores = (scores * scale).masked_fill(~seen, float("-inf"))
+        rows = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out = out.clone()
+        out[row : row + end - start] = rows.reshape(end - start, -1).to(out.dtype)
+        return out
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    whole_images = True
+
+    def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
+        self.blocks: list[tuple[int, int, int, int]] = []
+        super().__init__(cfg, max_positions, tp)
+        self.vision = Gemma3VisionTower(
+            self.hf["vision_config"], cfg.hidden_size, int(self.hf.get("mm_tokens_per_image", 256))
+        )
+
+    def make_attention(self, *args, **kwargs) -> Attention:
+        return BlockAttention(*args, blocks=self.blocks, **kwargs)
+
+    def rename(self, name: str) -> str | None:
+        for old, new in (
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("model.vision_tower.vision_model.", "vision."),
+            ("vision_tower.vision_model.", "vision."),
+            ("model.vision_tower.", "vision."),
+            ("vision_tower.", "vision."),
+            ("model.multi_modal_projector.", "vision."),
+            ("multi_modal_projector.", "vision."),
+        ):
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        if name.startswith("vision.head."):
+            return None
+        return {
+            "vision.mm_input_projection_weight": "vision.projection",
+            "vision.mm_soft_emb_norm.weight": "vision.norm.weight",
+        }.get(name, name)
+
+    def forward(self, input_ids, positions, backend, images: StepImages | None = None):
+        self.blocks[:] = images.blocks if images is not None else []
+        return super().forward(input_ids, positions, backend, images)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor, grids):
+        return self.vision(pixels), []
