@@ -237,26 +237,6 @@ def test_a_hybrid_server_reports_its_snapshots_in_metrics_and_the_dashboard(tmp_
     assert f"radixserve:state_snapshots {float(held['state_snapshots'])}" in metrics
 
 
-def test_the_language_model_of_a_qwen3_5_multimodal_checkpoint_is_served(tmp_path, caplog):
-    """A Qwen3_5ForConditionalGeneration checkpoint (its config nested in `text_config`, its
-    tensors under `model.language_model`, a vision tower beside them): text is served equal
-    to HF's model; the start-up log says the vision tower is not loaded."""
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    config = hf.Qwen3_5Config(text_config={**COMMON, **GATED_DELTA_NET}, vision_config=vision)
-    torch.manual_seed(0)
-    model = hf.Qwen3_5ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            tensor.normal_(0, 0.1 if "norm" in name else 0.2)
-    model.eval()
-    model.save_pretrained(tmp_path / "qwen3_5_vl")
-    with caplog.at_level("INFO", logger="radixserve"):
-        with Engine(model=str(tmp_path / "qwen3_5_vl"), dtype="float32") as eng:
-            got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
-    assert got == hf_greedy(model, PROMPTS[1])
-    assert "vision tower is not loaded" in caplog.text
-
-
 def test_recurrent_states_stored_in_bfloat16_take_half_the_memory(tmp_path, caplog):
     """--mamba-ssm-dtype bfloat16: the scan's states are stored in bf16 (computed in float32),
     running and in snapshots; the state pool line shows the smaller state, the prompt's

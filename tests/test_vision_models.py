@@ -1,7 +1,9 @@
-"""Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL and
-Qwen3-VL checkpoints built with HF's classes, served, fed images through /generate and the
-OpenAI chat route, greedy tokens compared with HF's model fed by HF's image processor, fresh
-and from the radix cache, with prefill chunks (16 tokens) that split each image's tokens."""
+"""Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL,
+Qwen3-VL, Gemma 3 and Qwen3.5 (hybrid) checkpoints built with HF's classes, served, fed images
+through /generate and the OpenAI chat route, greedy tokens compared with HF's model fed by HF's
+image processor class, fresh and from the radix cache, with prefill chunks (16 tokens) that
+split each image's tokens (Gemma 3's images, attended both ways, are computed whole: its
+chunks end before them instead)."""
 
 import pytest
 import transformers as hf
@@ -21,7 +23,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5"])
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)
     model, path = build_vl_checkpoint(root, request.param, model_dir)
@@ -79,7 +81,9 @@ def test_another_image_of_the_same_size_shares_no_kv_from_the_image_on(served):
     second = generate(server, ids, [other])
     image_at = first_image_token(model, path, ids)  # the text and tokens before the image
     assert first["meta_info"]["prompt_tokens"] == second["meta_info"]["prompt_tokens"]
-    assert second["meta_info"]["cached_tokens"] == image_at
+    assert second["meta_info"]["cached_tokens"] <= image_at
+    if model.config.model_type != "qwen3_5":  # a hybrid resumes from its last state snapshot
+        assert second["meta_info"]["cached_tokens"] == image_at
     assert second["output_ids"] == hf_greedy(model, path, ids, [other], NEW)[0]
 
 

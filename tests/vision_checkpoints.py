@@ -49,6 +49,27 @@ FAMILIES = {
         dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
         16,
     ),
+    "qwen3_5": (
+        hf.Qwen3_5Config,
+        hf.Qwen3_5ForConditionalGeneration,
+        dict(
+            head_dim=32,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+        dict(patch_size=16, num_position_embeddings=64),
+        16,
+    ),
 }
 MAX_PIXELS = 56 * 56 * 16  # small images: at most ~64 tokens each
 GEMMA_MARKERS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]

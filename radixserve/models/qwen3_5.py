@@ -30,7 +30,7 @@ from .recurrent import RecurrentStates
 ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.")
 SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
-NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower, MTP head
+NOT_TEXT = ("mtp.",)  # the multi-token prediction head
 
 
 class GatedDeltaNet(nn.Module):
@@ -136,8 +136,8 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
         return [RotaryEmbedding(width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
 
     def rename(self, name: str) -> str | None:
-        """The mixer of every layer sits at `self_attn` (a Gated DeltaNet's `linear_attn`); a
-        multimodal checkpoint's language model is read, the rest skipped."""
+        """The mixer of every layer sits at `self_attn` (a Gated DeltaNet's `linear_attn`); the
+        multi-token prediction head is skipped."""
         if name.startswith(NOT_TEXT):
             return None
         name = name.replace("model.language_model.", "model.", 1)

@@ -1,7 +1,7 @@
-"""Qwen2.5-VL and Qwen3-VL: the Qwen2 and Qwen3 language models with M-RoPE (each rotary
-frequency turned by the time, row or column position of its section) and their vision towers
-(`qwen_vision`). Image tokens take the tower's features (`CausalLM.embed`); Qwen3-VL's DeepStack
-features are added after its first layers (`CausalLM.forward`)."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5: the Qwen2, Qwen3 and Qwen3.5 language models with M-RoPE
+(each rotary frequency turned by the time, row or column position of its section) and their
+vision towers (`qwen_vision`). Image tokens take the tower's features (`CausalLM.embed`);
+Qwen3-VL's DeepStack features are added after its first layers (`CausalLM.forward`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from ..distributed import TPGroup
 from .layers import RotaryEmbedding
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from .qwen_vision import Qwen3VisionTower, Qwen25VisionTower
 
 
@@ -56,17 +57,16 @@ class VisionLanguage:
     def make_rotaries(self, max_positions: int):
         cfg = self.cfg
         mrope = self.hf.get("rope_parameters") or self.hf.get("rope_scaling")
+        width = int(cfg.head_dim * mrope.get("partial_rotary_factor", 1.0))
         rotary = MRotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict, mrope
+            width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict, mrope
         )
         return [rotary]
 
     def rename(self, name: str) -> str | None:
-        if name.startswith("model.language_model."):
-            return "model." + name.removeprefix("model.language_model.")
-        if name.startswith("model.visual."):
+        if name.startswith(("model.visual.", "visual.")):
             return name.removeprefix("model.")
-        return name
+        return super().rename(name.replace("model.language_model.", "model.", 1))
 
     @property
     def mrope_merge_size(self) -> int:
@@ -83,4 +83,14 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
 
 
 class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):
+    tower_class = Qwen3VisionTower
+
+
+class Qwen3_5ForConditionalGeneration(VisionLanguage, Qwen3_5ForCausalLM):
+    """Qwen3.5's hybrid language model with Qwen3-VL's tower (without DeepStack)."""
+
+    tower_class = Qwen3VisionTower
+
+
+class Qwen3_5MoeForConditionalGeneration(VisionLanguage, Qwen3_5MoeForCausalLM):
     tower_class = Qwen3VisionTower

@@ -35,6 +35,8 @@ ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
@@ -60,16 +62,13 @@ MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
 }
-# multimodal checkpoints whose language model is served (the vision tower is not loaded)
-LANGUAGE_MODELS = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
     "Qwen3VLForConditionalGeneration": {},
     "Gemma3ForConditionalGeneration": {},
+    "Qwen3_5ForConditionalGeneration": {},
+    "Qwen3_5MoeForConditionalGeneration": {},
 }
 VISION_KEYS = (
     "vision_config",
@@ -82,7 +81,13 @@ VISION_KEYS = (
     "mm_tokens_per_image",
 )
 # architectures that rotate part of each head
-PARTIAL_ROTARY = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+PARTIAL_ROTARY = {
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+}
 
 
 class UnsupportedModel(ValueError):
@@ -90,20 +95,14 @@ class UnsupportedModel(ValueError):
 
 
 def language_model_config(hf: dict) -> dict:
-    """The config a family reads: a multimodal checkpoint's `text_config` (with the served
-    architecture, and the stop tokens and tying the top level sets) where its language model
-    is served; else the config itself."""
+    """The config a family reads: a vision-language checkpoint's `text_config` with its
+    architecture, its image tokens and vision config, and the stop tokens and tying the top
+    level sets; else the config itself."""
     named = (hf.get("architectures") or [None])[0]
-    if named in VISION_LANGUAGE:
-        return _flattened(hf, named, VISION_KEYS, **VISION_LANGUAGE[named])
-    if named in LANGUAGE_MODELS:
-        return _flattened(hf, LANGUAGE_MODELS[named], (), vision_not_served=named)
-    return hf
-
-
-def _flattened(hf: dict, architecture: str, keys: tuple[str, ...], **extra) -> dict:
-    text = dict(hf["text_config"], architectures=[architecture], **extra)
-    for key in keys + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+    if named not in VISION_LANGUAGE:
+        return hf
+    text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
+    for key in VISION_KEYS + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key in hf and key not in text:
             text[key] = hf[key]
     return text

@@ -112,12 +112,6 @@ def read_config(path: Path) -> ModelConfig:
     try:
         raw = language_model_config(json.loads((path / "config.json").read_text()))
         check_supported(raw)
-        if raw.get("vision_not_served"):
-            log.info(
-                "%s: serving its language model; its vision tower is not loaded, and requests "
-                "with images are refused",
-                raw["vision_not_served"],
-            )
         return ModelConfig.from_hf_dict(raw)
     except KeyError as exc:
         raise ValueError(f"{path / 'config.json'}: the field {exc.args[0]!r} is missing") from None

@@ -12,6 +12,8 @@ from pathlib import Path
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
     "Gemma3ForConditionalGeneration": "gemma3",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
