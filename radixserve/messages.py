@@ -316,6 +316,9 @@ class SchedulerStats:
     )  # mem.hicache.TierStats and tier sizes, when enabled
     # a hybrid model's state snapshots, window layers' KV kept apart (KVManager.hybrid_figures)
     hybrid_memory: dict = field(default_factory=dict)
+    # vision-language models: image tokens admitted and read from the cache, tower runs,
+    # encoder-cache hits (SchedulerMetrics, VisionEncoder.figures)
+    images: dict = field(default_factory=dict)
     kv_transfer_waiting: int = 0  # disaggregated: requests waiting for their KV to move
     kv_transfers_total: int = 0
     kv_transfer_failures_total: int = 0

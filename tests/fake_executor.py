@@ -50,6 +50,9 @@ class FakeExecutor:
         self.table = [[0] * max_context for _ in range(max_running)]
         self.batches: list[ForwardBatch] = []
 
+    def vision_figures(self) -> dict:
+        return {}
+
     def forward(self, fb: ForwardBatch) -> ForwardResult:
         self.batches.append(fb)
         for row, start, slots in fb.row_writes:

@@ -2,6 +2,7 @@
 
 import random
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,6 +214,42 @@ def test_circuit_breaker_opens_after_failures_and_closes_after_a_success():
 )
 def test_routing_keys(path, body, key):
     assert routing_key(path, body) == key
+
+
+def test_routing_keys_name_images_by_a_hash_of_their_data_never_the_data():
+    from radixserve.router.keys import token_key
+
+    def chat(url: str, text: str = "what is it?") -> bytes:
+        part = {"type": "image_url", "image_url": {"url": url}}
+        content = [part, {"type": "text", "text": text}]
+        return orjson.dumps({"messages": [{"role": "user", "content": content}]})
+
+    red, blue = "data:image/png;base64," + "A" * 4000, "data:image/png;base64," + "B" * 4000
+    key = routing_key("/v1/chat/completions", chat(red))
+    assert "AAAA" not in key and len(key) < 100 and key.endswith("what is it?")
+    assert key == routing_key("/v1/chat/completions", chat(red))
+    assert key != routing_key("/v1/chat/completions", chat(blue))
+    responses = orjson.dumps(
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": red}]}]}
+    )
+    anthropic = orjson.dumps(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "url", "url": red}}],
+                }
+            ]
+        }
+    )
+    image = key.split("<user>")[1].removesuffix("what is it?")
+    assert image in routing_key("/v1/responses", responses)
+    assert image in routing_key("/v1/messages", anthropic)
+    generate = orjson.dumps({"input_ids": [1, 2], "image_data": [red]})
+    assert routing_key("/generate", generate) == "\x01\x02" + image
+    # the KV-event index keys image requests as the policy does: their tokens are only known
+    # once the worker has hashed the pixels
+    assert token_key("/v1/chat/completions", chat(red), None) == key
 
 
 def test_kv_event_index_matches_whole_pages_from_events_and_pending_routes():

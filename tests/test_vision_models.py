@@ -114,3 +114,29 @@ def test_chat_route_with_an_image_part_answers_as_hf(served):
         want, skip_special_tokens=True
     )
     assert r.json()["usage"]["prompt_tokens"] == prompt_len
+
+
+def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(served):
+    """The same picture after a different prefix: its KV is not cached there, its features
+    are (the encoder cache); /metrics and the dashboard count image tokens and hits."""
+    model, path, server = served
+    image = picture(8, (160, 120))
+    client = server.client()
+
+    def figures() -> dict:
+        return client.get("/get_server_info").json()["stats"]["images"]
+
+    generate(server, [11, 12] + marker(model) + AFTER, [image])
+    before = figures()
+    ids = [13, 14, 15] + marker(model) + AFTER
+    got = generate(server, ids, [image])
+    after = figures()
+    assert after["images_encoded_total"] == before["images_encoded_total"]
+    assert after["encoder_cache_hits_total"] == before["encoder_cache_hits_total"] + 1
+    assert got["output_ids"] == hf_greedy(model, path, ids, [image], NEW)[0]
+    assert after["image_tokens_total"] > before["image_tokens_total"]
+    metrics = client.get("/metrics").text
+    assert (
+        f"radixserve:encoder_cache_hits_total {float(after['encoder_cache_hits_total'])}" in metrics
+    )
+    assert "radixserve:image_tokens_cached_total" in metrics

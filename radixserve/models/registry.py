@@ -163,13 +163,6 @@ def check_supported(hf: dict) -> None:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     if architecture_of(hf) == "NemotronHForCausalLM":
         _check_nemotron_h(hf)
-    for key in ("eos_token_id", "bos_token_id"):
-        ids = hf.get(key)
-        for token in ids if isinstance(ids, list) else [] if ids is None else [ids]:
-            if not 0 <= token < hf.get("vocab_size", token + 1):
-                raise UnsupportedModel(
-                    f"config.json: {key} {token} is outside the vocabulary [0, {hf['vocab_size']})"
-                )
     for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
         if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
             raise UnsupportedModel(

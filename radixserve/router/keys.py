@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import orjson
@@ -27,7 +28,12 @@ def _first(value: Any) -> Any:
     return value
 
 
-def _prompt_key(value: Any) -> str:
+def _prompt_key(value: Any, images: Any = None) -> str:
+    """A prompt's key; /generate's `image_data` follows it as hashes."""
+    if images is not None:
+        urls = [images] if isinstance(images, str) else images
+        tail = "".join(_part_key({"image_url": u}) for u in urls if isinstance(u, str))
+        return _prompt_key(value) + tail
     value = _first(value)
     if isinstance(value, str):
         return value
@@ -38,12 +44,33 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            p.get("text", "")
-            for p in content
-            if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+        return "".join(_part_key(p) for p in content if isinstance(p, dict))
     return ""
+
+
+def _part_key(part: dict) -> str:
+    """A text part's text; an image part (chat `image_url`, Responses `input_image`, Anthropic
+    `image`) as a short hash of its URL or data, never the data itself."""
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    image = part.get("image_url") or part.get("source")
+    if isinstance(image, dict):
+        image = image.get("url") or image.get("data")
+    if not isinstance(image, str):
+        return ""
+    return f"{IMAGE_MARK}{hashlib.sha256(image.encode()).hexdigest()[:16]}{IMAGE_MARK}"
+
+
+def _has_images(data: dict) -> bool:
+    if data.get("image_data") is not None:
+        return True
+    messages = data.get("messages")
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") != "text" for p in m["content"])
+        for m in (messages if isinstance(messages, list) else [])
+    )
 
 
 def _chat_key(body: dict) -> str:
@@ -56,6 +83,7 @@ def _chat_key(body: dict) -> str:
     return "".join(parts)
 
 
+IMAGE_MARK = "\x00image\x00"  # around an image's hash in a key
 SALT_MARK = "\x00salt\x00"  # a salted key starts here: it never shares a prefix with others
 LORA_MARK = "\x00lora\x00"  # as does the key of a request on a LoRA adapter
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
@@ -93,11 +121,8 @@ def _adapter(path: str, data: dict) -> str | None:
 
 def _unsalted_key(path: str, data: dict) -> str:
     if path == "/generate":
-        return (
-            _prompt_key(data["text"])
-            if data.get("text") is not None
-            else _prompt_key(data.get("input_ids"))
-        )
+        prompt = data["text"] if data.get("text") is not None else data.get("input_ids")
+        return _prompt_key(prompt, data.get("image_data"))
     if path == "/v1/completions":
         return _prompt_key(data.get("prompt"))
     if path == "/v1/chat/completions":
@@ -131,7 +156,9 @@ def token_key(
                 isinstance(data.get(field), (str, list)) for field in ("cache_salt", "lora_path")
             )
             or (path != "/generate" and data.get("model") in adapters)
-        ):  # a salted prefix, or an adapter's, matches no base model's KV event
+            or _has_images(data)
+        ):  # a salted prefix, or an adapter's, matches no base model's KV event; an image's
+            # tokens are its content hash, known once the worker has its pixels
             return routing_key(path, body)
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(data)

@@ -68,6 +68,14 @@ class SchedulerMetrics:
         self.stats.prompt_tokens_total += len(req.input_ids)
         self.stats.cached_tokens_total += cached
         self._recent_admissions.append((len(req.input_ids), cached))
+        if req.images:
+            counts = self.stats.images
+            tokens = sum(im.tokens for im in req.images)
+            from_cache = sum(max(0, min(cached, im.end) - im.offset) for im in req.images)
+            counts["image_tokens_total"] = counts.get("image_tokens_total", 0) + tokens
+            counts["image_tokens_cached_total"] = (
+                counts.get("image_tokens_cached_total", 0) + from_cache
+            )
         if self.estimates is not None:
             self.estimates.admit(req.rid, req.input_ids, req.max_prefix_len())
 

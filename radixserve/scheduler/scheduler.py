@@ -55,8 +55,12 @@ class Scheduler:
         """`transfers`: with --disaggregation-mode, that side's `radixserve.disagg` transfers."""
         info = executor.info
         self.args, self.executor, self.info, self.grammars = args, executor, info, grammars
-        eos_ids = frozenset(info.eos_token_ids) | frozenset(extra_eos_ids)
-        fallback_id = min(info.eos_token_ids or eos_ids or {0})  # when every token is forbidden
+        # an id outside the vocabulary (a config's default left in place) can never be sampled
+        model_eos = [t for t in info.eos_token_ids if 0 <= t < info.vocab_size]
+        eos_ids = frozenset(model_eos) | frozenset(
+            t for t in extra_eos_ids if 0 <= t < info.vocab_size
+        )
+        fallback_id = min(model_eos or eos_ids or {0})  # when every token is forbidden
         self.sampling = SamplingContext(eos_ids, fallback_id, grammars)
         self.queues = RequestQueues()
         self.pending_aborts: set[str] = set()
@@ -276,6 +280,7 @@ class Scheduler:
         stage = self.prefill_stage or self.decode_stage
         s.kv_transfer_waiting = stage.waiting() if stage is not None else 0
         self.kv.fill_figures(s, self.queues.running)
+        s.images.update(self.executor.vision_figures())
         return s
 
     def top_prefixes(self, limit: int) -> list[dict]:

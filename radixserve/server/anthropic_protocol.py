@@ -183,7 +183,9 @@ def _image_part(block: dict, where: str) -> dict[str, Any]:
     elif kind == "url":
         url = source.get("url")
     else:
-        raise RequestError(f"{where}.source.type must be 'base64' or 'url', not {kind!r}")
+        raise RequestError(
+            f"{where}.source.type of an image block must be 'base64' or 'url', not {kind!r}"
+        )
     try:
         return image_url_part(url, f"{where}.source")
     except ValueError as exc:

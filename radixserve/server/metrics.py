@@ -269,6 +269,7 @@ class _SchedulerCollector:
         yield from _estimate_families(s)
         yield from _hicache_families(s.get("hicache") or {})
         yield from _hybrid_families(s.get("hybrid_memory") or {})
+        yield from _hybrid_families(s.get("images") or {})
         family = CounterMetricFamily(
             P + "requests", "Finished requests by finish reason", labels=["finish_reason"]
         )
@@ -283,11 +284,18 @@ HYBRID = {  # hybrid_memory key -> help (a name ending _total is a counter)
     "state_resumed_tokens_total": "Prompt tokens resumed from state snapshots (hybrid models)",
     "window_kv_capacity_tokens": "Tokens the window layers' own KV pool holds",
     "window_kv_free_tokens": "Free tokens of the window layers' own KV pool",
+    "image_tokens_total": "Prompt tokens of images admitted (vision-language models)",
+    "image_tokens_cached_total": "Image tokens read from the radix cache",
+    "images_encoded_total": "Images run through the vision tower",
+    "encoder_cache_hits_total": "Images whose features came from the encoder cache",
+    "encoder_seconds_total": "Seconds spent in the vision tower",
+    "encoder_cache_bytes": "Bytes of image features held by the encoder cache",
 }
 
 
 def _hybrid_families(h: dict):
-    """A hybrid model's state snapshots and window layers' KV, where the model has them."""
+    """A hybrid model's state snapshots and window layers' KV, and a vision-language model's
+    images, where the model has them."""
     for key, value in h.items():
         if key.endswith("_total"):
             yield CounterMetricFamily(P + key.removesuffix("_total"), HYBRID[key], value=value)

@@ -205,7 +205,9 @@ def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
         at = f"{where}.content[{j}]"
         if isinstance(part, dict) and part.get("type") == "input_image":
             if part.get("file_id") is not None or part.get("image_url") is None:
-                raise RequestError(f"{at}: send the image as image_url (file_id is not supported)")
+                raise RequestError(
+                    f"{at}: an input_image needs an image_url (file_id is not supported)"
+                )
             try:
                 parts.append(image_url_part(part["image_url"], at, part.get("detail", "auto")))
             except ValueError as exc:

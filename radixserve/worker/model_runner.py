@@ -187,6 +187,9 @@ class ModelRunner:
         or a snapshot slot after the rows)."""
         self.model.states.copy(src, dst)
 
+    def vision_figures(self) -> dict:
+        return self.vision.figures() if self.vision is not None else {}
+
     def load_lora(self, adapter: AdapterConfig) -> None:
         """Read an adapter onto the host, ready for a slot; ValueError when it does not fit."""
         if self.lora is None:

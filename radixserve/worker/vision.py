@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..messages import ForwardBatch, ImageInput
+from ..messages import ForwardBatch, ImageInput, ImageSlice
 from ..models.layers import StepImages
 
 
@@ -66,9 +66,18 @@ class VisionEncoder:
             return None
         return cls(model, device, cache_mb << 20)
 
+    def figures(self) -> dict:
+        st = self.stats
+        return {
+            "images_encoded_total": st.images_encoded,
+            "encoder_cache_hits_total": st.cache_hits,
+            "encoder_seconds_total": st.encode_seconds,
+            "encoder_cache_bytes": self.cache.bytes,
+        }
+
     def step_images(self, fb: ForwardBatch) -> StepImages:
         slices = fb.images
-        features = self._features([s.image for s in slices])
+        features = self._features(slices)
         rows = [torch.arange(s.row, s.row + s.end - s.start) for s in slices]
         parts = [features[s.image.digest] for s in slices]
         depth = len(parts[0].deepstack)
@@ -92,17 +101,19 @@ class VisionEncoder:
             blocks.append((fb.rows[b], s.image.offset + s.start, s.image.offset + s.end, s.row))
         return blocks
 
-    def _features(self, images: list[ImageInput]) -> dict[int, ImageFeatures]:
-        """Each image's features: cached, or from one tower run over the missing ones."""
+    def _features(self, slices: list[ImageSlice]) -> dict[int, ImageFeatures]:
+        """Each image's features: cached, or from one tower run over the missing ones. A hit
+        counts where an image's first tokens are computed (its later chunks read it again)."""
         found: dict[int, ImageFeatures] = {}
         missing: dict[int, ImageInput] = {}
-        for image in images:
-            cached = found.get(image.digest) or self.cache.get(image.digest)
+        for s in slices:
+            digest = s.image.digest
+            cached = found.get(digest) or self.cache.get(digest)
             if cached is not None:
-                self.stats.cache_hits += image.digest not in found
-                found[image.digest] = cached
+                self.stats.cache_hits += s.start == 0 and digest not in found
+                found[digest] = cached
             else:
-                missing[image.digest] = image
+                missing[digest] = s.image
         if missing:
             found.update(self._encode(list(missing.values())))
         return found
