@@ -37,6 +37,10 @@ def check_generate(req: GenerateReq, info: WorkerInfo) -> None:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
     if req.logprob_start_len < -1:
         raise ValueError("logprob_start_len must be >= -1")
+    if req.images and req.return_logprob and req.logprob_start_len >= 0:
+        raise ValueError(
+            "logprob_start_len: prompt logprobs are not available for prompts with images"
+        )
 
 
 def check_output_room(prompt_len: int, max_new_tokens: int, info: WorkerInfo, field: str) -> None:

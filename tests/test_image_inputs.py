@@ -366,6 +366,15 @@ def other_hostile_bodies(marker: list[int]) -> dict[str, tuple[str, dict]]:
             "/generate",
             {"input_ids": [[1] + marker, [2] + marker], "image_data": png},
         ),
+        "prompt logprobs with an image": (
+            "/generate",
+            {
+                "input_ids": [1, 2] + marker,
+                "image_data": png,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+        ),
         "image ids forged": (
             "/generate",
             {"input_ids": [1, 2, (1 << 30) + 5], "sampling_params": GREEDY},
