@@ -33,6 +33,7 @@ LLAMA3_ROPE = {
     "rope_theta": 500000.0,
 }
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "full_attention"]
 FAMILIES = {
     "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
@@ -79,6 +80,44 @@ FAMILIES = {
         hf.GptOssConfig,
         hf.GptOssForCausalLM,
         dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "smollm3": (
+        hf.SmolLM3Config,
+        hf.SmolLM3ForCausalLM,
+        dict(no_rope_layers=[1, 0, 1], pad_token_id=0),
+    ),
+    "granite": (
+        hf.GraniteConfig,
+        hf.GraniteForCausalLM,
+        dict(
+            embedding_multiplier=2.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+            attention_bias=True,
+        ),
+    ),
+    "seed_oss": (
+        hf.SeedOssConfig,
+        hf.SeedOssForCausalLM,
+        dict(head_dim=16, attention_bias=True, attention_out_bias=True, mlp_bias=True),
+    ),
+    "ernie4_5": (hf.Ernie4_5Config, hf.Ernie4_5ForCausalLM, dict(head_dim=16, use_bias=True)),
+    "olmo2": (hf.Olmo2Config, hf.Olmo2ForCausalLM, {}),
+    "olmo3": (
+        hf.Olmo3Config,
+        hf.Olmo3ForCausalLM,
+        dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
+    ),
+    "exaone4": (
+        hf.Exaone4Config,
+        hf.Exaone4ForCausalLM,
+        dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
+    ),
+    "glm4": (
+        hf.Glm4Config,
+        hf.Glm4ForCausalLM,
+        dict(head_dim=16, attention_bias=True, pad_token_id=0),
     ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]

@@ -87,33 +87,41 @@ def test_another_image_of_the_same_size_shares_no_kv_from_the_image_on(served):
     assert second["output_ids"] == hf_greedy(model, path, ids, [other], NEW)[0]
 
 
-def test_chat_route_with_an_image_part_answers_as_hf(served):
+@pytest.mark.parametrize("count", [1, 2])
+def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count):
+    """One and two images in one user message, through the chat template; the second time
+    from the cache."""
     model, path, server = served
-    image = picture(6, (150, 150))
+    images = [picture(6, (150, 150)), picture(7, (100, 170))][:count]
     tokenizer = hf.AutoTokenizer.from_pretrained(path)
-    text = "What is in this picture?"
+    texts = ["What is in this picture?", " And in this one?"][:count]
+    image_text = tokenizer.decode(marker(model))
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": tokenizer.decode(marker(model)) + text}],
+        [{"role": "user", "content": "".join(image_text + t for t in texts)}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    want, prompt_len = hf_greedy(model, path, tokenizer.encode(rendered), [image], NEW)
-    content = [
-        {"type": "image_url", "image_url": {"url": data_url(image)}},
-        {"type": "text", "text": text},
-    ]
+    want, prompt_len = hf_greedy(model, path, tokenizer.encode(rendered), images, NEW)
+    content = []
+    for image, text in zip(images, texts):
+        content += [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": text},
+        ]
     body = {
         "messages": [{"role": "user", "content": content}],
         "max_tokens": NEW,
         "temperature": 0,
         "ignore_eos": True,
     }
-    r = server.client().post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
-        want, skip_special_tokens=True
-    )
-    assert r.json()["usage"]["prompt_tokens"] == prompt_len
+    for _ in range(2):
+        r = server.client().post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
+            want, skip_special_tokens=True
+        )
+        assert r.json()["usage"]["prompt_tokens"] == prompt_len
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * prompt_len
 
 
 def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(served):

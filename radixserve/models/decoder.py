@@ -70,16 +70,22 @@ class Attention(nn.Module):
         """(queries after the rotary embedding, attention output before o_proj)."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
-            k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.norm_qk(q, k)
         if self.rope is not None:
             cos, sin = ropes[self.rope]
             q = apply_rotary(q, cos, sin, self.cpu_ops)
             k = apply_rotary(k, cos, sin, self.cpu_ops)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         return q, backend.forward(self.layer, q, k, v, self.how)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as `[T, heads, head_dim]`, each head normed where the layer norms them."""
+        cfg = self.cfg
+        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
+            k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return q, k
 
 
 class DecoderLayer(nn.Module):

@@ -160,7 +160,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_ops=None
 ) -> torch.Tensor:
-    """x: `[T, heads, head_dim]`; with the CPU kernels, rotated in place."""
+    """x: `[T, heads, head_dim]`; with the CPU kernels, rotated in place. Tables narrower than
+    half a head rotate its first `2 x width` dims and keep the rest (a partial rotary)."""
+    width = 2 * cos.shape[-1]
+    if width < x.shape[-1]:
+        turned = apply_rotary(x[..., :width].contiguous(), cos, sin, cpu_ops)
+        return torch.cat([turned, x[..., width:]], dim=-1)
     if (ops := fused(cpu_ops)) is not None:
         return ops.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)

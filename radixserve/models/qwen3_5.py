@@ -97,17 +97,11 @@ class GatedAttention(Attention):
         q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
         k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = ropes[0]
-        q, k = partial_rotary(q, cos, sin), partial_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = backend.forward(self.layer, q, k, v, self.how)
         out = out * torch.sigmoid(gate.reshape(out.shape))
         return self.tp.all_reduce(self.o_proj(out))
-
-
-def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2 x cos-width dims of each head, keep the rest."""
-    width = 2 * cos.shape[-1]
-    return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1).contiguous()
 
 
 class Qwen3_5DecoderLayer(DecoderLayer):

@@ -31,6 +31,14 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "SmolLM3ForCausalLM": ("dense_families", "SmolLM3ForCausalLM"),
+    "GraniteForCausalLM": ("dense_families", "GraniteForCausalLM"),
+    "SeedOssForCausalLM": ("dense_families", "SeedOssForCausalLM"),
+    "Ernie4_5ForCausalLM": ("dense_families", "Ernie4_5ForCausalLM"),
+    "Olmo2ForCausalLM": ("dense_families", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("dense_families", "Olmo2ForCausalLM"),
+    "Exaone4ForCausalLM": ("dense_families", "Exaone4ForCausalLM"),
+    "Glm4ForCausalLM": ("dense_families", "Glm4ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -61,6 +69,14 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
@@ -87,6 +103,7 @@ PARTIAL_ROTARY = {
     "Qwen3NextForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "Glm4ForCausalLM",
 }
 
 

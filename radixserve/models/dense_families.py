@@ -1,0 +1,135 @@
+"""The dense families that are recipes over the shared decoder (`recipe`): each says, from
+its config, where its norms sit and what its layers add to Llama's."""
+
+from __future__ import annotations
+
+from .decoder import layer_window
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM
+
+POST_NORMS = dict(
+    pre_attn=None,
+    post_attn="post_attention_layernorm",
+    pre_mlp=None,
+    post_mlp="post_feedforward_layernorm",
+)
+
+
+def _window(hf: dict, i: int) -> int | None:
+    types = hf.get("layer_types")
+    if types and hf.get("sliding_window"):
+        return hf["sliding_window"] if types[i] == "sliding_attention" else None
+    return None
+
+
+class SmolLM3ForCausalLM(RecipeCausalLM):
+    """Llama with no-rope layers (`no_rope_layers[i]` 0)."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        return LayerRecipe(
+            qkv_bias=hf.get("attention_bias", False),
+            o_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            rope=bool(hf.get("no_rope_layers", [1] * (i + 1))[i]),
+            window=layer_window(hf, i) if hf.get("use_sliding_window") else None,
+        )
+
+
+class GraniteForCausalLM(RecipeCausalLM):
+    """Llama with µP multipliers: embeddings, attention scores, each residual branch, and the
+    logits divided by `logits_scaling`."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(
+            embed_scale=hf.get("embedding_multiplier", 1.0),
+            logit_scale=1.0 / hf.get("logits_scaling", 1.0),
+        )
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        return LayerRecipe(
+            qkv_bias=hf.get("attention_bias", False),
+            o_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            attention_scale=hf.get("attention_multiplier"),
+            residual_scale=hf.get("residual_multiplier", 1.0),
+        )
+
+
+class SeedOssForCausalLM(RecipeCausalLM):
+    """Llama with a q/k/v bias and its own switches for o_proj's and the MLP's."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        return LayerRecipe(
+            qkv_bias=hf.get("attention_bias", True),
+            o_bias=hf.get("attention_out_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+        )
+
+
+class Ernie4_5ForCausalLM(RecipeCausalLM):
+    """Llama with an interleaved rotary and one `use_bias` for every projection."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(interleaved_rope=True)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("use_bias", False)
+        return LayerRecipe(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
+class Olmo2ForCausalLM(RecipeCausalLM):
+    """Norms after each sublayer (none before), q and k normed over all heads; OLMo 3 adds
+    sliding-window layers."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", False)
+        return LayerRecipe(
+            **POST_NORMS, qk_norm="all", qkv_bias=bias, o_bias=bias, window=_window(self.hf, i)
+        )
+
+
+class Exaone4ForCausalLM(RecipeCausalLM):
+    """Norms after each sublayer, q and k normed per head; with sliding windows, only the
+    window layers rotate (the global ones have no position embedding)."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = _window(self.hf, i)
+        rope = window is not None or not self.hf.get("sliding_window")
+        return LayerRecipe(**POST_NORMS, qk_norm="head", rope=rope, window=window)
+
+
+class Glm4ForCausalLM(RecipeCausalLM):
+    """Norms before and after each sublayer, a q/k/v bias, an interleaved rotary over part of
+    each head; its checkpoint fuses the MLP's gate and up projections."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        rope = hf.get("rope_parameters") or {}
+        fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+        return ModelRecipe(interleaved_rope=True, rotary_fraction=fraction)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(
+            post_attn="post_self_attn_layernorm",
+            post_mlp="post_mlp_layernorm",
+            qkv_bias=self.hf.get("attention_bias", True),
+        )
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(_split_gate_up(weights))
+
+
+def _split_gate_up(weights):
+    """A fused `gate_up_proj` as the gate and up projections it joins (so that tensor
+    parallelism slices each)."""
+    for name, tensor in weights:
+        if name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, tensor

@@ -1,0 +1,175 @@
+"""Dense decoder families that are Llama but for where their norms sit, a norm over q and k
+(per head, or over all heads at once), no-rope layers, windows, biases, multipliers or an
+interleaved rotary: each family declares a `LayerRecipe` per layer and a `ModelRecipe`, and the
+shared `RecipeLayer` / `RecipeCausalLM` run them.
+
+Norm slots by checkpoint name: `pre_attn` (Llama's `input_layernorm`), `post_attn` (applied to
+the attention's output before the residual add: OLMo 2, GLM-4), `pre_mlp` (Llama's
+`post_attention_layernorm`), `post_mlp`. An interleaved rotary (pairs of neighbouring dims,
+GLM and ERNIE) is Llama's rotate-half after the rows of q and k are permuted at load, each
+head's rotated dims ordered evens first: q.k is unchanged by a permutation of both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import LayerAttention
+from ..distributed import TPGroup
+from ..model_config import ModelConfig
+from .decoder import Attention, CausalLM
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    pre_attn: str | None = "input_layernorm"
+    post_attn: str | None = None
+    pre_mlp: str | None = "post_attention_layernorm"
+    post_mlp: str | None = None
+    qk_norm: str | None = None  # "head": each head's q and k; "all": all heads' at once
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope: bool = True  # False: a no-rope layer
+    window: int | None = None
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    residual_scale: float = 1.0  # each sublayer's output is scaled before the residual add
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    embed_scale: float | None = None
+    logit_scale: float = 1.0
+    interleaved_rope: bool = False
+    rotary_fraction: float = 1.0  # of each head's dims
+
+
+class AllHeadsNorm(RMSNorm):
+    """RMSNorm over all heads' q (or k) of a token; under TP each rank holds its heads'
+    share of the weight, and the mean square is summed over ranks."""
+
+    def __init__(self, size: int, eps: float, tp: TPGroup):
+        super().__init__(size, eps)
+        self.tp, self.full = tp, size * tp.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = self.tp.all_reduce(x.float().square().sum(-1, keepdim=True))
+        return (x.float() * torch.rsqrt(squares / self.full + self.eps) * self.weight).to(x.dtype)
+
+
+class RecipeAttention(Attention):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe):
+        how = LayerAttention(scale=recipe.attention_scale, window=recipe.window)
+        super().__init__(
+            cfg,
+            layer,
+            tp,
+            how,
+            qkv_bias=recipe.qkv_bias,
+            o_bias=recipe.o_bias,
+            qk_norm=RMSNorm if recipe.qk_norm == "head" else None,
+            rope=0 if recipe.rope else None,
+        )
+        self.all_heads = recipe.qk_norm == "all"
+        if self.all_heads:
+            self.q_norm = AllHeadsNorm(cfg.q_size, cfg.rms_norm_eps, tp)
+            self.k_norm = AllHeadsNorm(cfg.kv_size, cfg.rms_norm_eps, tp)
+
+    def norm_qk(self, q, k):
+        if not self.all_heads:
+            return super().norm_qk(q, k)
+        cfg = self.cfg
+        q = self.q_norm(q).view(-1, cfg.num_heads, cfg.head_dim)
+        return q, self.k_norm(k).view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class RecipeLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, recipe: LayerRecipe, attention, mlp):
+        super().__init__()
+        self.tp, self.scale = tp, recipe.residual_scale
+        self.slots: dict[str, nn.Module] = {}
+        for slot in NORM_SLOTS:
+            name = getattr(recipe, slot)
+            norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name else Identity()
+            if name:
+                self.add_module(name, norm)
+            self.slots[slot] = norm
+        if recipe.pre_attn != "input_layernorm":
+            self.input_layernorm = self.slots["pre_attn"]
+        self.self_attn, self.mlp = attention, mlp
+
+    def forward(self, x, normed, ropes, backend, next_norm):
+        """`normed` is `input_layernorm(x)` (x itself where the layer has no norm before its
+        attention); returns the residual stream and `next_norm` of it."""
+        norms = self.slots
+        x = x + norms["post_attn"](self.self_attn(normed, ropes, backend)) * self.scale
+        h = self.tp.all_reduce(self.mlp(norms["pre_mlp"](x)))
+        x = x + norms["post_mlp"](h) * self.scale
+        return x, next_norm(x)
+
+
+class RecipeCausalLM(CausalLM):
+    """A family says `layer_recipe(i)` and, where it differs, `model_recipe()`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.recipe = self.model_recipe_of(cfg.hf_config)
+        self.embed_scale = self.recipe.embed_scale
+        super().__init__(cfg, max_positions, tp)
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe()
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        raise NotImplementedError
+
+    def make_layer(self, i: int) -> nn.Module:
+        cfg, recipe = self.cfg, self.layer_recipe(i)
+        act = self.hf.get("hidden_act", "silu")
+        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act, bias=recipe.mlp_bias)
+        return RecipeLayer(cfg, self.tp, recipe, RecipeAttention(cfg, i, self.tp, recipe), mlp)
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        cfg = self.cfg
+        width = int(cfg.head_dim * self.recipe.rotary_fraction)
+        return [RotaryEmbedding(width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        return logits if self.recipe.logit_scale == 1.0 else logits * self.recipe.logit_scale
+
+    def tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        leaf = module_name.rpartition(".")[2]
+        if leaf in ("q_norm", "k_norm") and tensor.shape[0] != self.cfg.head_dim:
+            return self.tp.shard(tensor, 0)  # a norm over all heads: each rank its heads'
+        return super().tp_slice(module_name, kind, tensor)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.recipe.interleaved_rope:
+            weights = self._rotate_half_order(weights)
+        super().load_weights(weights)
+
+    def _rotate_half_order(self, weights):
+        """q and k rows (and per-head norms) of each head: the rotated dims' evens, then their
+        odds, then the rest."""
+        head, width = self.cfg.head_dim, int(self.cfg.head_dim * self.recipe.rotary_fraction)
+        order = torch.cat(
+            [torch.arange(0, width, 2), torch.arange(1, width, 2), torch.arange(width, head)]
+        )
+        for name, tensor in weights:
+            leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            if leaf in ("q_proj", "k_proj", "q_norm", "k_norm"):
+                rows = tensor.reshape(-1, head, *tensor.shape[1:])
+                tensor = rows[:, order].reshape(tensor.shape)
+            yield name, tensor
