@@ -119,6 +119,60 @@ FAMILIES = {
         hf.Glm4ForCausalLM,
         dict(head_dim=16, attention_bias=True, pad_token_id=0),
     ),
+    "olmoe": (
+        hf.OlmoeConfig,
+        hf.OlmoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True),
+    ),
+    "glm4_moe": (
+        hf.Glm4MoeConfig,
+        hf.Glm4MoeForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+        ),
+    ),
+    "minimax_m2": (
+        hf.MiniMaxM2Config,
+        hf.MiniMaxM2ForCausalLM,
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
+        ),
+    ),
+    "deepseek_v2": (
+        hf.DeepseekV2Config,
+        hf.DeepseekV2ForCausalLM,
+        dict(
+            MOE,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=8,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.0,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -191,11 +245,26 @@ def test_family_matches_hf(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "phi3", "gemma3_text"]
+    "family",
+    [
+        "qwen3_moe",
+        "mixtral",
+        "gpt_oss",
+        "deepseek_v3",
+        "phi3",
+        "gemma3_text",
+        "olmoe",
+        "glm4_moe",
+        "minimax_m2",
+        "deepseek_v2",
+        "olmo2",
+        "glm4",
+    ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):
     """Two ranks: experts sharded by their width, MLA by heads over a latent every rank keeps,
-    Phi-3's fused tensors split before they are sliced, windows and sinks by heads."""
+    Phi-3's and GLM-4's fused tensors split before they are sliced, windows and sinks by
+    heads, a q/k norm over all heads summed over the ranks (OLMo 2, OLMoE, MiniMax-M2)."""
     model, path = build_checkpoint(tmp_path, family)
     want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     server = start_server(

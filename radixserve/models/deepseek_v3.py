@@ -24,7 +24,7 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
-from .moe import Experts, Routing, SparseMoE
+from .moe import deepseek_moe
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -125,24 +125,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         return DecoderLayer(cfg, i, self.tp, LatentAttention(cfg, i, self.tp), self.make_mlp(i))
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, cfg, tp = self.hf, self.cfg, self.tp
+        hf, cfg = self.hf, self.cfg
         if i < hf.get("first_k_dense_replace", 0) or not hf.get("n_routed_experts"):
             return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        routing = Routing(
-            "grouped_sigmoid",
-            hf["num_experts_per_tok"],
-            renormalize=hf.get("norm_topk_prob", True),
-            num_groups=hf.get("n_group", 1),
-            top_groups=hf.get("topk_group", 1),
-            scaling=hf.get("routed_scaling_factor", 1.0),
-        )
-        inter = hf["moe_intermediate_size"]
-        experts = Experts(hf["n_routed_experts"], cfg.hidden_size, inter, tp)
-        shared_inter = inter * hf.get("n_shared_experts", 0)
-        if shared_inter % tp.size:
-            raise ValueError(f"tp_size {tp.size} does not divide the shared experts' width")
-        shared = SwiGLU(cfg.hidden_size, shared_inter // tp.size) if shared_inter else None
-        return SparseMoE(cfg.hidden_size, experts, routing, correction_bias=True, shared=shared)
+        return deepseek_moe(hf, cfg.hidden_size, self.tp)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         cfg = self.cfg

@@ -25,10 +25,14 @@ class MixtralForCausalLM(CausalLM):
         return SparseMoE(cfg.hidden_size, experts, routing)
 
     def rename(self, name: str) -> str | None:
-        """`block_sparse_moe.experts.{e}.w1` is our `mlp.experts.{e}.gate_proj` (w3: up, w2:
-        down)."""
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        if ".experts." not in name:
-            return name
-        prefix, part, leaf = name.rsplit(".", 2)
-        return f"{prefix}.{EXPERT_NAMES.get(part, part)}.{leaf}"
+        return mixtral_name(name)
+
+
+def mixtral_name(name: str) -> str:
+    """`block_sparse_moe.experts.{e}.w1` is our `mlp.experts.{e}.gate_proj` (w3: up, w2:
+    down)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if ".experts." not in name:
+        return name
+    prefix, part, leaf = name.rsplit(".", 2)
+    return f"{prefix}.{EXPERT_NAMES.get(part, part)}.{leaf}"

@@ -24,7 +24,9 @@ class Routing:
 
     `kind`: "softmax_topk" (softmax over all experts, then top-k: Mixtral, Qwen3-MoE),
     "topk_softmax" (top-k logits, softmax over them: gpt-oss), "grouped_sigmoid" (sigmoid
-    scores, plus a correction bias for the choice only, top groups first: DeepSeek-V3)."""
+    scores, plus a correction bias for the choice only, top groups by their two best first:
+    DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
+    best first: DeepSeek-V2)."""
 
     kind: str
     top_k: int
@@ -40,19 +42,22 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     elif routing.kind == "topk_softmax":
         top, experts = logits.topk(routing.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
+    elif routing.kind == "grouped_softmax":
+        return _grouped(torch.softmax(logits.float(), dim=-1), None, routing, best_of=1)
     else:
-        return _grouped_sigmoid(logits.float(), routing, correction)
+        return _grouped(logits.float().sigmoid(), correction, routing, best_of=2)
     if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
 
-def _grouped_sigmoid(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | None):
-    scores = logits.sigmoid()
+def _grouped(scores, correction: torch.Tensor | None, routing: Routing, best_of: int):
+    """Experts chosen among the top groups (a group scored by its `best_of` best experts),
+    by score plus `correction`; weighted by score."""
     choice = scores + correction if correction is not None else scores
     tokens, num_experts = choice.shape
     groups = choice.view(tokens, routing.num_groups, -1)
-    group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+    group_scores = groups.topk(best_of, dim=-1).values.sum(dim=-1)
     best_groups = group_scores.topk(routing.top_groups, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     keep = keep.unsqueeze(-1).expand_as(groups).reshape(tokens, num_experts)
@@ -169,6 +174,29 @@ class GatedSharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x, self.gate.weight)) * self.mlp(x)
+
+
+def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:
+    """DeepSeek's MoE block (V2, V3, and GLM-4.5's): `n_routed_experts` experts of width
+    `moe_intermediate_size` routed in groups (softmax scores for V2's `greedy` and
+    `group_limited_greedy`, corrected sigmoid scores otherwise), beside `n_shared_experts`
+    every token runs (one MLP of their joint width)."""
+    v2 = hf.get("topk_method") in ("greedy", "group_limited_greedy")
+    routing = Routing(
+        "grouped_softmax" if v2 else "grouped_sigmoid",
+        hf["num_experts_per_tok"],
+        renormalize=hf.get("norm_topk_prob", not v2),
+        num_groups=(hf.get("n_group") or 1) if hf.get("topk_method") != "greedy" else 1,
+        top_groups=(hf.get("topk_group") or 1) if hf.get("topk_method") != "greedy" else 1,
+        scaling=hf.get("routed_scaling_factor", 1.0),
+    )
+    inter = hf["moe_intermediate_size"]
+    experts = Experts(hf["n_routed_experts"], hidden, inter, tp, hf.get("hidden_act", "silu"))
+    shared_inter = inter * (hf.get("n_shared_experts") or 0)
+    if shared_inter % tp.size:
+        raise ValueError(f"tp_size {tp.size} does not divide the shared experts' width")
+    shared = SwiGLU(hidden, shared_inter // tp.size) if shared_inter else None
+    return SparseMoE(hidden, experts, routing, correction_bias=not v2, shared=shared)
 
 
 def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]):

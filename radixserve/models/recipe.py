@@ -136,9 +136,13 @@ class RecipeCausalLM(CausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         cfg, recipe = self.cfg, self.layer_recipe(i)
-        act = self.hf.get("hidden_act", "silu")
-        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act, bias=recipe.mlp_bias)
-        return RecipeLayer(cfg, self.tp, recipe, RecipeAttention(cfg, i, self.tp, recipe), mlp)
+        attention = RecipeAttention(cfg, i, self.tp, recipe)
+        return RecipeLayer(cfg, self.tp, recipe, attention, self.make_mlp(i))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg, act = self.cfg, self.hf.get("hidden_act", "silu")
+        bias = self.layer_recipe(i).mlp_bias
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, act, bias=bias)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         cfg = self.cfg

@@ -39,6 +39,10 @@ ARCHITECTURES = {
     "Olmo3ForCausalLM": ("dense_families", "Olmo2ForCausalLM"),
     "Exaone4ForCausalLM": ("dense_families", "Exaone4ForCausalLM"),
     "Glm4ForCausalLM": ("dense_families", "Glm4ForCausalLM"),
+    "OlmoeForCausalLM": ("moe_families", "OlmoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("moe_families", "MiniMaxM2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("moe_families", "DeepseekV2ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -77,6 +81,10 @@ MODEL_TYPES = {
     "olmo3": "Olmo3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
@@ -104,6 +112,8 @@ PARTIAL_ROTARY = {
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
 }
 
 

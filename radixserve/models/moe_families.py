@@ -1,0 +1,104 @@
+"""Mixture-of-experts families that are recipes over the shared decoder (`recipe`) with sparse
+MLPs (`moe`): OLMoE, GLM-4.5 (DeepSeek's MoE block under GQA attention), MiniMax-M2; and
+DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .deepseek_v3 import DeepseekV3ForCausalLM
+from .layers import SwiGLU
+from .mixtral import mixtral_name
+from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM
+
+
+def _fraction(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or {}
+    if "rotary_dim" in hf:
+        return hf["rotary_dim"] / hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    return rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+
+
+class MoeRecipeLM(RecipeCausalLM):
+    """Experts load from per-expert tensors or HF's stacked ones."""
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))
+
+    def experts(self, count: int, inter: int) -> Experts:
+        return Experts(
+            count, self.cfg.hidden_size, inter, self.tp, self.hf.get("hidden_act", "silu")
+        )
+
+
+class OlmoeForCausalLM(MoeRecipeLM):
+    """Llama's norms, q and k normed over all heads, a softmax top-k router in every layer."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", False)
+        return LayerRecipe(qk_norm="all", qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        routing = Routing(
+            "softmax_topk", hf["num_experts_per_tok"], hf.get("norm_topk_prob", False)
+        )
+        experts = self.experts(hf["num_experts"], hf["intermediate_size"])
+        return SparseMoE(self.cfg.hidden_size, experts, routing)
+
+
+class Glm4MoeForCausalLM(MoeRecipeLM):
+    """GQA with a q/k/v bias, q/k norms per head where `use_qk_norm`, a rotary over part of
+    each head; dense MLPs in the first `first_k_dense_replace` layers, DeepSeek's MoE block
+    after."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(rotary_fraction=_fraction(hf))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        return LayerRecipe(
+            qkv_bias=hf.get("attention_bias", False),
+            qk_norm="head" if hf.get("use_qk_norm") else None,
+        )
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg = self.cfg
+        if i < self.hf.get("first_k_dense_replace", 0):
+            return SwiGLU(cfg.hidden_size, cfg.intermediate_size, self.hf.get("hidden_act", "silu"))
+        return deepseek_moe(self.hf, cfg.hidden_size, self.tp)
+
+    def rename(self, name: str) -> str | None:
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+class MiniMaxM2ForCausalLM(MoeRecipeLM):
+    """q and k normed over all heads, a partial rotary, corrected-sigmoid routing in every
+    layer (`block_sparse_moe`)."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(rotary_fraction=_fraction(hf))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(qk_norm="all")
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        routing = Routing("grouped_sigmoid", hf["num_experts_per_tok"], renormalize=True)
+        experts = self.experts(hf["num_local_experts"], hf["intermediate_size"])
+        return SparseMoE(self.cfg.hidden_size, experts, routing, correction_bias=True)
+
+    def rename(self, name: str) -> str | None:
+        """Mixtral's names (`block_sparse_moe`, experts' w1/w3/w2)."""
+        return mixtral_name(name)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3's MLA (here without a q LoRA where `q_lora_rank` is null) and MoE block,
+    with V2's softmax routing (`greedy` or `group_limited_greedy`)."""
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))
