@@ -130,7 +130,8 @@ class ModelConfig:
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),
             rms_norm_eps=cfg.get(
-                "rms_norm_eps", cfg.get("norm_eps", cfg.get("layer_norm_epsilon", 1e-5))
+                "rms_norm_eps",
+                cfg.get("norm_eps", cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps", 1e-5))),
             ),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,

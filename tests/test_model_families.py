@@ -173,6 +173,24 @@ FAMILIES = {
             routed_scaling_factor=2.0,
         ),
     ),
+    "phimoe": (
+        hf.PhimoeConfig,
+        hf.PhimoeForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True),
+    ),
+    "cohere2": (
+        hf.Cohere2Config,
+        hf.Cohere2ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            logit_scale=0.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -259,6 +277,8 @@ def test_family_matches_hf(tmp_path, family):
         "deepseek_v2",
         "olmo2",
         "glm4",
+        "phimoe",
+        "cohere2",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

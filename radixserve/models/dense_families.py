@@ -133,3 +133,22 @@ def _split_gate_up(weights):
             yield name.replace("gate_up_proj", "up_proj"), up
         else:
             yield name, tensor
+
+
+class Cohere2ForCausalLM(RecipeCausalLM):
+    """Command A: attention and MLP side by side on one mean-subtracting norm, an interleaved
+    rotary on the sliding-window layers only, logits scaled by `logit_scale`."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(
+            logit_scale=hf.get("logit_scale", 1.0), interleaved_rope=True, norm="layer"
+        )
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = _window(self.hf, i)
+        bias = self.hf.get("attention_bias", False)
+        return LayerRecipe(
+            pre_mlp=None, parallel=True, qkv_bias=bias, o_bias=bias, rope=window is not None,
+            window=window,
+        )  # fmt: skip

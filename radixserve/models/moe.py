@@ -26,7 +26,8 @@ class Routing:
     "topk_softmax" (top-k logits, softmax over them: gpt-oss), "grouped_sigmoid" (sigmoid
     scores, plus a correction bias for the choice only, top groups by their two best first:
     DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
-    best first: DeepSeek-V2)."""
+    best first: DeepSeek-V2), "sparsemixer" (PhiMoE's two experts, each weighted by a softmax
+    over the logits within `jitter` of its own)."""
 
     kind: str
     top_k: int
@@ -34,6 +35,7 @@ class Routing:
     num_groups: int = 1
     top_groups: int = 1
     scaling: float = 1.0
+    jitter: float = 0.0
 
 
 def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | None = None):
@@ -42,6 +44,8 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     elif routing.kind == "topk_softmax":
         top, experts = logits.topk(routing.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
+    elif routing.kind == "sparsemixer":
+        return _sparsemixer(logits.float(), routing.jitter)
     elif routing.kind == "grouped_softmax":
         return _grouped(torch.softmax(logits.float(), dim=-1), None, routing, best_of=1)
     else:
@@ -49,6 +53,21 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def _sparsemixer(logits: torch.Tensor, jitter: float):
+    """PhiMoE's routing at inference: the best expert, then the best of the rest; each weighted
+    by the softmax of the logits (the first one's excluded for the second) that lie within
+    `2 x jitter` (relative) of it."""
+    weights, experts, scores = [], [], logits
+    for _ in range(2):
+        best, choice = scores.max(dim=-1, keepdim=True)
+        factor = logits.abs().clamp(min=best)
+        gates = scores.masked_fill((best - logits) / factor > 2 * jitter, float("-inf"))
+        weights.append(torch.softmax(gates, dim=-1).gather(-1, choice))
+        experts.append(choice)
+        scores = scores.scatter(-1, choice, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(experts, dim=-1)
 
 
 def _grouped(scores, correction: torch.Tensor | None, routing: Routing, best_of: int):

@@ -102,3 +102,27 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))
+
+
+class PhimoeForCausalLM(MoeRecipeLM):
+    """LayerNorms with a bias, biased attention projections, two experts a token chosen by
+    the sparse mixer; Mixtral's names."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias")
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", False)
+        return LayerRecipe(qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        if hf.get("num_experts_per_tok", 2) != 2:
+            raise ValueError("PhiMoE's sparse mixer routes each token to 2 experts")
+        routing = Routing("sparsemixer", 2, jitter=hf.get("router_jitter_noise", 0.01))
+        experts = self.experts(hf["num_local_experts"], hf["intermediate_size"])
+        return SparseMoE(self.cfg.hidden_size, experts, routing)
+
+    def rename(self, name: str) -> str | None:
+        return mixtral_name(name)

@@ -12,9 +12,11 @@ head's rotated dims ordered evens first: q.k is unchanged by a permutation of bo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention import LayerAttention
@@ -40,6 +42,7 @@ class LayerRecipe:
     window: int | None = None
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     residual_scale: float = 1.0  # each sublayer's output is scaled before the residual add
+    parallel: bool = False  # attention and MLP both read the pre-attention norm (Cohere)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ModelRecipe:
     logit_scale: float = 1.0
     interleaved_rope: bool = False
     rotary_fraction: float = 1.0  # of each head's dims
+    norm: str = "rms"  # "layer": mean-subtracting, weight only (Cohere); "layer_bias": PhiMoE's
 
 
 class AllHeadsNorm(RMSNorm):
@@ -61,6 +65,26 @@ class AllHeadsNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         squares = self.tp.all_reduce(x.float().square().sum(-1, keepdim=True))
         return (x.float() * torch.rsqrt(squares / self.full + self.eps) * self.weight).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm in float32, with a bias or (Cohere) without."""
+
+    def __init__(self, size: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        out = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
+        return out.to(x.dtype)
+
+
+def norm_class(recipe: ModelRecipe):
+    """The norm a model's recipe names, as `cls(size, eps)`."""
+    return RMSNorm if recipe.norm == "rms" else partial(LayerNorm, bias=recipe.norm == "layer_bias")
 
 
 class RecipeAttention(Attention):
@@ -95,16 +119,18 @@ class Identity(nn.Module):
 
 
 class RecipeLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, recipe: LayerRecipe, attention, mlp):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, recipe: LayerRecipe, attention, mlp, norm=RMSNorm
+    ):
         super().__init__()
-        self.tp, self.scale = tp, recipe.residual_scale
+        self.tp, self.scale, self.parallel = tp, recipe.residual_scale, recipe.parallel
         self.slots: dict[str, nn.Module] = {}
         for slot in NORM_SLOTS:
             name = getattr(recipe, slot)
-            norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name else Identity()
+            norm_module = norm(cfg.hidden_size, cfg.rms_norm_eps) if name else Identity()
             if name:
-                self.add_module(name, norm)
-            self.slots[slot] = norm
+                self.add_module(name, norm_module)
+            self.slots[slot] = norm_module
         if recipe.pre_attn != "input_layernorm":
             self.input_layernorm = self.slots["pre_attn"]
         self.self_attn, self.mlp = attention, mlp
@@ -113,6 +139,10 @@ class RecipeLayer(nn.Module):
         """`normed` is `input_layernorm(x)` (x itself where the layer has no norm before its
         attention); returns the residual stream and `next_norm` of it."""
         norms = self.slots
+        if self.parallel:
+            h = self.self_attn(normed, ropes, backend) + self.tp.all_reduce(self.mlp(normed))
+            x = x + h
+            return x, next_norm(x)
         x = x + norms["post_attn"](self.self_attn(normed, ropes, backend)) * self.scale
         h = self.tp.all_reduce(self.mlp(norms["pre_mlp"](x)))
         x = x + norms["post_mlp"](h) * self.scale
@@ -125,6 +155,7 @@ class RecipeCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         self.recipe = self.model_recipe_of(cfg.hf_config)
         self.embed_scale = self.recipe.embed_scale
+        self.norm_class = norm_class(self.recipe)
         super().__init__(cfg, max_positions, tp)
 
     @classmethod
@@ -137,7 +168,7 @@ class RecipeCausalLM(CausalLM):
     def make_layer(self, i: int) -> nn.Module:
         cfg, recipe = self.cfg, self.layer_recipe(i)
         attention = RecipeAttention(cfg, i, self.tp, recipe)
-        return RecipeLayer(cfg, self.tp, recipe, attention, self.make_mlp(i))
+        return RecipeLayer(cfg, self.tp, recipe, attention, self.make_mlp(i), self.norm_class)
 
     def make_mlp(self, i: int) -> nn.Module:
         cfg, act = self.cfg, self.hf.get("hidden_act", "silu")

@@ -43,6 +43,8 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("moe_families", "MiniMaxM2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("moe_families", "DeepseekV2ForCausalLM"),
+    "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
+    "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -85,6 +87,8 @@ MODEL_TYPES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
