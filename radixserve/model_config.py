@@ -15,7 +15,9 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+)
 # layers that keep a state per sequence: convolution, linear attention, SSM (Mamba)
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
 HYBRID_LAYER = "hybrid"  # attention and an SSM side by side in one layer (Falcon-H1)

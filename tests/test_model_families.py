@@ -191,6 +191,25 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    "llama4_text": (
+        hf.Llama4TextConfig,
+        hf.Llama4ForCausalLM,
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            moe_layers=[1, 3],
+            no_rope_layers=[1, 1, 1, 0],
+            layer_types=["chunked_attention"] * 3 + ["full_attention"],
+            attention_chunk_size=WINDOW,
+            floor_scale=8,
+            attn_scale=0.5,
+            pad_token_id=0,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -279,6 +298,7 @@ def test_family_matches_hf(tmp_path, family):
         "glm4",
         "phimoe",
         "cohere2",
+        "llama4_text",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

@@ -15,7 +15,7 @@ _REGISTRY = {
 # reads an FP8 KV pool; "deterministic": it runs batch-invariant (--enable-deterministic-inference)
 FEATURES = {
     "torch_native": frozenset(
-        {"scale", "window", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
+        {"scale", "window", "chunk", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
     ),
     "triton": frozenset({"scale"}),
     "flashinfer": frozenset(),

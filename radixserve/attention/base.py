@@ -37,7 +37,8 @@ class LayerAttention:
     """How one layer attends, beyond causal softmax(q k^T / sqrt(head_dim)) v over all keys.
 
     `window`: a sliding window, the last `window` keys (the query's own included), as HF masks
-    it. `softcap`: scores become `softcap * tanh(scores / softcap)` (Gemma 2). `sinks`: one
+    it; `chunk`: keys only from the query's own chunk (Llama 4). `softcap`: scores become
+    `softcap * tanh(scores / softcap)` (Gemma 2). `sinks`: one
     learnt logit per head for a key whose value is zero (gpt-oss). `value_dim`: a latent pool
     (MLA), whose values are the first `value_dim` channels of each stored key."""
 
@@ -46,10 +47,12 @@ class LayerAttention:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     value_dim: int | None = None
+    chunk: int | None = None  # keys only from the query's own chunk of this many tokens
 
     def features(self) -> set[str]:
         """What a backend must implement to run this layer."""
         named = {"scale": self.scale, "window": self.window, "softcap": self.softcap}
+        named["chunk"] = self.chunk
         named |= {"sinks": self.sinks, "latent": self.value_dim}
         return {name for name, value in named.items() if value is not None}
 

@@ -1,6 +1,6 @@
-"""Attention with the features the paged kernels lack (sliding windows, soft-capping, sinks, a
-latent KV), in plain torch on any device: each request's keys are gathered from the pool and
-scored explicitly, as HF's eager attention does."""
+"""Attention with the features the paged kernels lack (sliding windows, chunks, soft-capping,
+sinks, a latent KV), in plain torch on any device: each request's keys are gathered from the
+pool and scored explicitly, as HF's eager attention does."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ class ReferencePlan:
     q_abs: torch.Tensor  # `[B, 1, max_q, 1]` absolute position of each padded query
     key_pos: torch.Tensor  # `[1, 1, 1, max_len]`
     causal: torch.Tensor  # `[B, 1, max_q, max_len]` key <= query and key < length
-    windows: dict[int, torch.Tensor]  # window -> its mask, made on first use
+    windows: dict[tuple, torch.Tensor]  # (window, chunk) -> its mask, made on first use
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        if window is None:
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        if window is None and chunk is None:
             return self.causal
-        if window not in self.windows:
-            self.windows[window] = self.causal & (self.key_pos > self.q_abs - window)
-        return self.windows[window]
+        if (window, chunk) not in self.windows:
+            mask = self.causal
+            if window is not None:
+                mask = mask & (self.key_pos > self.q_abs - window)
+            if chunk is not None:
+                mask = mask & (self.key_pos // chunk == self.q_abs // chunk)
+            self.windows[(window, chunk)] = mask
+        return self.windows[(window, chunk)]
 
 
 def plan_reference(inputs: AttentionInputs) -> ReferencePlan:
@@ -71,7 +76,7 @@ def reference_attention(
     scores = torch.matmul(queries.transpose(1, 2), keys.transpose(2, 3)) * scale
     if how.softcap is not None:
         scores = torch.tanh(scores / how.softcap) * how.softcap
-    scores = scores.masked_fill(~plan.mask(how.window), float("-inf"))
+    scores = scores.masked_fill(~plan.mask(how.window, how.chunk), float("-inf"))
     if how.sinks is not None:
         sinks = how.sinks.to(scores.dtype).view(1, heads, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sinks], dim=-1)

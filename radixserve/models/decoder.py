@@ -68,6 +68,11 @@ class Attention(nn.Module):
 
     def attend(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         """(queries after the rotary embedding, attention output before o_proj)."""
+        q, k, v = self.project(x, ropes)
+        return q, backend.forward(self.layer, q, k, v, self.how)
+
+    def project(self, x: torch.Tensor, ropes: list[Rope]):
+        """q, k and v `[T, heads, head_dim]`, q and k normed and rotated as the layer does."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, k = self.norm_qk(q, k)
@@ -75,8 +80,7 @@ class Attention(nn.Module):
             cos, sin = ropes[self.rope]
             q = apply_rotary(q, cos, sin, self.cpu_ops)
             k = apply_rotary(k, cos, sin, self.cpu_ops)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return q, backend.forward(self.layer, q, k, v, self.how)
+        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as `[T, heads, head_dim]`, each head normed where the layer norms them."""

@@ -34,12 +34,15 @@ class LayerRecipe:
     post_attn: str | None = None
     pre_mlp: str | None = "post_attention_layernorm"
     post_mlp: str | None = None
-    qk_norm: str | None = None  # "head": each head's q and k; "all": all heads' at once
+    # "head": each head's q and k; "all": all heads' at once; "head_unweighted": each head's,
+    # without a weight (Llama 4)
+    qk_norm: str | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     rope: bool = True  # False: a no-rope layer
     window: int | None = None
+    chunk: int | None = None  # attention within chunks of this many tokens (Llama 4)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     residual_scale: float = 1.0  # each sublayer's output is scaled before the residual add
     parallel: bool = False  # attention and MLP both read the pre-attention norm (Cohere)
@@ -67,6 +70,16 @@ class AllHeadsNorm(RMSNorm):
         return (x.float() * torch.rsqrt(squares / self.full + self.eps) * self.weight).to(x.dtype)
 
 
+class UnweightedNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm in float32, with a bias or (Cohere) without."""
 
@@ -89,7 +102,8 @@ def norm_class(recipe: ModelRecipe):
 
 class RecipeAttention(Attention):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe):
-        how = LayerAttention(scale=recipe.attention_scale, window=recipe.window)
+        how = LayerAttention(scale=recipe.attention_scale, window=recipe.window, chunk=recipe.chunk)
+        per_head = {"head": RMSNorm, "head_unweighted": UnweightedNorm}
         super().__init__(
             cfg,
             layer,
@@ -97,7 +111,7 @@ class RecipeAttention(Attention):
             how,
             qkv_bias=recipe.qkv_bias,
             o_bias=recipe.o_bias,
-            qk_norm=RMSNorm if recipe.qk_norm == "head" else None,
+            qk_norm=per_head.get(recipe.qk_norm),
             rope=0 if recipe.rope else None,
         )
         self.all_heads = recipe.qk_norm == "all"

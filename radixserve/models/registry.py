@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": ("moe_families", "DeepseekV2ForCausalLM"),
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -89,6 +90,7 @@ MODEL_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {

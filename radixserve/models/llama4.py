@@ -1,0 +1,121 @@
+"""Llama 4 (text): no-rope layers (every `no_rope_layer_interval`-th) whose queries are scaled
+up with the position (`attn_temperature_tuning`), chunked attention on the rope layers, q and k
+normed per head without a weight, an interleaved rotary; MoE layers (`moe_layers`) route each
+token to one expert whose input, not output, is scaled by the sigmoid of its router logit,
+beside a shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import SwiGLU
+from .moe import Experts
+from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
+
+
+class TemperatureTable(nn.Module):
+    """The query scale of a no-rope layer at each position, `1 + attn_scale x log(1 +
+    floor((p + 1) / floor_scale))`, served beside the rotary tables."""
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        super().__init__()
+        self.floor_scale, self.attn_scale = floor_scale, attn_scale
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if positions.dim() > 1:
+            positions = positions[0]
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return (torch.log1p(steps) * self.attn_scale + 1.0).view(-1, 1, 1), None
+
+
+class Llama4Attention(RecipeAttention):
+    def __init__(self, *args, tuned: bool):
+        super().__init__(*args)
+        self.tuned = tuned
+
+    def attend(self, x, ropes, backend):
+        q, k, v = self.project(x, ropes)
+        if self.tuned:
+            q = (q.float() * ropes[1][0]).to(q.dtype)
+        return q, backend.forward(self.layer, q, k, v, self.how)
+
+
+class Llama4Moe(nn.Module):
+    def __init__(self, hidden: int, experts: Experts, shared: SwiGLU):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts.num_experts, bias=False)
+        self.experts, self.shared_experts = experts, shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, chosen = F.linear(x, self.gate.weight).topk(1, dim=-1)
+        score = torch.sigmoid(top.float()).to(x.dtype)
+        return self.experts(x * score, torch.ones_like(score), chosen) + self.shared_experts(x)
+
+
+class Llama4ForCausalLM(RecipeCausalLM):
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        if hf.get("num_local_experts") and hf.get("num_experts_per_tok", 1) != 1:
+            raise ValueError("Llama 4's MoE layers route each token to one expert")
+        return ModelRecipe(interleaved_rope=True)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        rope = bool(hf.get("no_rope_layers", [1] * (i + 1))[i])
+        types = hf.get("layer_types") or []
+        chunked = i < len(types) and types[i] == "chunked_attention"
+        bias = hf.get("attention_bias", False)
+        return LayerRecipe(
+            qk_norm="head_unweighted" if hf.get("use_qk_norm") and rope else None,
+            qkv_bias=bias,
+            o_bias=bias,
+            rope=rope,
+            chunk=hf.get("attention_chunk_size") if chunked else None,
+        )
+
+    def make_layer(self, i: int) -> nn.Module:
+        layer = super().make_layer(i)
+        recipe = self.layer_recipe(i)
+        tuned = not recipe.rope and self.hf.get("attn_temperature_tuning", False)
+        layer.self_attn = Llama4Attention(self.cfg, i, self.tp, recipe, tuned=tuned)
+        return layer
+
+    def make_rotaries(self, max_positions: int):
+        hf = self.hf
+        table = TemperatureTable(hf.get("floor_scale", 8192), hf.get("attn_scale", 0.1))
+        return super().make_rotaries(max_positions) + [table]
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, cfg = self.hf, self.cfg
+        if i not in hf.get("moe_layers", []):
+            inter = hf.get("intermediate_size_mlp", cfg.intermediate_size)
+            return SwiGLU(cfg.hidden_size, inter, hf.get("hidden_act", "silu"))
+        inter = cfg.intermediate_size
+        experts = Experts(hf["num_local_experts"], cfg.hidden_size, inter, self.tp)
+        return Llama4Moe(cfg.hidden_size, experts, SwiGLU(cfg.hidden_size, inter // self.tp.size))
+
+    def rename(self, name: str) -> str | None:
+        name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+        return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(_unstack(weights))
+
+
+def _unstack(weights):
+    """Llama 4's stacked experts (`gate_up_proj [E, hidden, 2 x inter]`, `down_proj [E,
+    inter, hidden]`, inputs first) as per-expert tensors."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            continue
+        for e, one in enumerate(tensor):
+            if leaf == "gate_up_proj":
+                gate, up = one.t().chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", one.t()
