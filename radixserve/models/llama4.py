@@ -88,13 +88,13 @@ class Llama4ForCausalLM(RecipeCausalLM):
         return super().make_rotaries(max_positions) + [table]
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, cfg = self.hf, self.cfg
+        hf, hidden, ranks = self.hf, self.cfg.hidden_size, self.tp.size
         if i not in hf.get("moe_layers", []):
-            inter = hf.get("intermediate_size_mlp", cfg.intermediate_size)
-            return SwiGLU(cfg.hidden_size, inter, hf.get("hidden_act", "silu"))
-        inter = cfg.intermediate_size
-        experts = Experts(hf["num_local_experts"], cfg.hidden_size, inter, self.tp)
-        return Llama4Moe(cfg.hidden_size, experts, SwiGLU(cfg.hidden_size, inter // self.tp.size))
+            inter = hf.get("intermediate_size_mlp", hf["intermediate_size"])
+            return SwiGLU(hidden, inter // ranks, hf.get("hidden_act", "silu"))
+        inter = hf["intermediate_size"]  # unsharded: Experts takes this rank's share
+        experts = Experts(hf["num_local_experts"], hidden, inter, self.tp)
+        return Llama4Moe(hidden, experts, SwiGLU(hidden, inter // ranks))
 
     def rename(self, name: str) -> str | None:
         name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
