@@ -210,6 +210,24 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "glm4_moe_lite": (
+        hf.Glm4MoeLiteConfig,
+        hf.Glm4MoeLiteForCausalLM,
+        dict(
+            MOE,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            routed_scaling_factor=1.8,
+            pad_token_id=0,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -299,6 +317,7 @@ def test_family_matches_hf(tmp_path, family):
         "phimoe",
         "cohere2",
         "llama4_text",
+        "glm4_moe_lite",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

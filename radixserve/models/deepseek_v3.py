@@ -126,7 +126,9 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, cfg = self.hf, self.cfg
-        if i < hf.get("first_k_dense_replace", 0) or not hf.get("n_routed_experts"):
+        types = hf.get("mlp_layer_types")  # GLM-4.7-Flash's "dense" / "sparse" per layer
+        dense = types[i] == "dense" if types else i < hf.get("first_k_dense_replace", 0)
+        if dense or not hf.get("n_routed_experts"):
             return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         return deepseek_moe(hf, cfg.hidden_size, self.tp)
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts families that are recipes over the shared decoder (`recipe`) with sparse
-MLPs (`moe`): OLMoE, GLM-4.5 (DeepSeek's MoE block under GQA attention), MiniMax-M2; and
-DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing)."""
+MLPs (`moe`): OLMoE, GLM-4.5 (DeepSeek's MoE block under GQA attention), MiniMax-M2, PhiMoE;
+and DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing) and GLM-4.7-Flash (its MLA and MoE)."""
 
 from __future__ import annotations
 
@@ -126,3 +126,8 @@ class PhimoeForCausalLM(MoeRecipeLM):
 
     def rename(self, name: str) -> str | None:
         return mixtral_name(name)
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV2ForCausalLM):
+    """GLM-4.7-Flash: DeepSeek-V3's MLA and MoE block (corrected-sigmoid routing), its dense
+    and sparse layers named by `mlp_layer_types`."""

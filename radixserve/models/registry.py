@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -91,6 +92,7 @@ MODEL_TYPES = {
     "phimoe": "PhimoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
