@@ -16,7 +16,7 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 
 ATTENTION_LAYER_TYPES = frozenset(
-    {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+    {"full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "attention"}
 )
 # layers that keep a state per sequence: convolution, linear attention, SSM (Mamba)
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
@@ -54,8 +54,9 @@ class ModelConfig:
     from `hf_config`, the checkpoint's config.json as loaded.
 
     `latent_kv`: the pool holds one compressed latent per token (MLA: `head_dim` wide, shared
-    by all heads) and no separate values. `kv_layers`: the layers that keep KV per token where
-    some do not, else None. `state_layers`: the layers that keep a state per sequence."""
+    by all heads; DeepSeek-V3.2's indexer key rides in the same row) and no separate values.
+    `kv_layers`: the layers that keep KV per token where some do not, else None.
+    `state_layers`: the layers that keep a state per sequence."""
 
     vocab_size: int
     hidden_size: int
@@ -127,7 +128,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=1 if latent else cfg.get("num_key_value_heads") or heads,
             head_dim=(
-                cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+                cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg.get("index_head_dim", 0)
                 if latent
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),

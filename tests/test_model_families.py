@@ -33,6 +33,7 @@ LLAMA3_ROPE = {
     "rope_theta": 500000.0,
 }
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+INDEX_TOPK = 24  # DeepSeek-V3.2: each query attends to its 24 best tokens once it sees more
 SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "full_attention"]
 FAMILIES = {
     "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
@@ -228,6 +229,27 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "deepseek_v32": (
+        hf.DeepseekV32Config,
+        hf.DeepseekV32ForCausalLM,
+        dict(
+            MOE,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=INDEX_TOPK,
+            pad_token_id=0,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -318,6 +340,7 @@ def test_family_matches_hf(tmp_path, family):
         "cohere2",
         "llama4_text",
         "glm4_moe_lite",
+        "deepseek_v32",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):
@@ -462,3 +485,32 @@ def test_salted_latents_reload_for_their_salt_only(tmp_path):
     assert other["meta_info"]["cached_tokens"] == 0
     assert same["meta_info"]["cached_tokens"] >= 64
     assert other["output_ids"] == same["output_ids"] == hf_greedy(model, prompt, NEW_TOKENS)
+
+
+def test_sparse_attention_reads_its_index_keys_back_from_the_disk_tier(tmp_path):
+    """DeepSeek-V3.2: a prompt longer than `index_topk` gives HF's tokens fresh, from the
+    device cache, and in a new engine from the HiCache disk tier (the indexer's keys ride in
+    the latent's pool rows, so they come back with it)."""
+    model, path = build_checkpoint(tmp_path, "deepseek_v32")
+    prompt = list(range(300, 500))  # 200 tokens: three 64-token blocks, far past the top-k
+    want = hf_greedy(model, prompt, NEW_TOKENS)
+    tiers = dict(
+        model=str(path),
+        dtype="float32",
+        max_total_tokens=1024,
+        chunked_prefill_size=64,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "kv"),
+    )
+    with Engine(**tiers) as eng:
+        for cached in (0, len(prompt) - 1):
+            out = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            assert out["output_ids"] == want
+            assert out["meta_info"]["cached_tokens"] >= cached
+        eng.scheduler.kv.hicache.storage.flush()
+    with Engine(**tiers) as eng:
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens"] >= 3 * 64
+        assert eng.scheduler.snapshot().hicache["storage_hit_tokens"] >= 3 * 64

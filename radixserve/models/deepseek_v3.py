@@ -80,10 +80,19 @@ class LatentAttention(nn.Module):
         self.cpu_ops = None
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        query, key, _ = self.project(x, ropes)
+        empty = key.new_empty(key.shape[0], 1, 0)
+        return self.finish(backend.forward(self.layer, query, key, empty, self.how))
+
+    def project(self, x: torch.Tensor, ropes: list[Rope]):
+        """The absorbed queries `[T, heads, rank + rope]`, each token's key (its latent and
+        rotated part) `[T, 1, rank + rope]`, and q's LoRA output (None without one)."""
+        q_resid = None
         if self.q_lora is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(-1, self.heads, self.nope + self.rope_dim).split(
             [self.nope, self.rope_dim], dim=-1
         )
@@ -92,10 +101,13 @@ class LatentAttention(nn.Module):
         q_pe = apply_rotary(self._pairs_first(q_pe), cos, sin)
         k_pe = apply_rotary(self._pairs_first(k_pe.unsqueeze(1)), cos, sin)
         key = torch.cat([self.kv_a_layernorm(latent.contiguous()).unsqueeze(1), k_pe], dim=-1)
-        w_uk, w_uv = self.kv_b_proj.weight.split([self.nope, self.v_dim], dim=1)
+        w_uk = self.kv_b_proj.weight[:, : self.nope]
         query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
-        empty = key.new_empty(key.shape[0], 1, 0)
-        out = backend.forward(self.layer, query, key, empty, self.how)
+        return query, key, q_resid
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention over latents `[T, heads x rank]` -> the layer's output."""
+        w_uv = self.kv_b_proj.weight[:, self.nope :]
         out = torch.einsum("thc,hvc->thv", out.view(-1, self.heads, self.rank), w_uv)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
