@@ -250,6 +250,27 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "glm_moe_dsa": (
+        hf.GlmMoeDsaConfig,
+        hf.GlmMoeDsaForCausalLM,
+        dict(
+            MOE,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=8,
+            n_routed_experts=8,
+            first_k_dense_replace=1,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=INDEX_TOPK,
+            indexer_types=["full", "shared", "full"],
+            pad_token_id=0,
+        ),
+    ),
 }
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -341,6 +362,7 @@ def test_family_matches_hf(tmp_path, family):
         "llama4_text",
         "glm4_moe_lite",
         "deepseek_v32",
+        "glm_moe_dsa",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

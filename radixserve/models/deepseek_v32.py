@@ -1,6 +1,7 @@
-"""DeepSeek-V3.2: DeepSeek-V3 with sparse attention (DSA). A small "lightning indexer" scores
-every earlier token for each query (`sum_h w_h relu(q_h . k / sqrt(d))`, its own heads, one key
-per token) and each query attends only to its `index_topk` best.
+"""DeepSeek-V3.2 and GLM-5: DeepSeek-V3's MLA with sparse attention (DSA). A small
+"lightning indexer" scores every earlier token for each query (`sum_h w_h relu(q_h . k /
+sqrt(d))`, its own heads, one key per token) and each query attends only to its `index_topk`
+best.
 
 The indexer's key is kept per token in the KV pool, in the same row as the MLA latent (the row
 is `kv_lora_rank + qk_rope_head_dim + index_head_dim` wide; queries carry zeros there), so the
@@ -26,8 +27,12 @@ from .recipe import LayerNorm
 
 
 class Indexer(nn.Module):
-    def __init__(self, hf: dict, hidden: int):
+    """`interleaved`: its rotary turns neighbouring pairs (GLM-5), computed as rotate-half on
+    the rope dims ordered evens first, in q and k alike."""
+
+    def __init__(self, hf: dict, hidden: int, interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         self.heads, self.dim, self.rope = (
             hf["index_n_heads"],
             hf["index_head_dim"],
@@ -41,7 +46,10 @@ class Indexer(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """The first `qk_rope_head_dim` dims turned by rotate-half (not interleaved)."""
-        turned = apply_rotary(x[..., : self.rope].contiguous(), cos, sin)
+        rope = x[..., : self.rope]
+        if self.interleaved:
+            rope = torch.cat([rope[..., 0::2], rope[..., 1::2]], dim=-1)
+        turned = apply_rotary(rope.contiguous(), cos, sin)
         return torch.cat([turned, x[..., self.rope :]], dim=-1)
 
     def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -56,15 +64,29 @@ class Indexer(nn.Module):
 
 
 class SparseLatentAttention(LatentAttention):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
+    """`selections`: the model's, this step's top-k choices by request, written by layers
+    with an indexer and read by the layers that share the previous one's (GLM-5's
+    `indexer_types` "shared"; their pool rows hold zeros for an indexer key)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, selections: dict, own: bool):
         super().__init__(cfg, layer, tp)
-        self.indexer = Indexer(cfg.hf_config, cfg.hidden_size)
+        hf = cfg.hf_config
+        self.selections, self.topk, self.index_dim = (
+            selections,
+            hf["index_topk"],
+            hf["index_head_dim"],
+        )
+        interleaved = hf.get("model_type") == "glm_moe_dsa"
+        self.indexer = Indexer(hf, cfg.hidden_size, interleaved) if own else None
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         query, key, q_resid = self.project(x, ropes)
         cos, sin = ropes[0]
-        key = torch.cat([key, self.indexer.keys(x, cos, sin)], dim=-1)
-        query = F.pad(query, (0, self.indexer.dim))
+        if self.indexer is not None:
+            key = torch.cat([key, self.indexer.keys(x, cos, sin)], dim=-1)
+        else:
+            key = F.pad(key, (0, self.index_dim))
+        query = F.pad(query, (0, self.index_dim))
         empty = key.new_empty(key.shape[0], 1, 0)
         out = backend.forward(self.layer, query, key, empty, self.how)
         return self.finish(self.attend_selected(out, query, x, q_resid, cos, sin, backend))
@@ -72,7 +94,7 @@ class SparseLatentAttention(LatentAttention):
     def attend_selected(self, out, query, x, q_resid, cos, sin, backend) -> torch.Tensor:
         """The rows of queries that see more than `index_topk` tokens, attended again over
         their `index_topk` best by the indexer."""
-        inputs, topk = backend.inputs, self.indexer.topk
+        inputs, topk = backend.inputs, self.topk
         starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
         rows = []
         for b in range(len(inputs.rows)):
@@ -89,11 +111,13 @@ class SparseLatentAttention(LatentAttention):
             keys = backend.pool.k[self.layer][slots, 0].float()
             main, index = keys[:, : self.rank + self.rope_dim], keys[:, self.rank + self.rope_dim :]
             at = slice(row, row + n)
-            c, s = cos[at], sin[at]
-            scores = self.indexer.scores(x[at], q_resid[at], c, s, index)
             positions = torch.arange(first, seq_len).unsqueeze(1)
             visible = torch.arange(seq_len).unsqueeze(0) <= positions
-            chosen = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
+            if self.indexer is not None:
+                scores = self.indexer.scores(x[at], q_resid[at], cos[at], sin[at], index)
+                chosen = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
+                self.selections[b] = chosen
+            chosen = self.selections[b]
             allowed = torch.zeros_like(visible).scatter_(1, chosen, True) & visible
             q = query[at, :, : self.rank + self.rope_dim].float()
             attn = torch.einsum("nhc,lc->nhl", q, main) * self.how.scale
@@ -104,10 +128,22 @@ class SparseLatentAttention(LatentAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """Also GLM-5 (`GlmMoeDsaForCausalLM`): an interleaved rotary in the indexer, and layers
+    that reuse the previous indexer's choice."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        self.selections: dict[int, torch.Tensor] = {}
+        super().__init__(cfg, max_positions, tp)
+
     def make_layer(self, i: int) -> nn.Module:
         cfg = self.cfg
-        attention = SparseLatentAttention(cfg, i, self.tp)
+        own = (self.hf.get("indexer_types") or ["full"] * (i + 1))[i] != "shared"
+        attention = SparseLatentAttention(cfg, i, self.tp, self.selections, own)
         return DecoderLayer(cfg, i, self.tp, attention, self.make_mlp(i))
+
+    def forward(self, input_ids, positions, backend, images=None):
+        self.selections.clear()
+        return super().forward(input_ids, positions, backend, images)
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))

@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
@@ -95,6 +96,7 @@ MODEL_TYPES = {
     "llama4_text": "Llama4ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
