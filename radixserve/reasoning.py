@@ -4,8 +4,9 @@
 Two formats of the family, as SGLang and vLLM name them:
 - `deepseek-r1` (and `qwen3-thinking`): the chat template opens `<think>` itself, so the output
   starts inside the reasoning and everything before `</think>` is reasoning;
-- `qwen3`: the model opens `<think>` when it thinks (not with `enable_thinking: false`), so
-  an output that does not start with `<think>` is all content.
+- `qwen3` (and `glm45`): the model opens `<think>` when it thinks (not with
+  `enable_thinking: false`), so an output that does not start with `<think>` is all content;
+- `seed_oss`: the same with Seed-OSS's `<seed:think>` and `</seed:think>`.
 
 An output cut off before `</think>` is all reasoning. Text is never stripped: the reasoning is
 what lies between the tags, the content what follows the closing one.
@@ -24,20 +25,22 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name: str
     starts_in_reasoning: bool
+    start: str = START
+    end: str = END
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole output; reasoning is None when there was none."""
         body = self.reasoning_body(text)
         if body is None:
             return None, text
-        reasoning, closed, content = body.partition(END)
+        reasoning, closed, content = body.partition(self.end)
         return reasoning, content if closed else ""
 
     def reasoning_body(self, text: str) -> str | None:
         """The text after the opening tag, or None when the output does not reason."""
         opened = text.lstrip()
-        if opened.startswith(START):
-            return opened[len(START) :]
+        if opened.startswith(self.start):
+            return opened[len(self.start) :]
         return text if self.starts_in_reasoning else None
 
 
@@ -47,6 +50,8 @@ PARSERS = {
         ReasoningParser("deepseek-r1", True),
         ReasoningParser("qwen3-thinking", True),
         ReasoningParser("qwen3", False),
+        ReasoningParser("glm45", False),
+        ReasoningParser("seed_oss", False, "<seed:think>", "</seed:think>"),
     )
 }
 
@@ -56,6 +61,8 @@ def detect_reasoning(chat_template: str | None) -> str | None:
     and leaves it open (DeepSeek-R1) starts the output inside the reasoning; a template that
     merely knows the tags (Qwen3) reasons only when the output opens one; None without tags."""
     template = chat_template or ""
+    if "<seed:think>" in template:
+        return "seed_oss"
     if START not in template:
         return None
     prompt = template.rpartition("add_generation_prompt")[2]
@@ -89,11 +96,11 @@ class StreamingReasoningParser:
     def _visible(self, text: str, finished: bool) -> tuple[str | None, str]:
         if finished:
             return self.parser.split(text)
-        if START.startswith(text.lstrip()):
-            return None, ""  # may still open with <think>
+        if self.parser.start.startswith(text.lstrip()):
+            return None, ""  # may still open with the start tag
         body = self.parser.reasoning_body(text)
         if body is None:
             return None, text
-        if END in body:
+        if self.parser.end in body:
             return self.parser.split(text)
-        return body[: len(body) - partial_suffix(body, END)], ""
+        return body[: len(body) - partial_suffix(body, self.parser.end)], ""

@@ -101,3 +101,25 @@ def test_template_variables_and_a_continued_final_message(bos_tokenizer):
         ).startswith("THINK ")
     finally:
         bos_tokenizer.chat_template = template
+
+
+def test_seed_oss_reasons_between_its_own_tags_whole_and_streamed():
+    from radixserve.reasoning import (
+        StreamingReasoningParser,
+        detect_reasoning,
+        make_reasoning_parser,
+    )
+
+    assert detect_reasoning("{{ '<seed:think>' }}{{ m }}{{ '</seed:think>' }}") == "seed_oss"
+    parser = make_reasoning_parser("seed_oss")
+    text = "<seed:think>First, the city.</seed:think>It is sunny."
+    assert parser.split(text) == ("First, the city.", "It is sunny.")
+    assert parser.split("No reasoning <think>here</think>.") == (
+        None,
+        "No reasoning <think>here</think>.",
+    )
+    for cut in range(1, len(text)):
+        stream = StreamingReasoningParser(parser)
+        parts = [stream.feed(text[:cut]), stream.feed(text, finished=True)]
+        assert "".join(r for r, _ in parts) == "First, the city."
+        assert "".join(c for _, c in parts) == "It is sunny."

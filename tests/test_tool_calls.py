@@ -64,6 +64,43 @@ CASES = [
         Parsed("", [WEATHER, TIME]),
     ),
     ("llama3", "The answer is {not a call}.", Parsed("The answer is {not a call}.")),
+    (
+        "glm45",
+        "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>"
+        "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>",
+        Parsed("Checking.", [WEATHER, TIME]),
+    ),
+    (
+        "glm45",
+        "<tool_call>get_count\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        Parsed("", [ToolCall("get_count", json.dumps({"n": 3}))]),
+    ),  # a value that reads as JSON is JSON
+    ("glm45", "<tool_call>not a name!</tool_call>", Parsed("<tool_call>not a name!</tool_call>")),
+    (
+        "seed_oss",
+        "Sure.<seed:tool_call><function=get_weather><parameter=city>Paris</parameter>"
+        "<parameter=unit>C</parameter></function></seed:tool_call>",
+        Parsed("Sure.", [WEATHER]),
+    ),
+    (
+        "command_a",
+        'I will check.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+        '"parameters": {"city": "Paris", "unit": "C"}}, {"tool_call_id": "1", "tool_name": '
+        '"get_time", "parameters": {"zone": "CET"}}]<|END_ACTION|>',
+        Parsed("I will check.", [WEATHER, TIME]),
+    ),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", unit="C"), get_time(zone="CET")]',
+        Parsed("", [WEATHER, TIME]),
+    ),
+    (
+        "pythonic",
+        '<|python_start|>[get_time(zone="CET")]<|python_end|>',
+        Parsed("", [TIME]),
+    ),
+    ("pythonic", "[1, 2, 3] are numbers.", Parsed("[1, 2, 3] are numbers.")),
 ]
 
 
@@ -103,6 +140,10 @@ def test_parser_names_and_detection():
     assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_parser("<|python_tag|>") == "llama3"
     assert detect_parser(None) == "hermes"
+    assert detect_parser("{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key>") == "glm45"
+    assert detect_parser("{{ '<seed:tool_call>' }}") == "seed_oss"
+    assert detect_parser("<|START_ACTION|>{{ calls }}<|END_ACTION|>") == "command_a"
+    assert detect_parser("{{ '<|python_start|>' }}[func_name(params)]") == "pythonic"
 
 
 FUNCTIONS = [

@@ -37,7 +37,7 @@ def calls_structural_tag(parser, functions: list[dict], parallel: bool) -> dict 
     """For `tool_choice: auto`: an xgrammar structural tag that leaves text free but makes
     whatever follows the format's trigger a call that validates (only one call, or one list of
     calls, without `parallel`). None for a format with no trigger (constrained calls only)."""
-    if isinstance(parser, TaggedParser):  # hermes: <tool_call>{call}</tool_call>
+    if isinstance(parser, TaggedParser) and parser.json_body:  # <tool_call>{call}</tool_call>
         tags = [_tag(parser.start, calls_schema(functions, False), parser.end)]
         triggers = [parser.start]
     elif isinstance(parser, MistralParser):  # [TOOL_CALLS] [calls]

@@ -6,6 +6,10 @@ Formats (`--tool-call-parser`, names as in SGLang where one exists):
 - `llama3`: a JSON object `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`),
   several separated by `;`; the whole output must be calls.
 - `mistral`: `[TOOL_CALLS]` followed by a JSON list of `{"name": ..., "arguments": {...}}`.
+- `glm45` (GLM-4.5 to 4.7): `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>`.
+- `seed_oss`: `<seed:tool_call><function=name><parameter=k>v</parameter></function>`.
+- `command_a` (Command A): `<|START_ACTION|>` a JSON list of `{"tool_name", "parameters"}`.
+- `pythonic` (Llama 4): the whole output a Python list of calls, `[f(a=1), g(b="x")]`.
 
 Text outside calls is content. A call whose JSON does not parse stays content (the caller can
 constrain decoding so that this cannot happen). Streaming holds back any text that may be the
@@ -15,7 +19,9 @@ its closing marker (or the end of the output) arrives: first its name, then its 
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +60,17 @@ def _loads(text: str) -> Any:
 
 
 class TaggedParser:
-    """Calls between a start and an end marker (hermes); the end may be missing at the end of
-    output."""
+    """Calls between a start and an end marker (hermes: a JSON call); the end may be missing at
+    the end of output. Other tagged formats say how a block's body reads (`calls_of`)."""
+
+    json_body = True  # the body is a JSON call (the auto grammar can constrain it)
 
     def __init__(self, start: str, end: str, arguments_key: str = "arguments"):
         self.start, self.end, self.arguments_key = start, end, arguments_key
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        call = _call_from(_loads(body.strip()), self.arguments_key)
+        return None if call is None else [call]
 
     def parse(self, text: str) -> Parsed:
         content, calls, rest = [], [], text
@@ -67,14 +79,107 @@ class TaggedParser:
             body_start = at + len(self.start)
             stop = rest.find(self.end, body_start)
             body = rest[body_start:] if stop < 0 else rest[body_start:stop]
-            call = _call_from(_loads(body.strip()), self.arguments_key)
-            if call is None:  # not a call after all: keep the text
+            found = self.calls_of(body)
+            if not found:  # not a call after all: keep the text
                 content.append(rest[at:] if stop < 0 else rest[at : stop + len(self.end)])
             else:
-                calls.append(call)
+                calls += found
             rest = "" if stop < 0 else rest[stop + len(self.end) :]
         content.append(rest)
         return Parsed("".join(content).strip() if calls else "".join(content), calls)
+
+
+def _value(text: str):
+    """An XML-style argument's value: JSON where it reads as JSON, else the text itself."""
+    value = _loads(text)
+    return text if value is None else value
+
+
+class Glm45Parser(TaggedParser):
+    """GLM-4.5 to 4.7: `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...
+    </tool_call>`, values JSON where they parse as JSON."""
+
+    json_body = False
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def __init__(self):
+        super().__init__("<tool_call>", "</tool_call>")
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        name, _, rest = body.partition("<arg_key>")
+        name = name.strip()
+        if not name or not re.fullmatch(r"[\w.\-]+", name):
+            return None
+        args = {k.strip(): _value(v.strip()) for k, v in self.PAIR.findall("<arg_key>" + rest)}
+        return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
+
+
+class SeedOssParser(TaggedParser):
+    """Seed-OSS: `<seed:tool_call><function=name><parameter=k>v</parameter>...</function>
+    </seed:tool_call>`."""
+
+    json_body = False
+    FUNCTION = re.compile(r"<function=([\w.\-]+)>(.*?)(?:</function>|$)", re.S)
+    PARAMETER = re.compile(r"<parameter=([\w.\-]+)>(.*?)</parameter>", re.S)
+
+    def __init__(self):
+        super().__init__("<seed:tool_call>", "</seed:tool_call>")
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for name, inner in self.FUNCTION.findall(body):
+            args = {k: _value(v.strip()) for k, v in self.PARAMETER.findall(inner)}
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+
+class CommandAParser(TaggedParser):
+    """Command A: `<|START_ACTION|>[{"tool_call_id": ..., "tool_name": ..., "parameters":
+    {...}}, ...]<|END_ACTION|>`."""
+
+    json_body = False
+
+    def __init__(self):
+        super().__init__("<|START_ACTION|>", "<|END_ACTION|>")
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        listed = _loads(body.strip())
+        objs = listed if isinstance(listed, list) else [listed]
+        calls = [
+            _call_from({"name": o.get("tool_name"), **o}, "parameters")
+            if isinstance(o, dict)
+            else None
+            for o in objs
+        ]
+        return None if not calls or None in calls else calls
+
+
+class PythonicParser:
+    """Llama 4 (and SGLang's `pythonic`): the whole output a Python list of calls with literal
+    keyword arguments, `[get_weather(city="Paris"), get_time(zone="CET")]`, maybe between
+    `<|python_start|>` and `<|python_end|>`."""
+
+    start = "<|python_start|>"
+    bare_start = "["
+
+    def parse(self, text: str) -> Parsed:
+        body = text.strip().removeprefix(self.start).removesuffix("<|python_end|>").strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError):
+            return Parsed(text)
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return Parsed(text)
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return Parsed(text)
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                return Parsed(text)
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        return Parsed("", calls)
 
 
 class MistralParser:
@@ -99,6 +204,7 @@ class Llama3Parser:
     """The whole output is one or more JSON calls (`;`-separated), maybe after `<|python_tag|>`."""
 
     start = "<|python_tag|>"
+    bare_start = "{"  # a call may also open the output without the tag
 
     def parse(self, text: str) -> Parsed:
         body = text.strip().removeprefix(self.start).strip()
@@ -169,6 +275,10 @@ PARSERS = {
     "qwen25": lambda: TaggedParser("<tool_call>", "</tool_call>"),
     "llama3": Llama3Parser,
     "mistral": MistralParser,
+    "glm45": Glm45Parser,
+    "seed_oss": SeedOssParser,
+    "command_a": CommandAParser,
+    "pythonic": PythonicParser,
 }
 
 
@@ -180,6 +290,13 @@ def make_parser(name: str):
     return PARSERS[name]()
 
 
+# markers of the tool formats a chat template may show, and the parser that reads them
+TEMPLATE_MARKERS = {
+    "<arg_key>": "glm45",
+    "<seed:tool_call>": "seed_oss",
+    "<|START_ACTION|>": "command_a",
+    "<|python_start|>": "pythonic",
+}
 # markers of tool formats a chat template may show that no parser here reads
 UNPARSED_FORMATS = {
     "<｜tool▁calls▁begin｜>": "DeepSeek's",
@@ -193,6 +310,9 @@ def detect_parser(chat_template: str | None) -> str:
     `hermes` when it has none (the default tool prompt asks for that format). A format no
     parser reads is a ValueError naming it."""
     template = chat_template or ""
+    for marker, name in TEMPLATE_MARKERS.items():
+        if marker in template:
+            return name
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<|python_tag|>" in template or "ipython" in template:

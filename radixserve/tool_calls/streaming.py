@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import Llama3Parser, TaggedParser, ToolCall
+from .formats import TaggedParser, ToolCall
 
 
 @dataclass
@@ -73,15 +73,11 @@ class StreamingToolParser:
 
 
 def call_start(parser, text: str, at_output_start: bool) -> int:
-    """Index in `text` where a call begins, or -1. A llama3 call may also be a bare JSON object,
-    but only as the whole output."""
+    """Index in `text` where a call begins, or -1. A llama3 (pythonic) call may also open the
+    output as a bare JSON object (Python list)."""
     at = text.find(parser.start)
-    if (
-        at < 0
-        and isinstance(parser, Llama3Parser)
-        and at_output_start
-        and text.lstrip().startswith("{")
-    ):
+    bare = getattr(parser, "bare_start", None)
+    if at < 0 and bare and at_output_start and text.lstrip().startswith(bare):
         return len(text) - len(text.lstrip())
     return at
 
