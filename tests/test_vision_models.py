@@ -148,3 +148,34 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
         f"radixserve:encoder_cache_hits_total {float(after['encoder_cache_hits_total'])}" in metrics
     )
     assert "radixserve:image_tokens_cached_total" in metrics
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, model_dir, family):
+    """The api process decodes, resizes, normalizes and cuts patches in numpy and Pillow (no
+    torch there): the same float32 pixels as HF's PIL image processor class, for odd sizes and
+    for grey, palette and transparent pictures (over white, as HF puts them)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from radixserve.models.source import resolve_model
+    from radixserve.multimodal.media import MediaPolicy, decode_image
+    from radixserve.multimodal.processing import preprocess
+    from radixserve.multimodal.spec import VisionSpec
+
+    _, path = build_vl_checkpoint(tmp_path, family, model_dir)
+    spec = VisionSpec.of(resolve_model(str(path)).config.hf_config, path)
+    base = picture(20, (201, 77))
+    faded = base.convert("RGBA")
+    faded.putalpha(Image.linear_gradient("L").resize(base.size))
+    pictures = [base, picture(21, (33, 333)), picture(22, (640, 480)), base.convert("L"),
+                base.convert("P"), faded, faded.convert("LA")]  # fmt: skip
+    for image in pictures:
+        encoded = io.BytesIO()
+        image.save(encoded, format="PNG")
+        ours = preprocess(decode_image(encoded.getvalue(), MediaPolicy(), "image"), spec).pixels
+        theirs = image_processor(path)(images=[Image.open(encoded)], return_tensors="np")
+        want = theirs["pixel_values"]
+        assert np.array_equal(ours.reshape(want.shape), want), image.mode

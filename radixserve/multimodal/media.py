@@ -17,7 +17,7 @@ import aiohttp
 from PIL import Image
 from yarl import URL
 
-MODES = {"RGB": "RGB", "RGBA": "RGB", "L": "RGB", "LA": "RGB", "P": "RGB", "1": "RGB"}
+MODES = ("RGB", "RGBA", "L", "LA", "P", "1")  # 8-bit colour, grey or palette
 MIN_SIDE = 4  # pixels; a thinner image carries nothing a vision tower can read
 MAX_ASPECT = 200  # the longer side over the shorter (Qwen-VL's own limit)
 MAX_REDIRECTS = 3
@@ -106,11 +106,19 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
         )
     try:
         image.load()
-        return image.convert(MODES[image.mode])
+        return _on_white(image)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise MediaError(
             f"{where}: the image data is truncated or corrupt ({_short(exc)})"
         ) from None
+
+
+def _on_white(image: Image.Image) -> Image.Image:
+    """RGB, transparent parts over white (as HF's `convert_to_rgb` does)."""
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def _data_url(url: str, policy: MediaPolicy, where: str) -> bytes:
