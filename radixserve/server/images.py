@@ -56,7 +56,10 @@ class ImageInputs:
         if not parts:
             return []
         if self.spec is None:
-            raise RequestError(f"{parts[0].where}: this model takes no images")
+            raise RequestError(
+                f"{parts[0].where}: this model takes no images (image_url, input_image and "
+                "image parts need a vision-language model)"
+            )
         if len(parts) > self.limit:
             raise RequestError(
                 f"{parts[self.limit].where}: at most {self.limit} images a prompt "
