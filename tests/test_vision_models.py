@@ -121,7 +121,11 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
             want, skip_special_tokens=True
         )
         assert r.json()["usage"]["prompt_tokens"] == prompt_len
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * prompt_len
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if model.config.model_type == "qwen3_5":  # a hybrid resumes at a chunk end's snapshot
+        assert cached >= (prompt_len - 1) // 16 * 16
+    else:
+        assert cached >= 0.9 * prompt_len
 
 
 def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(served):
