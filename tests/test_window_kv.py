@@ -114,3 +114,21 @@ def test_a_window_pool_too_small_for_the_traffic_retracts_and_stays_exact(gemma3
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] > 0  # the window pool was the bottleneck
     assert runs[1][1] == 0
+
+
+def test_llama4_chunked_layers_free_kv_behind_their_chunk(tmp_path):
+    """Llama 4's chunked-attention layers keep their KV apart like window layers (a chunk reads
+    at most `attention_chunk_size` tokens back): four 80-token prompts, greedy tokens equal
+    HF's fresh and from the cache (tokens more than a chunk behind freed from the window
+    pool), no leak."""
+    model, path = families.build_checkpoint(tmp_path, "llama4_text")
+    want = [families.hf_greedy(model, ids, NEW_TOKENS) for ids in families.PROMPTS]
+    with Engine(
+        model=str(path), dtype="float32", max_total_tokens=1024, chunked_prefill_size=32
+    ) as eng:
+        for _ in range(2):
+            out = eng.generate(input_ids=families.PROMPTS, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in out] == want
+        eng.check_memory()
+        window = eng.get_stats().hybrid_memory
+    assert window["window_kv_capacity_tokens"] > 0  # the chunked layers' own pool

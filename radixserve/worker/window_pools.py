@@ -34,10 +34,10 @@ class WindowLayers:
 def window_layers(model, args: EngineArgs, device: torch.device) -> WindowLayers | None:
     """The window layers to keep apart, or None (with a start-up line saying why, where the
     model has them)."""
-    windows = {
-        m.layer: m.how.window
+    windows = {  # a chunk layer reads at most its chunk's tokens back: a window that long
+        m.layer: m.how.window or m.how.chunk
         for m in model.modules()
-        if isinstance(m, Attention) and m.how.window is not None
+        if isinstance(m, Attention) and (m.how.window or m.how.chunk)
     }
     num_layers = model.cfg.num_kv_layers
     if not windows or len(windows) == num_layers:
