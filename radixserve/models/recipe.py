@@ -127,11 +127,6 @@ class RecipeAttention(Attention):
         return q, self.k_norm(k).view(-1, cfg.num_kv_heads, cfg.head_dim)
 
 
-class Identity(nn.Module):
-    def forward(self, x):
-        return x
-
-
 class RecipeLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, recipe: LayerRecipe, attention, mlp, norm=RMSNorm
@@ -141,7 +136,7 @@ class RecipeLayer(nn.Module):
         self.slots: dict[str, nn.Module] = {}
         for slot in NORM_SLOTS:
             name = getattr(recipe, slot)
-            norm_module = norm(cfg.hidden_size, cfg.rms_norm_eps) if name else Identity()
+            norm_module = norm(cfg.hidden_size, cfg.rms_norm_eps) if name else nn.Identity()
             if name:
                 self.add_module(name, norm_module)
             self.slots[slot] = norm_module
