@@ -112,11 +112,13 @@ class LatentAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
     def _pairs_first(self, x: torch.Tensor) -> torch.Tensor:
-        """HF rotates interleaved pairs (x0, x1), (x2, x3)...: gathered into halves, the
-        rotate-half kernel rotates the same pairs (q and k move alike; scores are unchanged)."""
-        if not self.interleaved:
-            return x.contiguous()
-        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return pairs_first(x) if self.interleaved else x.contiguous()
+
+
+def pairs_first(x: torch.Tensor) -> torch.Tensor:
+    """HF rotates interleaved pairs (x0, x1), (x2, x3)...: gathered into halves, the rotate-half
+    kernel rotates the same pairs (q and k move alike; scores are unchanged)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 def mla_scale(hf: dict) -> float:

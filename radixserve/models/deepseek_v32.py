@@ -20,7 +20,7 @@ from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import DecoderLayer, Rope
-from .deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention
+from .deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention, pairs_first
 from .layers import Linear, apply_rotary
 from .moe import unstack_experts
 from .recipe import LayerNorm
@@ -45,10 +45,9 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(hidden, self.heads)
 
     def rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """The first `qk_rope_head_dim` dims turned by rotate-half (not interleaved)."""
-        rope = x[..., : self.rope]
-        if self.interleaved:
-            rope = torch.cat([rope[..., 0::2], rope[..., 1::2]], dim=-1)
+        """The first `qk_rope_head_dim` dims turned by rotate-half (DeepSeek-V3.2) or as
+        interleaved pairs (GLM-5)."""
+        rope = pairs_first(x[..., : self.rope]) if self.interleaved else x[..., : self.rope]
         turned = apply_rotary(rope.contiguous(), cos, sin)
         return torch.cat([turned, x[..., self.rope :]], dim=-1)
 

@@ -4,7 +4,8 @@ its config, where its norms sit and what its layers add to Llama's."""
 from __future__ import annotations
 
 from .decoder import layer_window
-from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM
+from .llama import split_gate_up
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
 
 POST_NORMS = dict(
     pre_attn=None,
@@ -27,9 +28,7 @@ class SmolLM3ForCausalLM(RecipeCausalLM):
     def layer_recipe(self, i: int) -> LayerRecipe:
         hf = self.hf
         return LayerRecipe(
-            qkv_bias=hf.get("attention_bias", False),
-            o_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
+            **llama_biases(hf),
             rope=bool(hf.get("no_rope_layers", [1] * (i + 1))[i]),
             window=layer_window(hf, i) if hf.get("use_sliding_window") else None,
         )
@@ -49,9 +48,7 @@ class GraniteForCausalLM(RecipeCausalLM):
     def layer_recipe(self, i: int) -> LayerRecipe:
         hf = self.hf
         return LayerRecipe(
-            qkv_bias=hf.get("attention_bias", False),
-            o_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
+            **llama_biases(hf),
             attention_scale=hf.get("attention_multiplier"),
             residual_scale=hf.get("residual_multiplier", 1.0),
         )
@@ -86,9 +83,8 @@ class Olmo2ForCausalLM(RecipeCausalLM):
     sliding-window layers."""
 
     def layer_recipe(self, i: int) -> LayerRecipe:
-        bias = self.hf.get("attention_bias", False)
         return LayerRecipe(
-            **POST_NORMS, qk_norm="all", qkv_bias=bias, o_bias=bias, window=_window(self.hf, i)
+            **POST_NORMS, **llama_biases(self.hf), qk_norm="all", window=_window(self.hf, i)
         )
 
 
@@ -108,9 +104,7 @@ class Glm4ForCausalLM(RecipeCausalLM):
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
-        rope = hf.get("rope_parameters") or {}
-        fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
-        return ModelRecipe(interleaved_rope=True, rotary_fraction=fraction)
+        return ModelRecipe(interleaved_rope=True, rotary_fraction=rotary_fraction(hf, 0.5))
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         return LayerRecipe(
@@ -120,19 +114,7 @@ class Glm4ForCausalLM(RecipeCausalLM):
         )
 
     def load_weights(self, weights) -> None:
-        super().load_weights(_split_gate_up(weights))
-
-
-def _split_gate_up(weights):
-    """A fused `gate_up_proj` as the gate and up projections it joins (so that tensor
-    parallelism slices each)."""
-    for name, tensor in weights:
-        if name.endswith("mlp.gate_up_proj.weight"):
-            gate, up = tensor.chunk(2, dim=0)
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
-        else:
-            yield name, tensor
+        super().load_weights(split_gate_up(weights))
 
 
 class Cohere2ForCausalLM(RecipeCausalLM):
@@ -147,8 +129,7 @@ class Cohere2ForCausalLM(RecipeCausalLM):
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         window = _window(self.hf, i)
-        bias = self.hf.get("attention_bias", False)
         return LayerRecipe(
-            pre_mlp=None, parallel=True, qkv_bias=bias, o_bias=bias, rope=window is not None,
+            **llama_biases(self.hf), pre_mlp=None, parallel=True, rope=window is not None,
             window=window,
         )  # fmt: skip

@@ -88,13 +88,16 @@ class BlockAttention(Attention):
 
     def forward(self, x, ropes, backend):
         q, out = self.attend(x, ropes, backend)
+        if self.blocks:
+            out = out.clone()
         for block in self.blocks:
-            out = self.attend_block(q, out, backend, *block)
+            self.attend_block(q, out, backend, *block)
         return self.tp.all_reduce(self.o_proj(out))
 
     def attend_block(self, q, out, backend, table_row: int, start: int, end: int, row: int):
         """Rows [row, row + end - start) of the step are positions [start, end) of the request:
-        each sees the keys before it and all of its image (within the layer's window)."""
+        each sees the keys before it and all of its image (within the layer's window); they
+        are written into `out`."""
         cfg, how = self.cfg, self.how
         slots = backend.inputs.req_to_token[table_row, :end]
         k = backend.pool.k[self.layer][slots].float()
@@ -110,9 +113,7 @@ class BlockAttention(Attention):
         scale = how.scale if how.scale is not None else cfg.head_dim**-0.5
         scores = (scores * scale).masked_fill(~seen, float("-inf"))
         rows = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        out = out.clone()
         out[row : row + end - start] = rows.reshape(end - start, -1).to(out.dtype)
-        return out
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -115,14 +115,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def _split_fused(self, weights):
         rows = self._qkv_rows()
-        for name, tensor in weights:
+        for name, tensor in split_gate_up(weights):
             if name.endswith("qkv_proj.weight"):
                 for part, piece in zip(("q", "k", "v"), tensor.split(rows, dim=0)):
                     yield name.replace("qkv_proj", f"{part}_proj"), piece
-            elif name.endswith("gate_up_proj.weight"):
-                gate, up = tensor.chunk(2, dim=0)
-                yield name.replace("gate_up_proj", "gate_proj"), gate
-                yield name.replace("gate_up_proj", "up_proj"), up
             else:
                 yield name, tensor
 
@@ -130,6 +126,18 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         """q, k and v rows of the unsharded checkpoint (`cfg` is this rank's share)."""
         cfg, ranks = self.cfg, self.tp.size
         return [cfg.q_size * ranks, cfg.kv_size * ranks, cfg.kv_size * ranks]
+
+
+def split_gate_up(weights):
+    """A fused `gate_up_proj` as the gate and up projections it joins (so that tensor
+    parallelism slices each); other tensors pass through."""
+    for name, tensor in weights:
+        if name.endswith("gate_up_proj.weight"):
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, tensor
 
 
 class Qwen3ForCausalLM(CausalLM):

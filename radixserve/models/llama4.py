@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import SwiGLU
-from .moe import Experts
+from .moe import Experts, unstack_experts
 from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
 
 
@@ -101,21 +101,4 @@ class Llama4ForCausalLM(RecipeCausalLM):
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 
     def load_weights(self, weights) -> None:
-        super().load_weights(_unstack(weights))
-
-
-def _unstack(weights):
-    """Llama 4's stacked experts (`gate_up_proj [E, hidden, 2 x inter]`, `down_proj [E,
-    inter, hidden]`, inputs first) as per-expert tensors."""
-    for name, tensor in weights:
-        prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
-            yield name, tensor
-            continue
-        for e, one in enumerate(tensor):
-            if leaf == "gate_up_proj":
-                gate, up = one.t().chunk(2, dim=0)
-                yield f"{prefix}.{e}.gate_proj.weight", gate
-                yield f"{prefix}.{e}.up_proj.weight", up
-            else:
-                yield f"{prefix}.{e}.down_proj.weight", one.t()
+        super().load_weights(unstack_experts(weights, inputs_first=True))

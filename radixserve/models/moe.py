@@ -218,16 +218,17 @@ def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:
     return SparseMoE(hidden, experts, routing, correction_bias=not v2, shared=shared)
 
 
-def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]):
+def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]], inputs_first: bool = False):
     """Experts stacked as HF's own expert modules hold them (`experts.gate_up_proj [E, 2 *
-    inter, hidden]`, gate rows then up rows; `experts.down_proj [E, hidden, inter]`) as each
-    expert's tensors, named like a per-expert checkpoint's; other tensors pass through."""
+    inter, hidden]`, gate rows then up rows; `experts.down_proj [E, hidden, inter]`; with
+    `inputs_first`, Llama 4's, each expert's matrix transposed) as each expert's tensors, named
+    like a per-expert checkpoint's; other tensors pass through."""
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
         if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
             yield name, tensor
             continue
-        for e, one in enumerate(tensor):
+        for e, one in enumerate(tensor.transpose(1, 2) if inputs_first else tensor):
             if leaf == "gate_up_proj":
                 gate, up = one.chunk(2, dim=0)
                 yield f"{prefix}.{e}.gate_proj.weight", gate

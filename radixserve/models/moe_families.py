@@ -10,14 +10,7 @@ from .deepseek_v3 import DeepseekV3ForCausalLM
 from .layers import SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
-from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM
-
-
-def _fraction(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or {}
-    if "rotary_dim" in hf:
-        return hf["rotary_dim"] / hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    return rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, rotary_fraction
 
 
 class MoeRecipeLM(RecipeCausalLM):
@@ -55,7 +48,7 @@ class Glm4MoeForCausalLM(MoeRecipeLM):
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
-        return ModelRecipe(rotary_fraction=_fraction(hf))
+        return ModelRecipe(rotary_fraction=rotary_fraction(hf))
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         hf = self.hf
@@ -80,7 +73,7 @@ class MiniMaxM2ForCausalLM(MoeRecipeLM):
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
-        return ModelRecipe(rotary_fraction=_fraction(hf))
+        return ModelRecipe(rotary_fraction=rotary_fraction(hf))
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         return LayerRecipe(qk_norm="all")

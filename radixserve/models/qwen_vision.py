@@ -140,7 +140,6 @@ class QwenVisionTower(nn.Module):
         )
         self.rotary = VisionRotary(self.dim // heads)
         self.blocks = nn.ModuleList(self.make_block(vc, heads) for _ in range(vc["depth"]))
-        self.loaded: set[str] = set()
 
     patch_bias = False
 
@@ -164,20 +163,6 @@ class QwenVisionTower(nn.Module):
         for t, h, w in grids:
             bounds += [bounds[-1] + h * w * (i + 1) for i in range(t)]
         return bounds
-
-    # ---- loading: HF names under `visual.` --------------------------------------
-    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp) -> None:
-        params = dict(self.named_parameters())
-        if name not in params:
-            raise ValueError("it has no place in the vision tower")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"expected shape {tuple(params[name].shape)}")
-        with torch.no_grad():
-            params[name].copy_(tensor)
-        self.loaded.add(name)
-
-    def missing_tensors(self) -> list[str]:
-        return sorted(n for n, _ in self.named_parameters() if n not in self.loaded)
 
 
 class Qwen25VisionTower(QwenVisionTower):

@@ -57,6 +57,22 @@ class ModelRecipe:
     norm: str = "rms"  # "layer": mean-subtracting, weight only (Cohere); "layer_bias": PhiMoE's
 
 
+def llama_biases(hf: dict) -> dict:
+    """Llama's bias switches as recipe fields: `attention_bias` for q, k, v and o,
+    `mlp_bias` for the MLP."""
+    bias = hf.get("attention_bias", False)
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=hf.get("mlp_bias", False))
+
+
+def rotary_fraction(hf: dict, default: float = 1.0) -> float:
+    """The share of each head's dims a partial rotary turns: `partial_rotary_factor` (in
+    `rope_parameters` or at the top level), or MiniMax-M2's legacy `rotary_dim`."""
+    if "rotary_dim" in hf:
+        return hf["rotary_dim"] / hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or {}
+    return rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
+
+
 class AllHeadsNorm(RMSNorm):
     """RMSNorm over all heads' q (or k) of a token; under TP each rank holds its heads'
     share of the weight, and the mean square is summed over ranks."""
@@ -212,7 +228,7 @@ class RecipeCausalLM(CausalLM):
             [torch.arange(0, width, 2), torch.arange(1, width, 2), torch.arange(width, head)]
         )
         for name, tensor in weights:
-            leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            leaf = name.rpartition(".")[0].rpartition(".")[2]  # "...self_attn.q_proj.weight"
             if leaf in ("q_proj", "k_proj", "q_norm", "k_norm"):
                 rows = tensor.reshape(-1, head, *tensor.shape[1:])
                 tensor = rows[:, order].reshape(tensor.shape)
