@@ -84,6 +84,7 @@ def setup(tmp_path_factory, model_dir):
     yield model, path, server, f"http://127.0.0.1:{host.server_port}", folder
     server.stop()
     host.shutdown()
+    host.server_close()
 
 
 def png_bytes(image: Image.Image, **kw) -> bytes:

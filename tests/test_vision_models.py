@@ -183,3 +183,26 @@ def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, mode
         theirs = image_processor(path)(images=[Image.open(encoded)], return_tensors="np")
         want = theirs["pixel_values"]
         assert np.array_equal(ours.reshape(want.shape), want), image.mode
+
+
+def test_the_encoder_cache_keeps_the_recent_features_within_its_bytes():
+    """Squeezed to two images' features: the least recently used goes first, a hit counts as a
+    use, a set of features larger than the whole cache is not kept, the bytes never exceed
+    the bound."""
+    import torch
+
+    from radixserve.worker.vision import EncoderCache, ImageFeatures
+
+    def features(tokens: int) -> ImageFeatures:
+        return ImageFeatures(torch.zeros(tokens, 16), [torch.zeros(tokens, 16)])
+
+    one = features(4).nbytes
+    cache = EncoderCache(2 * one)
+    cache.put(1, features(4))
+    cache.put(2, features(4))
+    assert cache.get(1) is not None  # 1 is now the most recent
+    cache.put(3, features(4))  # evicts 2
+    assert cache.get(2) is None and cache.get(1) is not None and cache.get(3) is not None
+    cache.put(4, features(12))  # larger than the cache: not kept, nothing evicted for it
+    assert cache.get(4) is None and cache.get(1) is not None
+    assert cache.bytes == 2 * one <= cache.max_bytes
