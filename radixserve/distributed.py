@@ -58,11 +58,17 @@ class TPGroup:
                 raise ValueError(
                     f"tp_size {self.size} does not divide the model's {name} ({getattr(cfg, name)})"
                 )
+        dims = cfg.kv_layer_dims
+        if dims is not None:
+            if any(heads % self.size for heads, _ in dims):
+                raise ValueError(f"tp_size {self.size} does not divide every layer's KV heads")
+            dims = tuple((heads // self.size, dim) for heads, dim in dims)
         return replace(
             cfg,
             num_heads=cfg.num_heads // self.size,
             num_kv_heads=cfg.num_kv_heads if cfg.latent_kv else cfg.num_kv_heads // self.size,
             intermediate_size=cfg.intermediate_size // self.size,
+            kv_layer_dims=dims,
         )
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:

@@ -55,8 +55,10 @@ class ModelConfig:
 
     `latent_kv`: the pool holds one compressed latent per token (MLA: `head_dim` wide, shared
     by all heads; DeepSeek-V3.2's indexer key rides in the same row) and no separate values.
-    `kv_layers`: the layers that keep KV per token where some do not, else None.
-    `state_layers`: the layers that keep a state per sequence."""
+    `kv_layers`: the layers that keep KV per token where some do not (or where the last layers
+    read an earlier layer's KV: Gemma 4), else None. `state_layers`: the layers that keep a
+    state per sequence. `kv_layer_dims`: (KV heads, head dim) of each KV layer where they differ
+    between layers (Gemma 4's global layers), else None."""
 
     vocab_size: int
     hidden_size: int
@@ -79,6 +81,7 @@ class ModelConfig:
     checkpoint_dtype: str | None = None  # config.json's `dtype` (`torch_dtype` before v5)
     kv_layers: int | None = None
     state_layers: int = 0
+    kv_layer_dims: tuple[tuple[int, int], ...] | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -103,6 +106,12 @@ class ModelConfig:
     def value_dim(self) -> int:
         """Width of a value in the KV pool (0: values are read from the latent)."""
         return 0 if self.latent_kv else self.head_dim
+
+    def kv_layer_shapes(self) -> list[tuple[int, int, int]]:
+        """(KV heads, key width, value width) of each layer in the KV pool."""
+        if self.kv_layer_dims is not None:
+            return [(heads, dim, dim) for heads, dim in self.kv_layer_dims]
+        return [(self.num_kv_heads, self.head_dim, self.value_dim)] * self.num_kv_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -147,8 +156,9 @@ class ModelConfig:
             model_type=cfg.get("model_type", "llama"),
             latent_kv=latent,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            kv_layers=kv_layers_of(types),
+            kv_layers=kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0),
             state_layers=sum(map(is_state_layer, types or [])),
+            kv_layer_dims=kv_layer_dims_of(cfg, types),
             hf_config=cfg,
         )
 
@@ -157,8 +167,36 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
 
 
-def kv_layers_of(layer_types: list[str] | None) -> int | None:
-    """How many layers keep KV per token, where some do not; else None."""
+def kv_layers_of(layer_types: list[str] | None, shared: int = 0) -> int | None:
+    """How many layers keep KV per token, where some do not (`shared`: the last layers read
+    an earlier layer's KV); else None."""
+    if shared:
+        return len(layer_types) - shared
     if not layer_types or all(is_attention_layer(t) for t in layer_types):
         return None
     return sum(is_attention_layer(t) for t in layer_types)
+
+
+def layer_attention_dims(cfg: dict[str, Any], types: list[str] | None, i: int) -> tuple[int, int]:
+    """(KV heads, head dim) of attention layer i: HF's `per_layer_config` overrides, or Gemma 4's
+    `global_head_dim` and `num_global_key_value_heads` (with `attention_k_eq_v`) on its
+    full-attention layers; else the config's own."""
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    overrides = (cfg.get("per_layer_config") or {}).get(str(i))
+    if overrides is None and types and types[i] == "full_attention":
+        overrides = {"head_dim": cfg.get("global_head_dim", dim)}
+        if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):
+            overrides["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+    overrides = overrides or {}
+    return overrides.get("num_key_value_heads", heads), overrides.get("head_dim", dim)
+
+
+def kv_layer_dims_of(cfg: dict[str, Any], types: list[str] | None):
+    """(KV heads, head dim) of each KV layer where layers differ in them (Gemma 4), else None."""
+    if "per_layer_config" not in cfg and "global_head_dim" not in cfg:
+        return None
+    layers = kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0) or len(types or [])
+    dims = tuple(layer_attention_dims(cfg, types, i) for i in range(layers))
+    own = layer_attention_dims({k: v for k, v in cfg.items() if k != "per_layer_config"}, None, 0)
+    return dims if any(d != own for d in dims) else None

@@ -19,7 +19,7 @@ BLOCK = 64
 
 
 def small_pool() -> KVPool:
-    pool = KVPool(512, num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
+    pool = KVPool(512, [(1, 4, 4)] * 2, dtype=torch.float32)
     for t in (*pool.k, *pool.v):
         t.copy_(torch.randn_like(t))
     return pool

@@ -45,6 +45,16 @@ MLA_MOE = dict(  # DeepSeek's latent attention over routed experts, tiny
     n_routed_experts=8,
 )
 SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "full_attention"]
+GEMMA4 = dict(
+    head_dim=16,
+    global_head_dim=32,
+    num_key_value_heads=4,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    sliding_window=WINDOW,
+    final_logit_softcapping=30.0,
+    pad_token_id=0,
+)
 FAMILIES = {
     "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
@@ -208,6 +218,32 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "gemma4_text": (  # global layers of their own head dim, k = v, shared KV, per-layer inputs
+        hf.Gemma4TextConfig,
+        hf.Gemma4ForCausalLM,
+        dict(
+            GEMMA4,
+            num_hidden_layers=6,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=512,
+        ),
+    ),
+    "gemma4_moe": (  # routed experts beside each MLP
+        hf.Gemma4TextConfig,
+        hf.Gemma4ForCausalLM,
+        dict(
+            GEMMA4,
+            layer_types=SLIDING_THEN_FULL,
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "glm4_moe_lite": (
         hf.Glm4MoeLiteConfig,
         hf.Glm4MoeLiteForCausalLM,
@@ -336,6 +372,8 @@ def test_family_matches_hf(tmp_path, family):
         "phimoe",
         "cohere2",
         "llama4_text",
+        "gemma4_text",
+        "gemma4_moe",
         "glm4_moe_lite",
         "deepseek_v32",
         "glm_moe_dsa",
@@ -367,6 +405,17 @@ def test_tensor_parallel_matches_hf(tmp_path, family):
         assert out[1]["meta_info"]["cached_tokens"] >= 32
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_path):
+    """LoRA and disaggregation assume one head dim in every layer: refused at start-up, named."""
+    _, path = build_checkpoint(tmp_path, "gemma4_moe")
+    for option, name in (
+        (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"]), "enable_lora"),
+        (dict(disaggregation_mode="prefill"), "disaggregation_mode"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}.*two head dims"):
+            Engine(model=str(path), dtype="float32", max_total_tokens=256, **option)
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
@@ -455,10 +504,12 @@ def tiered_engine(path, store) -> Engine:
     )
 
 
-def test_latent_kv_goes_through_the_host_and_file_tiers(tmp_path):
-    """MLA's pool holds latents (no values): HiCache backs them up, writes them to its files and
-    loads them back after the device cache is flushed, with the same greedy tokens."""
-    model, path = build_checkpoint(tmp_path, "deepseek_v3")
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4_text"])
+def test_unusual_pools_go_through_the_host_and_file_tiers(tmp_path, family):
+    """MLA's pool holds latents (no values), Gemma 4's layers of two head dims: HiCache backs
+    them up, writes them to its files and loads them back after the device cache is flushed,
+    with the same greedy tokens."""
+    model, path = build_checkpoint(tmp_path, family)
     prompt = list(range(100, 180))
     with tiered_engine(path, tmp_path / "store") as eng:
         first = eng.generate(input_ids=prompt, sampling_params=GREEDY)

@@ -116,12 +116,14 @@ def test_a_window_pool_too_small_for_the_traffic_retracts_and_stays_exact(gemma3
     assert runs[1][1] == 0
 
 
-def test_llama4_chunked_layers_free_kv_behind_their_chunk(tmp_path):
+@pytest.mark.parametrize("family", ["llama4_text", "gemma4_text"])
+def test_chunk_and_window_layers_of_newer_families_free_kv_behind_them(tmp_path, family):
     """Llama 4's chunked-attention layers keep their KV apart like window layers (a chunk reads
-    at most `attention_chunk_size` tokens back): four 80-token prompts, greedy tokens equal
-    HF's fresh and from the cache (tokens more than a chunk behind freed from the window
-    pool), no leak."""
-    model, path = families.build_checkpoint(tmp_path, "llama4_text")
+    at most `attention_chunk_size` tokens back), and so do Gemma 4's window layers, whose
+    window pool holds layers of another head dim than the full pool's and is read by the
+    layers that share its KV: prompts past the window, greedy tokens equal HF's fresh and from
+    the cache (tokens more than a window behind freed from the window pool), no leak."""
+    model, path = families.build_checkpoint(tmp_path, family)
     want = [families.hf_greedy(model, ids, NEW_TOKENS) for ids in families.PROMPTS]
     with Engine(
         model=str(path), dtype="float32", max_total_tokens=1024, chunked_prefill_size=32

@@ -12,10 +12,12 @@ _REGISTRY = {
     "flashinfer": ("radixserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
 # the LayerAttention features each backend implements (known before importing it); "fp8_kv": it
-# reads an FP8 KV pool; "deterministic": it runs batch-invariant (--enable-deterministic-inference)
+# reads an FP8 KV pool; "deterministic": it runs batch-invariant (--enable-deterministic-inference);
+# "head_dims": its layers may differ in head dim (Gemma 4)
 FEATURES = {
     "torch_native": frozenset(
         {"scale", "window", "chunk", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
+        | {"head_dims"}
     ),
     "triton": frozenset({"scale"}),
     "flashinfer": frozenset(),

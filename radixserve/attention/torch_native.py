@@ -152,7 +152,7 @@ class TorchNativeBackend:
         self.paged_extend = (
             self.kernels is not None
             and pool.k[0].dtype in (torch.float32, torch.bfloat16)
-            and self.kernels.extend_supported(head_dim)
+            and all(self.kernels.extend_supported(width) for width in pool.key_widths)
         )
         self.deterministic = deterministic
         if deterministic and (self.kernels is None or not self.kernels.extend_supported(head_dim)):

@@ -12,8 +12,9 @@ from .huge_pages import anonymous_zeros, populate_in_background
 
 
 class KVPool:
-    """K/V tensors `[num_slots, kv_heads, head_dim]` and `[num_slots, kv_heads, value_dim]` per
-    layer (`value_dim` 0: a latent pool, whose values are read from the keys).
+    """K/V tensors `[num_slots, kv_heads, key_width]` and `[num_slots, kv_heads, value_width]`
+    per layer, each layer's shape its own (`shapes`: (kv_heads, key width, value width) per
+    layer; value width 0: a latent pool, whose values are read from the keys).
 
     Zero-initialised so that padded gathers (slot 0) and stale table entries
     only ever read finite values, which masking then removes exactly. On CPU its pages are
@@ -25,22 +26,23 @@ class KVPool:
     def __init__(
         self,
         num_slots: int,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
+        shapes: list[tuple[int, int, int]],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        value_dim: int | None = None,
     ):
         device = torch.device(device)
-        value_shape = (num_slots, kv_heads, head_dim if value_dim is None else value_dim)
-        self.k = [_zeros((num_slots, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(value_shape, dtype, device) for _ in range(num_layers)]
+        self.k = [_zeros((num_slots, heads, width), dtype, device) for heads, width, _ in shapes]
+        self.v = [_zeros((num_slots, heads, width), dtype, device) for heads, _, width in shapes]
         self.is_fp8 = dtype == self.FP8
         if device.type == "cpu" and num_slots > 0:
             populate_in_background(self.k + self.v)
-        self.k_scale = [1.0] * num_layers
-        self.v_scale = [1.0] * num_layers
+        self.k_scale = [1.0] * len(shapes)
+        self.v_scale = [1.0] * len(shapes)
+
+    @property
+    def key_widths(self) -> set[int]:
+        """The layers' key widths (more than one: layers of different head dims)."""
+        return {k.shape[-1] for k in self.k}
 
     def set_scales(self, scales: list[tuple[float, float]]) -> None:
         """Per-layer (k_scale, v_scale) of an FP8 pool."""
@@ -60,15 +62,10 @@ class KVPool:
         return (rows.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(dtype)
 
     @staticmethod
-    def bytes_per_token(
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        value_dim: int | None = None,
-    ) -> int:
-        width = head_dim + (head_dim if value_dim is None else value_dim)
-        return num_layers * kv_heads * width * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> int:
+        """Bytes one token takes in a pool of these layer `shapes`."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(heads * (key + value) for heads, key, value in shapes) * size
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -79,6 +79,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         return _llama3_scaled(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn_scaled(inv_freq, head_dim, theta, scaling)
+    if kind == "proportional":  # Gemma 4: the first angles turn, the rest of each head stays
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / scaling.get("factor", 1.0), 1.0
     if kind not in ("default", None):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq, 1.0

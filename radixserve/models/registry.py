@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
@@ -94,6 +95,7 @@ MODEL_TYPES = {
     "phimoe": "PhimoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
@@ -126,6 +128,7 @@ PARTIAL_ROTARY = {
     "Glm4ForCausalLM",
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "Gemma4ForCausalLM",
 }
 
 
@@ -178,7 +181,7 @@ def model_class(cfg: ModelConfig):
     return getattr(importlib.import_module(f"radixserve.models.{module}"), cls)
 
 
-ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh", "relu2"}
 
 
@@ -224,6 +227,19 @@ def model_problems(cfg: ModelConfig, args: EngineArgs):
     """What the served model does not run with yet, by option name."""
     yield from _recurrent_problems(cfg, args)
     yield from _vision_problems(cfg, args)
+    yield from _layer_shape_problems(cfg, args)
+
+
+def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):
+    """What a model whose layers differ in head dim (Gemma 4) does not run with yet."""
+    if cfg.kv_layer_dims is None:
+        return
+    for name, on in (
+        ("disaggregation_mode", args.disaggregation_mode != "null"),
+        ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
+    ):
+        if on:
+            yield f"{name} with {cfg.architecture}'s layers of two head dims is not supported yet"
 
 
 def _vision_problems(cfg: ModelConfig, args: EngineArgs):

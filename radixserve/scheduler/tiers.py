@@ -100,8 +100,7 @@ def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) 
         info.dtype,
         info.kv_cache_dtype,
         block_size(info.page_size),
-        tuple(pool.k[0].shape[1:]),
-        len(pool.k),
+        tuple(tuple(k.shape[1:]) for k in pool.k),
         args.tp_size,
         *([weight_updates] if weight_updates else []),
     )

@@ -24,9 +24,7 @@ def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:
     weights = planned_weight_bytes(source, dtype, context, args.quantization, tp)
     ranked = tp.shard_config(cfg)
     kv_dtype = kv_storage_dtype(args.kv_cache_dtype, dtype)
-    per_token = KVPool.bytes_per_token(
-        ranked.num_kv_layers, ranked.num_kv_heads, ranked.head_dim, kv_dtype, ranked.value_dim
-    )
+    per_token = KVPool.bytes_per_token(ranked.kv_layer_shapes(), kv_dtype)
     pages = kv_pages(
         memory_bytes - weights,
         per_token,

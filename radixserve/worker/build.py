@@ -51,6 +51,7 @@ def attention_backend(model, pool, args: EngineArgs, device: torch.device):
     with every feature the model's attention needs (FP8 KV, determinism)."""
     features = model.attention_features()
     needs = features | ({"fp8_kv"} if pool.is_fp8 else frozenset())
+    needs |= {"head_dims"} if len(pool.key_widths) > 1 else frozenset()
     deterministic = args.enable_deterministic_inference
     if deterministic and features - {"scale"}:
         raise ValueError(
@@ -118,9 +119,7 @@ def kv_pool(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> 
     """The KV pool of the model's layers that keep KV per token, with an FP8 checkpoint's
     scales."""
     cfg = model.cfg
-    pool = KVPool(
-        num_slots, cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device, cfg.value_dim
-    )
+    pool = KVPool(num_slots, cfg.kv_layer_shapes(), dtype, device)
     if pool.is_fp8:
         pool.set_scales(model.kv_cache_scales())
     return pool

@@ -43,6 +43,7 @@ WEIGHT_SHAPE_FIELDS = (
     "num_kv_heads",
     "head_dim",
     "latent_kv",
+    "kv_layer_dims",
 )
 
 

@@ -46,11 +46,7 @@ def build_runners(
         resolve_dtype(args.dtype, device or default_device(), draft.config.checkpoint_dtype)[0],
     )
     reserve = KVPool.bytes_per_token(
-        cfg.num_layers,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        kv_storage_dtype(args.kv_cache_dtype, dtype),
-        cfg.value_dim,
+        cfg.kv_layer_shapes(), kv_storage_dtype(args.kv_cache_dtype, dtype)
     )
     target = ModelRunner(source, args, device, tp=tp, reserve_bytes_per_token=reserve)
     return target, ModelRunner(draft, args, target.device, layout=target.slot_layout())

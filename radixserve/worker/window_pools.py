@@ -82,13 +82,22 @@ class PoolBytes:
 
 
 def pool_bytes(cfg, plan: WindowLayers | None, args: EngineArgs, dtype: torch.dtype) -> PoolBytes:
-    one = KVPool.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype, cfg.value_dim)
+    shapes = cfg.kv_layer_shapes()
     if plan is None:
-        return PoolBytes(one * cfg.num_kv_layers)
-    full, window = one * plan.num_full_layers, one * len(plan.layers)
+        return PoolBytes(KVPool.bytes_per_token(shapes, dtype))
+    full_shapes, window_shapes = split_shapes(shapes, plan)
+    full = KVPool.bytes_per_token(full_shapes, dtype)
+    window = KVPool.bytes_per_token(window_shapes, dtype)
     if args.swa_full_tokens_ratio is not None:
         return PoolBytes(full + int(window * args.swa_full_tokens_ratio))
     return PoolBytes(full, window_pool_tokens(args, plan, 0) * window)
+
+
+def split_shapes(shapes: list, plan: WindowLayers) -> tuple[list, list]:
+    """The layer shapes of the full pool and of the window pool."""
+    windowed = set(plan.layers)
+    full = [shape for i, shape in enumerate(shapes) if i not in windowed]
+    return full, [shapes[i] for i in plan.layers]
 
 
 def make_pools(model, plan: WindowLayers | None, args: EngineArgs, num_slots: int, dtype, device):
@@ -97,10 +106,9 @@ def make_pools(model, plan: WindowLayers | None, args: EngineArgs, num_slots: in
     if plan is None:
         pool = kv_pool(model, num_slots, dtype, device)
         return pool, None, *attention_backend(model, pool, args, device)
-    cfg = model.cfg
-    shape = (cfg.num_kv_heads, cfg.head_dim, dtype, device, cfg.value_dim)
-    full = KVPool(num_slots, plan.num_full_layers, *shape)
-    window = KVPool(window_pool_tokens(args, plan, num_slots) + 1, len(plan.layers), *shape)
+    full_shapes, window_shapes = split_shapes(model.cfg.kv_layer_shapes(), plan)
+    full = KVPool(num_slots, full_shapes, dtype, device)
+    window = KVPool(window_pool_tokens(args, plan, num_slots) + 1, window_shapes, dtype, device)
     name, full_backend = attention_backend(model, full, args, device)
     _, window_backend = attention_backend(model, window, args, device)
     backend = WindowedBackend(
