@@ -273,3 +273,30 @@ def test_a_build_killed_midway_does_not_block_later_loads():
     done = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not stale.exists()
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,width,value_dim",
+    [
+        (torch.float32, 8, 72, 64),
+        (torch.bfloat16, 8, 72, 64),
+        (torch.bfloat16, 8, 96, 64),  # bf16 dot products where the CPU has AVX512-BF16
+        (torch.bfloat16, 6, 96, 64),  # heads not a multiple of 4: the general path
+    ],
+)
+def test_sparse_latent_attention_matches_its_reference(dtype, heads, width, value_dim):
+    """DSA's CPU kernel: each query over its selected latent rows of a bf16 or float32 pool
+    (rows wider than q: the indexer key rides behind), -1 slots ignored; against the reference
+    on q rounded to bf16 where the kernel's bf16 dot products round it."""
+    from radixserve_kernels.sparse_mla_ref import sparse_latent_attention_ref
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(9, heads, width, generator=gen)
+    rows = torch.randn(300, width + 16, generator=gen).to(dtype)
+    slots = torch.stack([torch.randperm(299, generator=gen)[:43] + 1 for _ in range(9)])
+    slots[0, 1:] = -1
+    slots[4, 20:] = -1
+    got = kernel.sparse_latent_attention(q, rows, slots, 0.12, value_dim)
+    rounded = sparse_latent_attention_ref(q.to(dtype).float(), rows.float(), slots, 0.12, value_dim)
+    exact = sparse_latent_attention_ref(q, rows.float(), slots, 0.12, value_dim)
+    assert min((got - rounded).abs().max(), (got - exact).abs().max()) < 1e-5

@@ -11,11 +11,9 @@ DIARY = re.compile(r"\b(sessions?|yesterday|today)\b", re.I)
 
 
 def pages() -> list[Path]:
-    return [
-        ROOT / "README.md",
-        *sorted((ROOT / "docs").glob("*.md")),
-        *sorted((ROOT / "bench").rglob("*.md")),
-    ]
+    """The project's own pages (not those of what bench/peers installs under bench/.peers)."""
+    bench = [p for p in (ROOT / "bench").rglob("*.md") if ".peers" not in p.parts]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(bench)]
 
 
 def test_the_readme_is_short():

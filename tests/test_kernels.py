@@ -233,3 +233,29 @@ def test_lora_sgmv(runs, rank, inp, out):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     untouched = [i for i in range(tokens) if not any(s <= i < e for s, e, _ in runs)]
     assert torch.equal(got[untouched], base[untouched])
+
+
+def selected_rows(queries: int, topk: int, slots: int, gen) -> torch.Tensor:
+    """Each query's selected pool slots: distinct, random, the last ones -1 for some queries (a
+    query that sees fewer tokens than topk)."""
+    chosen = torch.stack(
+        [torch.randperm(slots - 1, generator=gen)[:topk] + 1 for _ in range(queries)]
+    )
+    chosen[0, 3:] = -1
+    chosen[-1, topk // 2 :] = -1
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,width,value_dim,topk", [(4, 40, 32, 24), (20, 72, 64, 50)])
+def test_sparse_latent_attention(dtype, heads, width, value_dim, topk):
+    """DSA's attention over each query's selected latent rows (wider than q: the indexer key
+    rides behind) against its reference, -1 slots ignored."""
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(6, heads, width, generator=gen).to(dtype)
+    rows = torch.randn(128, width + 16, generator=gen).to(dtype)
+    slots = selected_rows(6, topk, 128, gen)
+    q, rows, slots = (t.to(DEVICE) for t in (q, rows, slots))
+    got = K.sparse_latent_attention(q, rows, slots, width**-0.5, value_dim).float().cpu()
+    want = K.sparse_latent_attention_ref(q.float(), rows.float(), slots, width**-0.5, value_dim)
+    torch.testing.assert_close(got, want.cpu(), rtol=tol(dtype), atol=tol(dtype))

@@ -31,6 +31,8 @@ _TRITON_NAMES = {
     "align_pairs": "fused_moe",
     "fp8_linear": "fp8_linear",
     "fp8_linear_ref": "fp8_linear",
+    "sparse_latent_attention": "sparse_mla",
+    "sparse_latent_attention_ref": "sparse_mla",
 }
 
 __all__ = sorted(_TRITON_NAMES)

@@ -8,3 +8,4 @@ void bind_cpu_linear(pybind11::module& m);     // cpu_linear.cpp: the packed flo
 void bind_cpu_decoder(pybind11::module& m);    // cpu_decoder.cpp: the decoder layers in one call
 void bind_cpu_quant(pybind11::module& m);     // cpu_quant.cpp: the FP8 weight GEMM
 void bind_cpu_recurrent(pybind11::module& m); // cpu_recurrent.cpp: hybrid models' recurrent steps
+void bind_cpu_sparse_attention(pybind11::module& m);  // cpu_sparse_attention.cpp: DSA's selected rows

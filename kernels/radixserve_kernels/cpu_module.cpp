@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_cpu_decoder(m);
   bind_cpu_quant(m);
   bind_cpu_recurrent(m);
+  bind_cpu_sparse_attention(m);
 }

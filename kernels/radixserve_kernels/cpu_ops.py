@@ -3,8 +3,9 @@
 (`cpu_fused_ops.cpp`), the float32 and bf16 GEMM against packed weights (AMX tiles where the
 CPU has AMX-BF16; `cpu_linear.cpp`) and the
 decoder layers' loop over them in one call (`cpu_decoder.cpp`), the FP8 weight GEMM
-(`cpu_quant.cpp`), and hybrid models' recurrent decode steps in place on the requests' states
-(`cpu_recurrent.cpp`).
+(`cpu_quant.cpp`), hybrid models' recurrent decode steps in place on the requests' states
+(`cpu_recurrent.cpp`), and sparse latent attention over each query's selected rows (DSA,
+`cpu_sparse_attention.cpp`).
 
 torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
 radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
@@ -34,6 +35,7 @@ SOURCES = [
         "cpu_decoder.cpp",
         "cpu_quant.cpp",
         "cpu_recurrent.cpp",
+        "cpu_sparse_attention.cpp",
         "cpu_module.cpp",
     )
 ]

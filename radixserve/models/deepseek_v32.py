@@ -6,9 +6,10 @@ best.
 The indexer's key is kept per token in the KV pool, in the same row as the MLA latent (the row
 is `kv_lora_rank + qk_rope_head_dim + index_head_dim` wide; queries carry zeros there), so the
 radix tree, HiCache, PD transfers and KV events carry it exactly as they carry the latent, and
-a prefix from the cache selects the same tokens as a fresh one. A query that sees at most
-`index_topk` tokens attends to all of them: the step's dense attention is exact for it; the
-rows of queries that see more are attended again over their selection."""
+a prefix from the cache selects the same tokens as a fresh one. Each query attends only to its
+selection (every token it sees while that is at most `index_topk`): the layer stores its rows
+and runs the sparse kernel (`cpu_sparse_attention.cpp` on CPU; `sparse_mla.py` is the Triton
+one), never a dense pass."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve_kernels.sparse_mla_ref import sparse_latent_attention_ref
+
 from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import DecoderLayer, Rope
 from .deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention, pairs_first
-from .layers import Linear, apply_rotary
+from .layers import Linear, apply_rotary, fused
 from .moe import unstack_experts
 from .recipe import LayerNorm
 
@@ -85,45 +88,48 @@ class SparseLatentAttention(LatentAttention):
             key = torch.cat([key, self.indexer.keys(x, cos, sin)], dim=-1)
         else:
             key = F.pad(key, (0, self.index_dim))
-        query = F.pad(query, (0, self.index_dim))
-        empty = key.new_empty(key.shape[0], 1, 0)
-        out = backend.forward(self.layer, query, key, empty, self.how)
-        return self.finish(self.attend_selected(out, query, x, q_resid, cos, sin, backend))
+        inputs, pool = backend.inputs, backend.pool
+        pool.store(self.layer, inputs.out_cache_loc, key, key.new_empty(key.shape[0], 1, 0))
+        slots = self.selected_slots(x, q_resid, cos, sin, inputs, pool)
+        return self.finish(self.attend_selected(query, pool, slots).flatten(1))
 
-    def attend_selected(self, out, query, x, q_resid, cos, sin, backend) -> torch.Tensor:
-        """The rows of queries that see more than `index_topk` tokens, attended again over
-        their `index_topk` best by the indexer."""
-        inputs, topk = backend.inputs, self.topk
-        starts = torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens
-        rows = []
+    def selected_slots(self, x, q_resid, cos, sin, inputs, pool) -> torch.Tensor:
+        """`[T, index_topk]` pool slots each of this step's queries attends to: every token it
+        sees while that is at most `index_topk` (the rest -1), else the indexer's best (or, in
+        a layer without an indexer, the previous indexer's choice this step)."""
+        topk, width = self.topk, self.rank + self.rope_dim
+        starts = (torch.cumsum(inputs.extend_lens, 0) - inputs.extend_lens).tolist()
+        chosen = torch.full((x.shape[0], topk), -1, dtype=torch.long, device=x.device)
         for b in range(len(inputs.rows)):
             seq_len, n = int(inputs.seq_lens[b]), int(inputs.extend_lens[b])
-            first = max(seq_len - n, topk)  # the first position that sees more than topk
-            if first < seq_len:
-                rows.append((b, int(starts[b]) + first - (seq_len - n), first, seq_len))
-        if not rows:
-            return out
-        out = out.clone()
-        for b, row, first, seq_len in rows:
-            n = seq_len - first
-            slots = inputs.req_to_token[inputs.rows[b], :seq_len]
-            keys = backend.pool.k[self.layer][slots, 0].float()
-            main, index = keys[:, : self.rank + self.rope_dim], keys[:, self.rank + self.rope_dim :]
-            at = slice(row, row + n)
-            positions = torch.arange(first, seq_len).unsqueeze(1)
-            visible = torch.arange(seq_len).unsqueeze(0) <= positions
+            at = slice(starts[b], starts[b] + n)
+            positions = torch.arange(seq_len - n, seq_len, device=x.device).unsqueeze(1)
+            visible = torch.arange(seq_len, device=x.device).unsqueeze(0) <= positions
             if self.indexer is not None:
-                scores = self.indexer.scores(x[at], q_resid[at], cos[at], sin[at], index)
-                chosen = scores.masked_fill(~visible, float("-inf")).topk(topk, dim=-1).indices
-                self.selections[b] = chosen
-            chosen = self.selections[b]
-            allowed = torch.zeros_like(visible).scatter_(1, chosen, True) & visible
-            q = query[at, :, : self.rank + self.rope_dim].float()
-            attn = torch.einsum("nhc,lc->nhl", q, main) * self.how.scale
-            attn = attn.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1)
-            rows_out = torch.einsum("nhl,lc->nhc", attn, main[:, : self.rank])
-            out[at] = rows_out.reshape(n, -1).to(out.dtype)
-        return out
+                slots = inputs.req_to_token[inputs.rows[b], :seq_len]
+                keys = pool.read(pool.k[self.layer][slots, 0], pool.k_scale[self.layer], x.dtype)
+                index = keys[:, width:]
+                if seq_len > topk:
+                    scores = self.indexer.scores(x[at], q_resid[at], cos[at], sin[at], index)
+                    scores = scores.masked_fill(~visible, float("-inf"))
+                    self.selections[b] = scores.topk(topk, dim=-1).indices
+                else:
+                    self.selections[b] = torch.arange(topk, device=x.device).expand(n, topk)
+            picked = self.selections[b]  # positions; those a query does not see become -1
+            row = inputs.req_to_token[inputs.rows[b]]
+            chosen[at] = torch.where(picked <= positions, row[picked.clamp(max=seq_len - 1)], -1)
+        return chosen
+
+    def attend_selected(self, query: torch.Tensor, pool, slots: torch.Tensor) -> torch.Tensor:
+        """Each query over its selected latents, through the CPU kernel where there is one."""
+        rows, scale = pool.k[self.layer][:, 0], self.how.scale
+        q = query.float().contiguous()
+        if (ops := fused(self.cpu_ops)) is not None and not pool.is_fp8:
+            out = ops.sparse_latent_attention(q, rows, slots, scale, self.rank)
+        else:
+            rows = pool.read(rows, pool.k_scale[self.layer], torch.float32)
+            out = sparse_latent_attention_ref(q, rows, slots, scale, self.rank)
+        return out.to(query.dtype)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
