@@ -407,6 +407,28 @@ def test_tensor_parallel_matches_hf(tmp_path, family):
         assert server.stop() == 0, server.log()
 
 
+def test_gemma4_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 4 ships as `Gemma4ForConditionalGeneration` (vision tower beside the language
+    model): served as its language model, the tower's tensors skipped; HF's whole model fed
+    text alone gives the same greedy tokens, fresh and from the cache."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
+    whole = dict(
+        text_config={**COMMON, **FAMILIES["gemma4_text"][2]},
+        vision_config=dict(vision, num_attention_heads=2, num_key_value_heads=2),
+        audio_config=None,
+        image_token_id=500,
+        boi_token_id=501,
+        eoi_token_id=502,
+        video_token_id=503,
+    )
+    multimodal = {"gemma4": (hf.Gemma4Config, hf.Gemma4ForConditionalGeneration, whole)}
+    model, path = build_checkpoint(tmp_path, "gemma4", multimodal, {})
+    want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    fresh, cached = served_twice(path)
+    assert fresh == want
+    assert cached == want
+
+
 def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_path):
     """LoRA and disaggregation assume one head dim in every layer: refused at start-up, named."""
     _, path = build_checkpoint(tmp_path, "gemma4_moe")

@@ -13,7 +13,10 @@ scaled by sqrt(hidden), q and k normed per head, sliding local layers), and what
 - per-layer inputs (PLE): a second embedding of each token, one slice per layer, mixed with a
   projection of the token's embedding, gated into each layer's output;
 - a learnt scalar on each layer's output, and (`enable_moe_block`) routed experts beside the
-  MLP, each with its own norms."""
+  MLP, each with its own norms.
+
+A multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served as its language model;
+its vision and audio towers are not loaded."""
 
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ from .moe import Experts, unstack_experts
 from .recipe import UnweightedNorm
 
 SLIDING, FULL = 0, 1  # the rotary table of each kind of layer
+NOT_TEXT = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
 
 
 class Gemma4Attention(Attention):
@@ -227,6 +236,13 @@ class Gemma4ForCausalLM(CausalLM):
         mixed = model.per_layer_model_projection(embeds) * self.cfg.hidden_size**-0.5
         mixed = model.per_layer_projection_norm(mixed.view(-1, self.ple)).view(shape)
         return (mixed + own) * 2**-0.5
+
+    def rename(self, name: str) -> str | None:
+        """A multimodal checkpoint's language model (`model.language_model.`); its towers and
+        their projections are not served."""
+        if name.startswith(NOT_TEXT):
+            return None
+        return name.replace("model.language_model.", "model.", 1)
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))

@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
@@ -100,6 +101,9 @@ MODEL_TYPES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
+# multimodal checkpoints whose language model is served alone (a request with images is refused
+# as for any text model): the family that serves it
+TEXT_OF_MULTIMODAL = {"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
@@ -139,12 +143,17 @@ class UnsupportedModel(ValueError):
 def language_model_config(hf: dict) -> dict:
     """The config a family reads: a vision-language checkpoint's `text_config` with its
     architecture, its image tokens and vision config, and the stop tokens and tying the top
-    level sets; else the config itself."""
+    level sets (a multimodal checkpoint served as text: its text family's architecture); else
+    the config itself."""
     named = (hf.get("architectures") or [None])[0]
-    if named not in VISION_LANGUAGE:
+    if named in TEXT_OF_MULTIMODAL:
+        text, kept = dict(hf["text_config"], architectures=[TEXT_OF_MULTIMODAL[named]]), ()
+    elif named in VISION_LANGUAGE:
+        text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
+        kept = VISION_KEYS
+    else:
         return hf
-    text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
-    for key in VISION_KEYS + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+    for key in kept + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key in hf and key not in text:
             text[key] = hf[key]
     return text
