@@ -440,6 +440,39 @@ def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_pat
             Engine(model=str(path), dtype="float32", max_total_tokens=256, **option)
 
 
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (
+            dict(
+                num_kv_shared_layers=1, layer_types=["full_attention"] * 2 + ["sliding_attention"]
+            ),
+            "num_kv_shared_layers",
+        ),
+        (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+        (dict(layer_types=["full_attention"] * 2), "layer_types"),
+        (
+            dict(layer_types=["full_attention", "chunked_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    ],
+)
+def test_a_gemma4_config_that_cannot_run_is_refused_naming_the_field(tmp_path, change, named):
+    from radixserve.models.source import read_config
+
+    config = {
+        **COMMON,
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "layer_types": SLIDING_THEN_FULL,
+        **change,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=named):
+        read_config(tmp_path)
+
+
 def test_unsupported_architecture_is_one_line(tmp_path):
     model_dir = tmp_path / "mamba"
     model_dir.mkdir()

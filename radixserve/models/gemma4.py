@@ -154,8 +154,6 @@ class Gemma4Layer(nn.Module):
 class Gemma4ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         hf = cfg.hf_config
-        if hf.get("use_bidirectional_attention") == "all":
-            raise ValueError("config.json: use_bidirectional_attention 'all' is not implemented")
         self.embed_scale = cfg.hidden_size**0.5
         self.final_softcap = hf.get("final_logit_softcapping")
         self.types = hf["layer_types"]

@@ -214,12 +214,37 @@ def check_supported(hf: dict) -> None:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     if architecture_of(hf) == "NemotronHForCausalLM":
         _check_nemotron_h(hf)
+    if architecture_of(hf) == "Gemma4ForCausalLM":
+        _check_gemma4(hf)
     for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
         if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
             raise UnsupportedModel(
                 f"config.json: {key} {hf[key]!r} is not implemented; supported: "
                 f"{', '.join(sorted(ACTIVATIONS))}"
             )
+
+
+def _check_gemma4(hf: dict) -> None:
+    """Gemma 4's layer kinds: each KV-sharing layer needs an earlier layer of its kind to read."""
+    if hf.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModel("config.json: use_bidirectional_attention 'all' is not implemented")
+    types = hf.get("layer_types")
+    if not types or len(types) != hf["num_hidden_layers"] or "full_attention" not in types:
+        raise UnsupportedModel(
+            "config.json: layer_types must name num_hidden_layers layers, one of them "
+            "'full_attention'"
+        )
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModel(f"config.json: layer_types {sorted(unknown)} are not Gemma 4's")
+    shared = hf.get("num_kv_shared_layers") or 0
+    if not 0 <= shared < len(types) or not set(types[len(types) - shared :]) <= set(
+        types[: len(types) - shared]
+    ):
+        raise UnsupportedModel(
+            f"config.json: num_kv_shared_layers {shared}: each shared layer needs an earlier "
+            "layer of its kind"
+        )
 
 
 def _check_nemotron_h(hf: dict) -> None:
