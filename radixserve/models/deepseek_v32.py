@@ -121,8 +121,13 @@ class SparseLatentAttention(LatentAttention):
         return chosen
 
     def attend_selected(self, query: torch.Tensor, pool, slots: torch.Tensor) -> torch.Tensor:
-        """Each query over its selected latents, through the CPU kernel where there is one."""
+        """Each query over its selected latents: the CPU kernel, the Triton kernel on a GPU, or
+        (an FP8 pool, no compiled kernels) the torch reference."""
         rows, scale = pool.k[self.layer][:, 0], self.how.scale
+        if rows.is_cuda and not pool.is_fp8:
+            from radixserve_kernels import sparse_latent_attention
+
+            return sparse_latent_attention(query, rows, slots, scale, self.rank)
         q = query.float().contiguous()
         if (ops := fused(self.cpu_ops)) is not None and not pool.is_fp8:
             out = ops.sparse_latent_attention(q, rows, slots, scale, self.rank)
