@@ -6,7 +6,8 @@ Two formats of the family, as SGLang and vLLM name them:
   starts inside the reasoning and everything before `</think>` is reasoning;
 - `qwen3` (and `glm45`): the model opens `<think>` when it thinks (not with
   `enable_thinking: false`), so an output that does not start with `<think>` is all content;
-- `seed_oss`: the same with Seed-OSS's `<seed:think>` and `</seed:think>`.
+- `seed_oss`: the same with Seed-OSS's `<seed:think>` and `</seed:think>`;
+- `gemma4`: the same with Gemma 4's `<|channel>thought` and `<channel|>`.
 
 An output cut off before `</think>` is all reasoning. Text is never stripped: the reasoning is
 what lies between the tags, the content what follows the closing one.
@@ -52,6 +53,7 @@ PARSERS = {
         ReasoningParser("qwen3", False),
         ReasoningParser("glm45", False),
         ReasoningParser("seed_oss", False, "<seed:think>", "</seed:think>"),
+        ReasoningParser("gemma4", False, "<|channel>thought", "<channel|>"),
     )
 }
 
@@ -63,6 +65,8 @@ def detect_reasoning(chat_template: str | None) -> str | None:
     template = chat_template or ""
     if "<seed:think>" in template:
         return "seed_oss"
+    if "<|channel>" in template:
+        return "gemma4"
     if START not in template:
         return None
     prompt = template.rpartition("add_generation_prompt")[2]

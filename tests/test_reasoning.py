@@ -123,3 +123,22 @@ def test_seed_oss_reasons_between_its_own_tags_whole_and_streamed():
         parts = [stream.feed(text[:cut]), stream.feed(text, finished=True)]
         assert "".join(r for r, _ in parts) == "First, the city."
         assert "".join(c for _, c in parts) == "It is sunny."
+
+
+def test_gemma4_reasons_in_its_thought_channel_whole_and_streamed():
+    from radixserve.reasoning import (
+        StreamingReasoningParser,
+        detect_reasoning,
+        make_reasoning_parser,
+    )
+
+    assert detect_reasoning("{{ '<|channel>thought' }}{{ m }}{{ '<channel|>' }}") == "gemma4"
+    parser = make_reasoning_parser("gemma4")
+    text = "<|channel>thought\nFirst, the city.<channel|>It is sunny."
+    assert parser.split(text) == ("\nFirst, the city.", "It is sunny.")
+    assert parser.split("It is sunny.") == (None, "It is sunny.")
+    for cut in range(1, len(text)):
+        stream = StreamingReasoningParser(parser)
+        parts = [stream.feed(text[:cut]), stream.feed(text, finished=True)]
+        assert "".join(r for r, _ in parts) == "\nFirst, the city."
+        assert "".join(c for _, c in parts) == "It is sunny."

@@ -101,6 +101,44 @@ CASES = [
         Parsed("", [TIME]),
     ),
     ("pythonic", "[1, 2, 3] are numbers.", Parsed("[1, 2, 3] are numbers.")),
+    (
+        "gemma4",
+        'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>C<|"|>}<tool_call|>'
+        '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>',
+        Parsed("Checking.", [WEATHER, TIME]),
+    ),
+    (
+        "gemma4",
+        '<|tool_call>call:plan{n:3,ok:true,steps:[1,<|"|>a, b}<|"|>],at:{<|"|>x y<|"|>:null},'
+        "t:-1.5e3}<tool_call|>",
+        Parsed(
+            "",
+            [
+                ToolCall(
+                    "plan",
+                    json.dumps(
+                        {
+                            "n": 3,
+                            "ok": True,
+                            "steps": [1, "a, b}"],
+                            "at": {"x y": None},
+                            "t": -1500.0,
+                        }
+                    ),
+                )
+            ],
+        ),
+    ),  # numbers, booleans, lists, objects, a quoted key, brackets inside a string
+    (
+        "gemma4",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>C<|"|>}',
+        Parsed("", [WEATHER]),
+    ),  # cut at EOS
+    (
+        "gemma4",
+        "<|tool_call>call:get_time{zone:CET}<tool_call|> left as text",
+        Parsed("<|tool_call>call:get_time{zone:CET}<tool_call|> left as text"),
+    ),  # an unquoted string is not a value
 ]
 
 
@@ -144,6 +182,7 @@ def test_parser_names_and_detection():
     assert detect_parser("{{ '<seed:tool_call>' }}") == "seed_oss"
     assert detect_parser("<|START_ACTION|>{{ calls }}<|END_ACTION|>") == "command_a"
     assert detect_parser("{{ '<|python_start|>' }}[func_name(params)]") == "pythonic"
+    assert detect_parser("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == "gemma4"
 
 
 FUNCTIONS = [

@@ -10,6 +10,8 @@ Formats (`--tool-call-parser`, names as in SGLang where one exists):
 - `seed_oss`: `<seed:tool_call><function=name><parameter=k>v</parameter></function>`.
 - `command_a` (Command A): `<|START_ACTION|>` a JSON list of `{"tool_name", "parameters"}`.
 - `pythonic` (Llama 4): the whole output a Python list of calls, `[f(a=1), g(b="x")]`.
+- `gemma4` (Gemma 4): `<|tool_call>call:name{key:<|"|>text<|"|>,n:3}<tool_call|>`, keys bare,
+  strings between `<|"|>` marks, other values (numbers, booleans, objects, lists) written out.
 
 Text outside calls is content. A call whose JSON does not parse stays content (the caller can
 constrain decoding so that this cannot happen). Streaming holds back any text that may be the
@@ -22,71 +24,11 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any
 
+from .gemma4 import Gemma4Parser
+from .tagged import Parsed, TaggedParser, ToolCall, _call_from, _loads
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object's text
-
-
-@dataclass
-class Parsed:
-    content: str
-    calls: list[ToolCall] = field(default_factory=list)
-
-
-def _call_from(obj: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(arguments_key, obj.get("arguments", {}))
-    if isinstance(args, str):  # some models emit the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-class TaggedParser:
-    """Calls between a start and an end marker (hermes: a JSON call); the end may be missing at
-    the end of output. Other tagged formats say how a block's body reads (`calls_of`)."""
-
-    json_body = True  # the body is a JSON call (the auto grammar can constrain it)
-
-    def __init__(self, start: str, end: str, arguments_key: str = "arguments"):
-        self.start, self.end, self.arguments_key = start, end, arguments_key
-
-    def calls_of(self, body: str) -> list[ToolCall] | None:
-        call = _call_from(_loads(body.strip()), self.arguments_key)
-        return None if call is None else [call]
-
-    def parse(self, text: str) -> Parsed:
-        content, calls, rest = [], [], text
-        while (at := rest.find(self.start)) >= 0:
-            content.append(rest[:at])
-            body_start = at + len(self.start)
-            stop = rest.find(self.end, body_start)
-            body = rest[body_start:] if stop < 0 else rest[body_start:stop]
-            found = self.calls_of(body)
-            if not found:  # not a call after all: keep the text
-                content.append(rest[at:] if stop < 0 else rest[at : stop + len(self.end)])
-            else:
-                calls += found
-            rest = "" if stop < 0 else rest[stop + len(self.end) :]
-        content.append(rest)
-        return Parsed("".join(content).strip() if calls else "".join(content), calls)
+__all__ = ["Parsed", "ToolCall", "TaggedParser", "Gemma4Parser"]
 
 
 def _value(text: str):
@@ -279,6 +221,7 @@ PARSERS = {
     "seed_oss": SeedOssParser,
     "command_a": CommandAParser,
     "pythonic": PythonicParser,
+    "gemma4": Gemma4Parser,
 }
 
 
@@ -296,6 +239,7 @@ TEMPLATE_MARKERS = {
     "<seed:tool_call>": "seed_oss",
     "<|START_ACTION|>": "command_a",
     "<|python_start|>": "pythonic",
+    "<|tool_call>": "gemma4",
 }
 # markers of tool formats a chat template may show that no parser here reads
 UNPARSED_FORMATS = {
