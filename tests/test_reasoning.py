@@ -5,7 +5,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixserve.models.source import resolve_model
-from radixserve.reasoning import PARSERS, StreamingReasoningParser, make_reasoning_parser
+from radixserve.reasoning import (
+    PARSERS,
+    StreamingReasoningParser,
+    detect_reasoning,
+    make_reasoning_parser,
+)
 from radixserve.tokenizer import apply_chat_template, encode_prompt
 
 OUTPUTS = [
@@ -103,17 +108,29 @@ def test_template_variables_and_a_continued_final_message(bos_tokenizer):
         bos_tokenizer.chat_template = template
 
 
-def test_seed_oss_reasons_between_its_own_tags_whole_and_streamed():
-    from radixserve.reasoning import (
-        StreamingReasoningParser,
-        detect_reasoning,
-        make_reasoning_parser,
-    )
-
-    assert detect_reasoning("{{ '<seed:think>' }}{{ m }}{{ '</seed:think>' }}") == "seed_oss"
-    parser = make_reasoning_parser("seed_oss")
-    text = "<seed:think>First, the city.</seed:think>It is sunny."
-    assert parser.split(text) == ("First, the city.", "It is sunny.")
+@pytest.mark.parametrize(
+    "name,template,text,reasoning",
+    [
+        (
+            "seed_oss",
+            "{{ '<seed:think>' }}{{ m }}{{ '</seed:think>' }}",
+            "<seed:think>First, the city.</seed:think>It is sunny.",
+            "First, the city.",
+        ),
+        (
+            "gemma4",
+            "{{ '<|channel>thought' }}{{ m }}{{ '<channel|>' }}",
+            "<|channel>thought\nFirst, the city.<channel|>It is sunny.",
+            "\nFirst, the city.",
+        ),
+    ],
+)
+def test_families_reason_between_their_own_tags_whole_and_streamed(name, template, text, reasoning):
+    """Seed-OSS's and Gemma 4's tags, detected from their templates; an output that opens no
+    tag (or another family's) is all content."""
+    assert detect_reasoning(template) == name
+    parser = make_reasoning_parser(name)
+    assert parser.split(text) == (reasoning, "It is sunny.")
     assert parser.split("No reasoning <think>here</think>.") == (
         None,
         "No reasoning <think>here</think>.",
@@ -121,24 +138,5 @@ def test_seed_oss_reasons_between_its_own_tags_whole_and_streamed():
     for cut in range(1, len(text)):
         stream = StreamingReasoningParser(parser)
         parts = [stream.feed(text[:cut]), stream.feed(text, finished=True)]
-        assert "".join(r for r, _ in parts) == "First, the city."
-        assert "".join(c for _, c in parts) == "It is sunny."
-
-
-def test_gemma4_reasons_in_its_thought_channel_whole_and_streamed():
-    from radixserve.reasoning import (
-        StreamingReasoningParser,
-        detect_reasoning,
-        make_reasoning_parser,
-    )
-
-    assert detect_reasoning("{{ '<|channel>thought' }}{{ m }}{{ '<channel|>' }}") == "gemma4"
-    parser = make_reasoning_parser("gemma4")
-    text = "<|channel>thought\nFirst, the city.<channel|>It is sunny."
-    assert parser.split(text) == ("\nFirst, the city.", "It is sunny.")
-    assert parser.split("It is sunny.") == (None, "It is sunny.")
-    for cut in range(1, len(text)):
-        stream = StreamingReasoningParser(parser)
-        parts = [stream.feed(text[:cut]), stream.feed(text, finished=True)]
-        assert "".join(r for r, _ in parts) == "\nFirst, the city."
+        assert "".join(r for r, _ in parts) == reasoning
         assert "".join(c for _, c in parts) == "It is sunny."
