@@ -440,6 +440,27 @@ def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_pat
             Engine(model=str(path), dtype="float32", max_total_tokens=256, **option)
 
 
+def test_gemma4_hub_config_gives_the_same_pool_as_transformers_own(tmp_path):
+    """Gemma 4's configs on the hub name the global layers' shape by `global_head_dim` and
+    `num_global_key_value_heads`; transformers 5 saves it as `per_layer_config`: the same pool
+    from either."""
+    from radixserve.model_config import ModelConfig
+
+    _, path = build_checkpoint(tmp_path, "gemma4_text")
+    saved = json.loads((path / "config.json").read_text())
+    hub = {k: v for k, v in saved.items() if k != "per_layer_config"}
+    hub |= dict(global_head_dim=32, num_global_key_value_heads=2)
+    want = [(4, 16), (2, 32), (4, 16), (2, 32)]  # the four layers that store KV
+    assert ModelConfig.from_hf_dict(saved).kv_layer_dims == tuple(want)
+    assert ModelConfig.from_hf_dict(hub).kv_layer_dims == tuple(want)
+    assert ModelConfig.from_hf_dict(dict(hub, attention_k_eq_v=False)).kv_layer_dims == (
+        (4, 16),
+        (4, 32),
+        (4, 16),
+        (4, 32),
+    )  # without k = v the global layers keep num_key_value_heads, as HF reads it
+
+
 @pytest.mark.parametrize(
     "change,named",
     [
