@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from recurrent_kernels import median_ms
 
 from radixserve_kernels.cpu_ops import load
 
@@ -47,16 +46,6 @@ def selection(contexts: list[tuple[int, int]], gen) -> torch.Tensor:
     return torch.stack(picked)
 
 
-def best_of(runs: int, fn) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", type=int, default=16)
@@ -76,16 +65,16 @@ def main() -> None:
             queries = sum(n for _, n in contexts)
             q = torch.randn(queries, args.heads, RANK + ROPE, generator=gen) * 0.05
             slots = selection(contexts, gen)
-            dense_s = best_of(args.runs, lambda: dense(q.bfloat16(), rows, contexts, scale))
-            sparse_s = best_of(
-                args.runs, lambda: kernels.sparse_latent_attention(q, rows, slots, scale, RANK)
+            dense_ms = median_ms(lambda: dense(q.bfloat16(), rows, contexts, scale), args.runs)
+            sparse_ms = median_ms(
+                lambda: kernels.sparse_latent_attention(q, rows, slots, scale, RANK), args.runs
             )
             row = {
                 "context": context,
                 "step": step,
-                "dense_ms": round(dense_s * 1e3, 2),
-                "sparse_ms": round(sparse_s * 1e3, 2),
-                "speedup": round(dense_s / sparse_s, 2),
+                "dense_ms": round(dense_ms, 2),
+                "sparse_ms": round(sparse_ms, 2),
+                "speedup": round(dense_ms / sparse_ms, 2),
             }
             print(row)
             results.append(row)

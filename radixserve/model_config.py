@@ -181,8 +181,7 @@ def layer_attention_dims(cfg: dict[str, Any], types: list[str] | None, i: int) -
     """(KV heads, head dim) of attention layer i: HF's `per_layer_config` overrides, or Gemma 4's
     `global_head_dim` and `num_global_key_value_heads` (with `attention_k_eq_v`) on its
     full-attention layers; else the config's own."""
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads, dim = own_attention_dims(cfg)
     overrides = (cfg.get("per_layer_config") or {}).get(str(i))
     if overrides is None and types and types[i] == "full_attention":
         overrides = {"head_dim": cfg.get("global_head_dim", dim)}
@@ -192,11 +191,16 @@ def layer_attention_dims(cfg: dict[str, Any], types: list[str] | None, i: int) -
     return overrides.get("num_key_value_heads", heads), overrides.get("head_dim", dim)
 
 
+def own_attention_dims(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(KV heads, head dim) the config states for every layer."""
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return heads, cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def kv_layer_dims_of(cfg: dict[str, Any], types: list[str] | None):
     """(KV heads, head dim) of each KV layer where layers differ in them (Gemma 4), else None."""
     if "per_layer_config" not in cfg and "global_head_dim" not in cfg:
         return None
     layers = kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0) or len(types or [])
     dims = tuple(layer_attention_dims(cfg, types, i) for i in range(layers))
-    own = layer_attention_dims({k: v for k, v in cfg.items() if k != "per_layer_config"}, None, 0)
-    return dims if any(d != own for d in dims) else None
+    return dims if any(d != own_attention_dims(cfg) for d in dims) else None

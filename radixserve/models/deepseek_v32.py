@@ -107,8 +107,8 @@ class SparseLatentAttention(LatentAttention):
             visible = torch.arange(seq_len, device=x.device).unsqueeze(0) <= positions
             if self.indexer is not None:
                 slots = inputs.req_to_token[inputs.rows[b], :seq_len]
-                keys = pool.read(pool.k[self.layer][slots, 0], pool.k_scale[self.layer], x.dtype)
-                index = keys[:, width:]
+                index = pool.k[self.layer][slots, 0, width:]
+                index = pool.read(index, pool.k_scale[self.layer], x.dtype)
                 if seq_len > topk:
                     scores = self.indexer.scores(x[at], q_resid[at], cos[at], sin[at], index)
                     scores = scores.masked_fill(~visible, float("-inf"))

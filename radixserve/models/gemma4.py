@@ -162,12 +162,10 @@ class Gemma4ForCausalLM(CausalLM):
         self.built: list[Gemma4Layer] = []  # make_layer's layers so far: a shared one's source
         super().__init__(cfg, max_positions, tp)
         if self.ple:
-            layers, width = cfg.num_layers, cfg.num_layers * self.ple
-            vocab = hf["vocab_size_per_layer_input"]
+            width, vocab = cfg.num_layers * self.ple, hf["vocab_size_per_layer_input"]
             self.model.embed_tokens_per_layer = nn.Embedding(vocab, width)
             self.model.per_layer_model_projection = Linear(cfg.hidden_size, width)
             self.model.per_layer_projection_norm = RMSNorm(self.ple, cfg.rms_norm_eps)
-            self.ple_shape = (layers, self.ple)
 
     def kv_source(self, i: int) -> int:
         """The pool layer layer i reads: its own, or for a shared layer the last layer of its
@@ -228,7 +226,7 @@ class Gemma4ForCausalLM(CausalLM):
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """`[T, layers, ple]`: each token's own per-layer embedding (times sqrt(ple)) and a
         normed projection of its embedding, summed and scaled by 1/sqrt(2)."""
-        model, shape = self.model, (-1, *self.ple_shape)
+        model, shape = self.model, (-1, self.cfg.num_layers, self.ple)
         own = model.embed_tokens_per_layer(input_ids).view(shape)
         own = own * torch.tensor(self.ple**0.5, dtype=own.dtype)
         mixed = model.per_layer_model_projection(embeds) * self.cfg.hidden_size**-0.5

@@ -47,7 +47,6 @@ ARCHITECTURES = {
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
-    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
@@ -168,7 +167,7 @@ def architecture_of(hf: dict) -> str:
         return MODEL_TYPES[hf.get("model_type", "llama")]
     raise UnsupportedModel(
         f"unsupported model architecture {named!r} (model_type {hf.get('model_type')!r}); "
-        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        f"supported: {', '.join(sorted([*ARCHITECTURES, *TEXT_OF_MULTIMODAL]))}"
     )
 
 
