@@ -172,6 +172,21 @@ def test_streamed_in_every_split_gives_the_same_and_never_leaks_a_partial_marker
                 assert content == text
 
 
+@pytest.mark.parametrize(
+    "name,opening,closing",
+    [
+        ("gemma4", "<|tool_call>call:f{a:", "}<tool_call|>"),
+        ("hermes", '<tool_call>{"name": "f", "arguments": ', "}</tool_call>"),
+        ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": ', "}]"),
+    ],
+)
+def test_values_nested_past_any_reason_stay_text(name, opening, closing):
+    """Values are read recursively (by json or Gemma 4's reader): 100,000 nested lists in a
+    call are text, not a crash."""
+    text = opening + "[" * 100_000 + "]" * 100_000 + closing
+    assert make_parser(name).parse(text) == Parsed(text)
+
+
 def test_parser_names_and_detection():
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         make_parser("nope")

@@ -207,7 +207,7 @@ def _complete_items(text: str) -> list:
             at += 1
         try:
             item, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return items
         items.append(item)
 

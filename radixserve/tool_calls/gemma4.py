@@ -27,7 +27,7 @@ class Gemma4Parser(TaggedParser):
         while (found := self.NAME.match(body, at)) is not None:
             try:
                 args, at = self._value(body, found.end())
-            except (ValueError, IndexError):
+            except (ValueError, IndexError, RecursionError):  # not a call (or nested past reason)
                 return None
             if not isinstance(args, dict):
                 return None

@@ -27,7 +27,7 @@ def _call_from(obj: Any, arguments_key: str) -> ToolCall | None:
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -35,9 +35,10 @@ def _call_from(obj: Any, arguments_key: str) -> ToolCall | None:
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of `text`; None where it is not one (or nests past Python's stack)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
