@@ -128,3 +128,25 @@ def test_refused_combinations_name_what_is_wrong():
     ]:
         r = run(*args, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
+
+
+def test_dtype_auto_follows_the_cpus_measured_bf16_speed():
+    """bf16 where bench/serving.py measured it faster (AMX-BF16; AVX512-BF16 on AMD), float32 on
+    Intel's AVX512-BF16 without AMX and on CPUs without native bf16, each with its reason."""
+    import torch
+
+    from radixserve.worker.device import cpu_auto_dtype
+
+    def cpu(vendor: str, *flags: str) -> str:
+        return f"vendor_id\t: {vendor}\nflags\t\t: fpu sse avx2 avx512f {' '.join(flags)}\n"
+
+    cases = [
+        (cpu("GenuineIntel", "avx512_bf16", "amx_tile", "amx_bf16"), torch.bfloat16, "AMX"),
+        (cpu("AuthenticAMD", "avx512_bf16"), torch.bfloat16, "AVX512-BF16"),
+        (cpu("GenuineIntel", "avx512_bf16"), torch.float32, "Intel"),
+        (cpu("AuthenticAMD"), torch.float32, "no native bf16"),
+        ("", torch.float32, "no native bf16"),
+    ]
+    for cpuinfo, dtype, reason in cases:
+        got, why = cpu_auto_dtype(cpuinfo)
+        assert (got, reason in why) == (dtype, True), (cpuinfo, got, why)

@@ -7,9 +7,11 @@ decoder layers' loop over them in one call (`cpu_decoder.cpp`), the FP8 weight G
 (`cpu_recurrent.cpp`), and sparse latent attention over each query's selected rows (DSA,
 `cpu_sparse_attention.cpp`).
 
-torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into
-radixserve's cache folder (~45 s once per machine, done by scripts/setup.sh; later starts load
-the cached library, and a changed source rebuilds). Where no compiler or ninja is found,
+torch's cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native, then
+the flags in RADIXSERVE_KERNEL_CFLAGS, e.g. `-mno-amx-tile -mno-amx-bf16` to build for a CPU
+without AMX) into radixserve's cache folder (~45 s once per machine, done by
+scripts/setup.sh; later starts load the cached library, and a changed source or flag
+rebuilds). Where no compiler or ninja is found,
 `load()` returns None and callers keep their pure-torch path (bench/results/cpu.md has the
 kernels' figures against it).
 """
@@ -106,7 +108,8 @@ def load():
             return cpp_extension.load(
                 name="radixserve_cpu_ops",
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", headers_flag()],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", headers_flag()]
+                + os.environ.get("RADIXSERVE_KERNEL_CFLAGS", "").split(),
                 build_directory=str(build),
                 verbose=False,
             )

@@ -34,8 +34,8 @@ class ModelOptions:
     )
     dtype: str = option(
         "auto",
-        "weights/KV dtype; auto = bfloat16 on GPU and on CPUs with native bf16 dot products "
-        "(AMX-BF16 or AVX512-BF16), else float32",
+        "weights/KV dtype; auto = bfloat16 on GPU and on CPUs where it is faster (AMX-BF16; "
+        "AVX512-BF16 on AMD), else float32",
         DTYPES,
     )
     quantization: str | None = option(
