@@ -407,14 +407,15 @@ def test_tensor_parallel_matches_hf(tmp_path, family):
         assert server.stop() == 0, server.log()
 
 
-def test_gemma4_multimodal_checkpoint_serves_its_language_model(tmp_path):
-    """Gemma 4 ships as `Gemma4ForConditionalGeneration` (vision tower beside the language
-    model): served as its language model, the tower's tensors skipped; HF's whole model fed
-    text alone gives the same greedy tokens, fresh and from the cache."""
+@pytest.mark.parametrize("tower", [True, False], ids=["with_vision", "without_vision"])
+def test_gemma4_multimodal_checkpoint_answers_text_as_hf(tmp_path, tower):
+    """Gemma 4 ships as `Gemma4ForConditionalGeneration`: served with its vision tower (images:
+    tests/test_vision_models.py), or as its language model where the checkpoint has none; HF's
+    whole model fed text alone gives the same greedy tokens, fresh and from the cache."""
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
     whole = dict(
         text_config={**COMMON, **FAMILIES["gemma4_text"][2]},
-        vision_config=dict(vision, num_attention_heads=2, num_key_value_heads=2),
+        vision_config=dict(vision, num_attention_heads=2, num_key_value_heads=2) if tower else None,
         audio_config=None,
         image_token_id=500,
         boi_token_id=501,

@@ -13,6 +13,7 @@ import torch
 import transformers as hf
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -91,12 +92,43 @@ GEMMA_PRE = {
     "image_std": [0.5, 0.5, 0.5],
     "do_pan_and_scan": False,
 }
+GEMMA4_MARKERS = ["<|image|>", "<|image>", "<image|>"]  # image, start, end
+GEMMA4_TEXT = dict(
+    TEXT,
+    num_hidden_layers=4,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=24,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    num_kv_shared_layers=1,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB,
+    use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0,
+    pad_token_id=0,
+)
+GEMMA4_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, patch_size=8, pooling_kernel_size=2,
+    position_embedding_size=256, use_clipped_linears=True, standardize=True,
+)  # fmt: skip
+GEMMA4_PRE = {
+    "image_processor_type": "Gemma4ImageProcessor",
+    "patch_size": 8,
+    "pooling_kernel_size": 2,
+    "max_soft_tokens": 70,
+}
+CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
 def build_vl_checkpoint(root, family: str, model_dir):
     """(HF model, its folder): weights large enough that greedy choices are not near-ties."""
     if family == "gemma3":
         return build_gemma3_checkpoint(root, model_dir)
+    if family == "gemma4":
+        return build_gemma4_checkpoint(root, model_dir)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -162,6 +194,43 @@ def build_gemma3_checkpoint(root, model_dir):
     return model, path
 
 
+def build_gemma4_checkpoint(root, model_dir):
+    """Gemma 4: images attended both ways on the sliding layers, a KV-sharing layer, per-layer
+    inputs, a tower with clipped linears and standardized outputs."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA4_MARKERS})
+    image, boi, eoi = tokenizer.convert_tokens_to_ids(GEMMA4_MARKERS)
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = hf.Gemma4Config(
+        text_config={**GEMMA4_TEXT, **ends},
+        vision_config=GEMMA4_VISION,
+        audio_config=None,
+        image_token_id=image,
+        boi_token_id=boi,
+        eoi_token_id=eoi,
+        video_token_id=image + 100,
+        **ends,
+    )
+    torch.manual_seed(0)
+    model = hf.Gemma4ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            leaf = name.rpartition(".")[2]
+            if leaf in CLIP_BOUNDS:
+                tensor.fill_(CLIP_BOUNDS[leaf])
+            elif "rotary" in name or "embed_scale" in name or not tensor.is_floating_point():
+                continue
+            elif "norm" in name or "scalar" in name or leaf == "std_scale":
+                tensor.normal_(1.0, 0.1)
+            else:
+                tensor.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
+    model.eval()
+    path = root / "gemma4"
+    save(model, tokenizer, path)
+    (path / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PRE))
+    return model, path
+
+
 def save(model, tokenizer, path) -> None:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -169,10 +238,11 @@ def save(model, tokenizer, path) -> None:
 
 def image_processor(path):
     pre = json.loads((path / "preprocessor_config.json").read_text())
-    if pre.get("image_processor_type") == "Gemma3ImageProcessor":
-        return Gemma3ImageProcessorPil(
-            **{k: v for k, v in pre.items() if k != "image_processor_type"}
-        )
+    kind = pre.pop("image_processor_type", None)
+    if kind == "Gemma3ImageProcessor":
+        return Gemma3ImageProcessorPil(**pre)
+    if kind == "Gemma4ImageProcessor":
+        return Gemma4ImageProcessorPil(**pre)
     return Qwen2VLImageProcessorPil(**pre)
 
 
@@ -181,6 +251,8 @@ def marker(model) -> list[int]:
     c = model.config
     if c.model_type == "gemma3":
         return [c.boi_token_index]
+    if c.model_type == "gemma4":
+        return [c.image_token_id]
     return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
 
 
@@ -209,6 +281,9 @@ def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: 
     image = model.config.image_token_id
     if model.config.model_type == "gemma3":
         extra["token_type_ids"] = (input_ids == image).long()
+    elif model.config.model_type == "gemma4":
+        extra["image_position_ids"] = out["image_position_ids"]
+        extra["mm_token_type_ids"] = (input_ids == image).long()
     else:
         extra["image_grid_thw"] = out["image_grid_thw"]
         extra["mm_token_type_ids"] = (input_ids == image).int()
@@ -231,6 +306,9 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
         newlines = hf.AutoTokenizer.from_pretrained(path).encode("\n\n", add_special_tokens=False)
         image = newlines + [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image
         counts, place, after = None, c.boi_token_index, [c.eoi_token_index] + newlines
+    elif c.model_type == "gemma4":
+        counts = iter([int(n) for n in out["num_soft_tokens_per_image"]])
+        return gemma4_expanded(c, prompt_ids, counts)
     else:
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         place, after = c.image_token_id, []
@@ -242,4 +320,14 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
             ids += image + after
         else:
             ids += [place] * next(counts)
+    return ids
+
+
+def gemma4_expanded(c, prompt_ids: list[int], counts) -> list[int]:
+    """Each image token as its start token, its tokens and its end token."""
+    ids = []
+    for t in prompt_ids:
+        ids += (
+            [c.boi_token_id, *[t] * next(counts), c.eoi_token_id] if t == c.image_token_id else [t]
+        )
     return ids

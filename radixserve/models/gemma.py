@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 
 from ..attention import LayerAttention
@@ -16,6 +17,32 @@ from .decoder import Attention, CausalLM
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 GemmaNorm = partial(RMSNorm, weight_offset=1.0)
+
+
+def attend_whole_images(q, out, backend, layer: int, cfg: ModelConfig, how, blocks) -> torch.Tensor:
+    """`out` with the rows of each of the step's images attended again, each seeing the keys
+    before it and all of its image (within the layer's window), from pool layer `layer`.
+    `blocks`: (table row, first position, end, step row) of each image; rows [row, row + end -
+    start) of the step are positions [start, end) of the request."""
+    if not blocks:
+        return out
+    out = out.clone()
+    group = cfg.num_heads // cfg.num_kv_heads
+    scale = how.scale if how.scale is not None else cfg.head_dim**-0.5
+    for table_row, start, end, row in blocks:
+        slots = backend.inputs.req_to_token[table_row, :end]
+        k = backend.pool.k[layer][slots].float().repeat_interleave(group, 1)
+        v = backend.pool.v[layer][slots].float().repeat_interleave(group, 1)
+        queries = torch.arange(start, end).unsqueeze(1)
+        keys = torch.arange(end).unsqueeze(0)
+        seen = (keys <= queries) | (keys >= start)
+        if how.window is not None:
+            seen &= keys > queries - how.window
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + end - start].float(), k)
+        scores = (scores * scale).masked_fill(~seen, float("-inf"))
+        rows = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out[row : row + end - start] = rows.reshape(end - start, -1).to(out.dtype)
+    return out
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..distributed import TPGroup
 from .decoder import Attention
-from .gemma import Gemma3ForCausalLM, GemmaNorm
+from .gemma import Gemma3ForCausalLM, GemmaNorm, attend_whole_images
 from .layers import StepImages
 from .qwen_vision import activation
 
@@ -88,32 +88,8 @@ class BlockAttention(Attention):
 
     def forward(self, x, ropes, backend):
         q, out = self.attend(x, ropes, backend)
-        if self.blocks:
-            out = out.clone()
-        for block in self.blocks:
-            self.attend_block(q, out, backend, *block)
+        out = attend_whole_images(q, out, backend, self.layer, self.cfg, self.how, self.blocks)
         return self.tp.all_reduce(self.o_proj(out))
-
-    def attend_block(self, q, out, backend, table_row: int, start: int, end: int, row: int):
-        """Rows [row, row + end - start) of the step are positions [start, end) of the request:
-        each sees the keys before it and all of its image (within the layer's window); they
-        are written into `out`."""
-        cfg, how = self.cfg, self.how
-        slots = backend.inputs.req_to_token[table_row, :end]
-        k = backend.pool.k[self.layer][slots].float()
-        v = backend.pool.v[self.layer][slots].float()
-        group = cfg.num_heads // cfg.num_kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        queries = torch.arange(start, end).unsqueeze(1)
-        keys = torch.arange(end).unsqueeze(0)
-        seen = (keys <= queries) | (keys >= start)
-        if how.window is not None:
-            seen &= keys > queries - how.window
-        scores = torch.einsum("qhd,khd->hqk", q[row : row + end - start].float(), k)
-        scale = how.scale if how.scale is not None else cfg.head_dim**-0.5
-        scores = (scores * scale).masked_fill(~seen, float("-inf"))
-        rows = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        out[row : row + end - start] = rows.reshape(end - start, -1).to(out.dtype)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

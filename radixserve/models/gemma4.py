@@ -15,8 +15,8 @@ scaled by sqrt(hidden), q and k normed per head, sliding local layers), and what
 - a learnt scalar on each layer's output, and (`enable_moe_block`) routed experts beside the
   MLP, each with its own norms.
 
-A multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served as its language model;
-its vision and audio towers are not loaded."""
+A multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served with its vision tower
+(`gemma4_vl`), or as its language model where it has none; audio towers are not loaded."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..attention import AttentionBackend, LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig, layer_attention_dims, rope_scaling_of
 from .decoder import Attention, CausalLM, Rope
+from .gemma import attend_whole_images
 from .layers import Linear, RMSNorm, RotaryEmbedding, StepImages, SwiGLU, activation, apply_rotary
 from .moe import Experts, unstack_experts
 from .recipe import UnweightedNorm
@@ -55,6 +56,15 @@ class Gemma4Attention(Attention):
         self.v_norm = UnweightedNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.keeps_step_kv = False
         self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.image_blocks: list | None = None  # gemma4_vl's, where images attend both ways
+
+    def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
+        q, out = self.attend(x, ropes, backend)
+        if self.image_blocks is not None:
+            out = attend_whole_images(
+                q, out, backend, self.layer, self.cfg, self.how, self.image_blocks
+            )
+        return self.tp.all_reduce(self.o_proj(out))
 
     def project(self, x: torch.Tensor, ropes: list[Rope]):
         cfg = self.cfg
@@ -82,6 +92,7 @@ class Gemma4SharedAttention(nn.Module):
         self.sources = [source]  # a list: the source is another layer's module, not a part
         source.keeps_step_kv = True
         self.cpu_ops = None
+        self.image_blocks: list | None = None  # as Gemma4Attention's
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         cfg = self.cfg
@@ -89,7 +100,10 @@ class Gemma4SharedAttention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         q = apply_rotary(q, *ropes[self.rope], self.cpu_ops)
         k, v = self.sources[0].step_kv
-        return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v, self.how)))
+        out = backend.forward(self.layer, q, k, v, self.how)
+        if self.image_blocks is not None:
+            out = attend_whole_images(q, out, backend, self.layer, cfg, self.how, self.image_blocks)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class Gemma4Router(nn.Module):
@@ -213,8 +227,10 @@ class Gemma4ForCausalLM(CausalLM):
         backend: AttentionBackend,
         images: StepImages | None = None,
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, x) if self.ple else None
+        x = self.embed(input_ids, images)
+        per_layer = (
+            self.per_layer_inputs(self.per_layer_ids(input_ids, images), x) if self.ple else None
+        )
         ropes = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
         layers = self.model.layers
         normed = layers[0].input_layernorm(x)
@@ -222,6 +238,11 @@ class Gemma4ForCausalLM(CausalLM):
             inputs = None if per_layer is None else per_layer[:, i]
             x, normed = layer(x, normed, ropes, backend, self.norm_after(i), inputs)
         return normed
+
+    def per_layer_ids(self, input_ids: torch.Tensor, images: StepImages | None) -> torch.Tensor:
+        """The ids whose per-layer embeddings a step's tokens take (gemma4_vl: image tokens the
+        pad token's)."""
+        return input_ids
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """`[T, layers, ple]`: each token's own per-layer embedding (times sqrt(ple)) and a

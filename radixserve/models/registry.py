@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
+    "Gemma4ForConditionalGeneration": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
@@ -100,14 +101,15 @@ MODEL_TYPES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
-# multimodal checkpoints whose language model is served alone (a request with images is refused
-# as for any text model): the family that serves it
+# multimodal checkpoints whose language model is served alone where they have no vision tower (a
+# request with images is refused as for any text model): the family that serves it
 TEXT_OF_MULTIMODAL = {"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
     "Qwen3VLForConditionalGeneration": {},
     "Gemma3ForConditionalGeneration": {},
+    "Gemma4ForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }
@@ -120,6 +122,8 @@ VISION_KEYS = (
     "boi_token_index",
     "eoi_token_index",
     "mm_tokens_per_image",
+    "boi_token_id",
+    "eoi_token_id",
 )
 # architectures that rotate part of each head
 PARTIAL_ROTARY = {
@@ -132,6 +136,7 @@ PARTIAL_ROTARY = {
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
     "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
 }
 
 
@@ -145,7 +150,7 @@ def language_model_config(hf: dict) -> dict:
     level sets (a multimodal checkpoint served as text: its text family's architecture); else
     the config itself."""
     named = (hf.get("architectures") or [None])[0]
-    if named in TEXT_OF_MULTIMODAL:
+    if named in TEXT_OF_MULTIMODAL and not hf.get("vision_config"):
         text, kept = dict(hf["text_config"], architectures=[TEXT_OF_MULTIMODAL[named]]), ()
     elif named in VISION_LANGUAGE:
         text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
@@ -167,7 +172,7 @@ def architecture_of(hf: dict) -> str:
         return MODEL_TYPES[hf.get("model_type", "llama")]
     raise UnsupportedModel(
         f"unsupported model architecture {named!r} (model_type {hf.get('model_type')!r}); "
-        f"supported: {', '.join(sorted([*ARCHITECTURES, *TEXT_OF_MULTIMODAL]))}"
+        f"supported: {', '.join(sorted({*ARCHITECTURES, *TEXT_OF_MULTIMODAL}))}"
     )
 
 
@@ -213,7 +218,7 @@ def check_supported(hf: dict) -> None:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     if architecture_of(hf) == "NemotronHForCausalLM":
         _check_nemotron_h(hf)
-    if architecture_of(hf) == "Gemma4ForCausalLM":
+    if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         _check_gemma4(hf)
     for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
         if hf.get(key) is not None and hf[key] not in ACTIVATIONS:

@@ -44,9 +44,12 @@ def is_image_token(token: int) -> bool:
 
 def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     """Qwen-VL: resized within the pixel budget and cut into patches. Gemma 3: resized to its
-    one square size, kept whole (`[1, C x H x W]`, grid (1, H, W))."""
+    one square size, kept whole (`[1, C x H x W]`, grid (1, H, W)). Gemma 4: resized within its
+    token budget, cut into patches row by row (grid (1, rows, columns) of patches)."""
     if spec.image_size:
         height = width = spec.image_size
+    elif spec.family == "gemma4":
+        height, width = gemma4_size(image.height, image.width, spec)
     else:
         height, width = fitted_size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
@@ -56,6 +59,9 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
     if spec.image_size:
         pixels, grid, tokens = normed.reshape(1, -1), (1, height, width), spec.tokens_per_image
+    elif spec.family == "gemma4":
+        pixels, grid = patch_rows(normed, spec.patch_size)
+        tokens = grid[1] * grid[2] // spec.merge_size**2
     else:
         pixels, grid = patchify(normed, spec)
         tokens = grid[1] * grid[2] // spec.merge_size**2
@@ -81,6 +87,38 @@ def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
     return h, w
+
+
+def gemma4_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """Gemma 4's aspect-ratio-preserving size: the largest sides, multiples of patch x pooling,
+    within `max_soft_tokens` pooled patches (a side that rounds to nothing gets one multiple,
+    the other stretched by the aspect ratio up to the budget's side). ValueError past it."""
+    budget = spec.max_soft_tokens * spec.merge_size**2 * spec.patch_size**2  # pixels
+    factor = math.sqrt(budget / (height * width))
+    side = spec.factor
+    h = int(math.floor(factor * height / side)) * side
+    w = int(math.floor(factor * width / side)) * side
+    if h == 0 and w == 0:
+        raise ValueError(f"a {width}x{height} image resizes to nothing")
+    longest = spec.max_soft_tokens * side
+    if h == 0:
+        h, w = side, min(int(math.floor(width / height)) * side, longest)
+    elif w == 0:
+        h, w = min(int(math.floor(height / width)) * side, longest), side
+    if h * w > budget:
+        raise ValueError(
+            f"a {width}x{height} image has no size within {spec.max_soft_tokens} tokens"
+        )
+    return h, w
+
+
+def patch_rows(image: np.ndarray, patch: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """[C, H, W] -> [patches, P x P x C], patches row by row, each patch's pixels row by row
+    with their channels together (Gemma 4's order)."""
+    channels, height, width = image.shape
+    gh, gw = height // patch, width // patch
+    cut = image.reshape(channels, gh, patch, gw, patch).transpose(1, 3, 2, 4, 0)
+    return np.ascontiguousarray(cut.reshape(gh * gw, -1)), (1, gh, gw)
 
 
 def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -15,6 +15,7 @@ FAMILIES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -38,6 +39,7 @@ class VisionSpec:
     mrope: bool = True  # 3-D rotary positions (time, height, width) for image tokens
     image_size: int = 0  # a fixed square size every image is resized to (Gemma 3)
     tokens_per_image: int = 0  # a fixed number of tokens an image becomes (Gemma 3)
+    max_soft_tokens: int = 0  # the most tokens an image becomes (Gemma 4; merge_size pools)
     # the prompt token that stands for one image, and the tokens put in its place around the
     # image's own (Gemma 3: two newlines and its start token before, its end token and two
     # newlines after; the api process fills in the newlines' ids)
@@ -55,6 +57,8 @@ class VisionSpec:
         pre = _preprocessor_config(folder)
         if family == "gemma3":
             return cls._gemma3(hf, vision, pre)
+        if family == "gemma4":
+            return cls._gemma4(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         return cls(
@@ -101,6 +105,34 @@ class VisionSpec:
             after=(int(hf["eoi_token_index"]),),
         )
 
+    @classmethod
+    def _gemma4(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
+        """Resized within `max_soft_tokens` pooled patches keeping the aspect ratio, pixels in
+        [0, 1] (no normalization), cut into patches that `pooling_kernel_size`^2 at a time
+        become one token; a prompt's image token becomes its start token, its tokens and its
+        end token."""
+        image, boi, eoi = (int(hf[k]) for k in ("image_token_id", "boi_token_id", "eoi_token_id"))
+        normalize = pre.get("do_normalize", False)
+        return cls(
+            family="gemma4",
+            image_token_id=image,
+            start_token_id=boi,
+            end_token_id=eoi,
+            patch_size=int(pre.get("patch_size", vision.get("patch_size", 16))),
+            temporal_patch_size=1,
+            merge_size=int(pre.get("pooling_kernel_size", vision.get("pooling_kernel_size", 3))),
+            min_pixels=0,
+            max_pixels=0,
+            mean=tuple(pre.get("image_mean", (0.0,) * 3)) if normalize else (0.0,) * 3,
+            std=tuple(pre.get("image_std", (1.0,) * 3)) if normalize else (1.0,) * 3,
+            resample=int(pre.get("resample", BICUBIC)),
+            mrope=False,
+            max_soft_tokens=int(pre.get("max_soft_tokens", 280)),
+            placeholder_id=image,
+            before=(boi,),
+            after=(eoi,),
+        )
+
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this many pixels."""
@@ -108,7 +140,7 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        if self.family == "gemma3":
+        if self.family in ("gemma3", "gemma4"):
             return [self.placeholder_id]
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]
