@@ -430,6 +430,32 @@ def test_gemma4_multimodal_checkpoint_answers_text_as_hf(tmp_path, tower):
     assert cached == want
 
 
+def test_llama4_multimodal_checkpoint_answers_text_as_hf(tmp_path):
+    """Llama 4 ships as `Llama4ForConditionalGeneration`: served as its language model (the
+    vision tower and projector skipped); HF's whole model fed text alone gives the same greedy
+    tokens, fresh and from the cache."""
+    whole = dict(
+        text_config={**COMMON, **FAMILIES["llama4_text"][2]},
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=16,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),  # fmt: skip
+    )
+    multimodal = {"llama4": (hf.Llama4Config, hf.Llama4ForConditionalGeneration, whole)}
+    model, path = build_checkpoint(tmp_path, "llama4", multimodal, {})
+    want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    fresh, cached = served_twice(path)
+    assert fresh == want
+    assert cached == want
+
+
 def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_path):
     """LoRA and disaggregation assume one head dim in every layer: refused at start-up, named."""
     _, path = build_checkpoint(tmp_path, "gemma4_moe")

@@ -2,7 +2,8 @@
 up with the position (`attn_temperature_tuning`), chunked attention on the rope layers, q and k
 normed per head without a weight, an interleaved rotary; MoE layers (`moe_layers`) route each
 token to one expert whose input, not output, is scaled by the sigmoid of its router logit,
-beside a shared expert."""
+beside a shared expert. A multimodal checkpoint (`Llama4ForConditionalGeneration`) is served as
+its language model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from torch import nn
 from .layers import SwiGLU
 from .moe import Experts, unstack_experts
 from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
+
+NOT_TEXT = ("vision_model.", "multi_modal_projector.", "model.vision_model.")
+NOT_TEXT += ("model.multi_modal_projector.",)
+# a multimodal checkpoint's language model, as transformers saves it (older and newer names)
+LANGUAGE_MODEL = (("language_model.", ""), ("model.language_model.", "model."))
 
 
 class TemperatureTable(nn.Module):
@@ -97,6 +103,14 @@ class Llama4ForCausalLM(RecipeCausalLM):
         return Llama4Moe(hidden, experts, SwiGLU(hidden, inter // ranks))
 
     def rename(self, name: str) -> str | None:
+        """Also a multimodal checkpoint's language model (`language_model.`); its vision tower
+        and projector are not served."""
+        if name.startswith(NOT_TEXT):
+            return None
+        for old, new in LANGUAGE_MODEL:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
         name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 

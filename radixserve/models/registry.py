@@ -101,9 +101,13 @@ MODEL_TYPES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
-# multimodal checkpoints whose language model is served alone where they have no vision tower (a
-# request with images is refused as for any text model): the family that serves it
-TEXT_OF_MULTIMODAL = {"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
+# multimodal checkpoints whose language model is served alone (where the family has no vision
+# tower here, or the checkpoint none; a request with images is refused as for any text model):
+# the family that serves it
+TEXT_OF_MULTIMODAL = {
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+}
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
@@ -150,7 +154,7 @@ def language_model_config(hf: dict) -> dict:
     level sets (a multimodal checkpoint served as text: its text family's architecture); else
     the config itself."""
     named = (hf.get("architectures") or [None])[0]
-    if named in TEXT_OF_MULTIMODAL and not hf.get("vision_config"):
+    if named in TEXT_OF_MULTIMODAL and not (named in VISION_LANGUAGE and hf.get("vision_config")):
         text, kept = dict(hf["text_config"], architectures=[TEXT_OF_MULTIMODAL[named]]), ()
     elif named in VISION_LANGUAGE:
         text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
