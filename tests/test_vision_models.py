@@ -1,9 +1,9 @@
 """Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL,
-Qwen3-VL, Gemma 3 and Qwen3.5 (hybrid) checkpoints built with HF's classes, served, fed images
-through /generate and the OpenAI chat route, greedy tokens compared with HF's model fed by HF's
-image processor class, fresh and from the radix cache, with prefill chunks (16 tokens) that
-split each image's tokens (Gemma 3's images, attended both ways, are computed whole: its
-chunks end before them instead)."""
+Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid) and Gemma 4 checkpoints built with HF's
+classes, served, fed images through /generate and the OpenAI chat route, greedy tokens compared
+with HF's model fed by HF's image processor class, fresh and from the radix cache, with prefill
+chunks (16 tokens) that split each image's tokens (Gemma 3's and Gemma 4's images, attended
+both ways, are computed whole: their chunks end before them instead)."""
 
 import pytest
 import transformers as hf
@@ -23,7 +23,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5", "gemma4"])
+@pytest.fixture(
+    scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "gemma4"]
+)
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)
     model, path = build_vl_checkpoint(root, request.param, model_dir)
@@ -208,3 +210,26 @@ def test_the_encoder_cache_keeps_the_recent_features_within_its_bytes():
     cache.put(4, features(12))  # larger than the cache: not kept, nothing evicted for it
     assert cache.get(4) is None and cache.get(1) is not None
     assert cache.bytes == 2 * one <= cache.max_bytes
+
+
+def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
+    """The hub stores Qwen3-VL-MoE's stacked experts each matrix inputs first (transformers
+    saves them outputs first): the same checkpoint in the hub's layout gives the same tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from radixserve import Engine
+
+    model, path = build_vl_checkpoint(tmp_path, "qwen3_vl_moe", model_dir)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if ".experts." in n]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    ids = BEFORE + AFTER
+    with torch.no_grad():
+        want = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+        )[0, len(ids) :].tolist()
+    with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as engine:
+        got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"]
+    assert got == want

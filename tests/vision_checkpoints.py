@@ -50,6 +50,22 @@ FAMILIES = {
         dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
         16,
     ),
+    "qwen3_vl_moe": (
+        hf.Qwen3VLMoeConfig,
+        hf.Qwen3VLMoeForConditionalGeneration,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        ),
+        dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        16,
+    ),
     "qwen3_5": (
         hf.Qwen3_5Config,
         hf.Qwen3_5ForConditionalGeneration,

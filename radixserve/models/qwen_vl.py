@@ -1,7 +1,8 @@
-"""Qwen2.5-VL, Qwen3-VL and Qwen3.5: the Qwen2, Qwen3 and Qwen3.5 language models with M-RoPE
-(each rotary frequency turned by the time, row or column position of its section) and their
-vision towers (`qwen_vision`). Image tokens take the tower's features (`CausalLM.embed`);
-Qwen3-VL's DeepStack features are added after its first layers (`CausalLM.forward`)."""
+"""Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5: the Qwen2, Qwen3, Qwen3-MoE and Qwen3.5
+language models with M-RoPE (each rotary frequency turned by the time, row or column position
+of its section) and their vision towers (`qwen_vision`). Image tokens take the tower's
+features (`CausalLM.embed`); Qwen3-VL's DeepStack features are added after its first layers
+(`CausalLM.forward`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from ..distributed import TPGroup
 from .layers import RotaryEmbedding
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
+from .moe import unstack_experts
 from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 from .qwen_vision import Qwen3VisionTower, Qwen25VisionTower
 
 
@@ -84,6 +87,27 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
 
 class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):
     tower_class = Qwen3VisionTower
+
+
+class Qwen3VLMoeForConditionalGeneration(VisionLanguage, Qwen3MoeForCausalLM):
+    """Qwen3-VL's tower over Qwen3-MoE. Its experts come stacked, `gate_up_proj` and
+    `down_proj` per layer, as the hub stores them (each expert's matrix inputs first) or as
+    transformers saves them (outputs first): told apart by shape, as transformers does."""
+
+    tower_class = Qwen3VisionTower
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(self.outputs_first(weights)))
+
+    def outputs_first(self, weights):
+        inter, hidden = self.hf["moe_intermediate_size"], self.cfg.hidden_size
+        rows = {"gate_up_proj": 2 * inter, "down_proj": hidden}
+        for name, tensor in weights:
+            leaf = name.rpartition(".")[2]
+            if ".experts." in name and leaf in rows and tensor.dim() == 3:
+                if tensor.shape[1] != rows[leaf]:
+                    tensor = tensor.transpose(1, 2)
+            yield name, tensor
 
 
 class Qwen3_5ForConditionalGeneration(VisionLanguage, Qwen3_5ForCausalLM):

@@ -53,6 +53,7 @@ ARCHITECTURES = {
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
     "Gemma4ForConditionalGeneration": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
@@ -112,6 +113,7 @@ TEXT_OF_MULTIMODAL = {
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
     "Qwen3VLForConditionalGeneration": {},
+    "Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True},  # HF always renormalises
     "Gemma3ForConditionalGeneration": {},
     "Gemma4ForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
@@ -150,8 +152,8 @@ class UnsupportedModel(ValueError):
 
 def language_model_config(hf: dict) -> dict:
     """The config a family reads: a vision-language checkpoint's `text_config` with its
-    architecture, its image tokens and vision config, and the stop tokens and tying the top
-    level sets (a multimodal checkpoint served as text: its text family's architecture); else
+    architecture, its image tokens and vision config, the stop tokens the top level sets and
+    its tying (a multimodal checkpoint served as text: its text family's architecture); else
     the config itself."""
     named = (hf.get("architectures") or [None])[0]
     if named in TEXT_OF_MULTIMODAL and not (named in VISION_LANGUAGE and hf.get("vision_config")):
@@ -161,9 +163,11 @@ def language_model_config(hf: dict) -> dict:
         kept = VISION_KEYS
     else:
         return hf
-    for key in kept + ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+    for key in kept + ("eos_token_id", "bos_token_id"):
         if key in hf and key not in text:
             text[key] = hf[key]
+    if "tie_word_embeddings" in hf:  # transformers ties the head by the top level's
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
 
 

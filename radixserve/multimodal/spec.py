@@ -12,6 +12,7 @@ from pathlib import Path
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
     "Gemma3ForConditionalGeneration": "gemma3",
