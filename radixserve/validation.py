@@ -128,13 +128,15 @@ def _check_prompt(ids: list[int], info: WorkerInfo, images: list[ImageInput] | N
 
 
 def _text_ids(ids: list[int], images: list[ImageInput]) -> list[int]:
-    """The prompt without its images' tokens, each image's span checked to hold its ids."""
+    """The prompt's text tokens: all but its images' content-hash ids, each image's span
+    checked to start with them (Pixtral's spans also hold row-break and image-end tokens)."""
     text, last = [], 0
     for image in images:
         if image.offset < last or image.end > len(ids):
             raise ValueError("images must lie in the prompt, in order, apart")
-        if set(ids[image.offset : image.end]) != {image_token_id(image.digest)}:
+        span, own = ids[image.offset : image.end], image_token_id(image.digest)
+        if span[0] != own:
             raise ValueError("an image's tokens must be its content-hash ids")
-        text += ids[last : image.offset]
+        text += ids[last : image.offset] + [t for t in span if t != own]
         last = image.end
     return text + ids[last:]

@@ -1,9 +1,9 @@
 """Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL,
-Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid) and Gemma 4 checkpoints built with HF's
-classes, served, fed images through /generate and the OpenAI chat route, greedy tokens compared
-with HF's model fed by HF's image processor class, fresh and from the radix cache, with prefill
-chunks (16 tokens) that split each image's tokens (Gemma 3's and Gemma 4's images, attended
-both ways, are computed whole: their chunks end before them instead)."""
+Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4 and Mistral 3 checkpoints built
+with HF's classes, served, fed images through /generate and the OpenAI chat route, greedy tokens
+compared with HF's model fed by HF's image processor class, fresh and from the radix cache, with
+prefill chunks (16 tokens) that split each image's tokens (Gemma 3's and Gemma 4's images,
+attended both ways, are computed whole: their chunks end before them instead)."""
 
 import pytest
 import transformers as hf
@@ -24,7 +24,8 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
 
 
 @pytest.fixture(
-    scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "gemma4"]
+    scope="module",
+    params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "gemma4", "pixtral"],
 )
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)
@@ -156,7 +157,7 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
     assert "radixserve:image_tokens_cached_total" in metrics
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral"])
 def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, model_dir, family):
     """The api process decodes, resizes, normalizes and cuts patches in numpy and Pillow (no
     torch there): the same float32 pixels as HF's PIL image processor class, for odd sizes and
@@ -186,6 +187,11 @@ def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, mode
         want = theirs["pixel_values"]
         if family == "gemma4":  # HF pads each image's patches to the budget
             want = want[0, : len(ours)]
+        if family == "pixtral":  # HF keeps the image whole: cut it as the tower's convolution does
+            height, width = theirs["image_sizes"][0]
+            p = spec.patch_size
+            cut = want[0].reshape(3, height // p, p, width // p, p).transpose(1, 3, 0, 2, 4)
+            want = cut.reshape(-1, 3 * p * p)
         assert np.array_equal(ours.reshape(want.shape), want), image.mode
 
 

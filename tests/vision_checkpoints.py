@@ -14,6 +14,7 @@ import transformers as hf
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -136,6 +137,16 @@ GEMMA4_PRE = {
     "pooling_kernel_size": 2,
     "max_soft_tokens": 70,
 }
+PIXTRAL_MARKERS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+PIXTRAL_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    patch_size=8, image_size=256, hidden_act="silu",
+)  # fmt: skip
+PIXTRAL_PRE = {
+    "image_processor_type": "PixtralImageProcessor",
+    "patch_size": 8,  # the tower's; the processor cuts at patch x spatial_merge_size
+    "size": {"longest_edge": 128},
+}
 CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
@@ -145,6 +156,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_gemma3_checkpoint(root, model_dir)
     if family == "gemma4":
         return build_gemma4_checkpoint(root, model_dir)
+    if family == "pixtral":
+        return build_pixtral_checkpoint(root, model_dir)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -247,6 +260,31 @@ def build_gemma4_checkpoint(root, model_dir):
     return model, path
 
 
+def build_pixtral_checkpoint(root, model_dir):
+    """Mistral 3: the Pixtral tower, 2x2 patch merging, a Mistral language model."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": PIXTRAL_MARKERS})
+    image = tokenizer.convert_tokens_to_ids(PIXTRAL_MARKERS[0])
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = hf.Mistral3Config(
+        text_config={**TEXT, **ends, "model_type": "mistral", "sliding_window": None},
+        vision_config=PIXTRAL_VISION,
+        image_token_index=image,
+        spatial_merge_size=2,
+        **ends,
+    )
+    torch.manual_seed(0)
+    model = hf.Mistral3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
+    model.eval()
+    path = root / "pixtral"
+    save(model, tokenizer, path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PIXTRAL_PRE))
+    return model, path
+
+
 def save(model, tokenizer, path) -> None:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -259,6 +297,12 @@ def image_processor(path):
         return Gemma3ImageProcessorPil(**pre)
     if kind == "Gemma4ImageProcessor":
         return Gemma4ImageProcessorPil(**pre)
+    if kind == "PixtralImageProcessor":  # as PixtralProcessor calls it: patches of merged size
+        merged = (
+            pre.pop("patch_size")
+            * json.loads((path / "config.json").read_text())["spatial_merge_size"]
+        )
+        return PixtralImageProcessorPil(**pre, patch_size={"height": merged, "width": merged})
     return Qwen2VLImageProcessorPil(**pre)
 
 
@@ -267,7 +311,7 @@ def marker(model) -> list[int]:
     c = model.config
     if c.model_type == "gemma3":
         return [c.boi_token_index]
-    if c.model_type == "gemma4":
+    if c.model_type in ("gemma4", "mistral3"):
         return [c.image_token_id]
     return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
 
@@ -300,6 +344,8 @@ def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: 
     elif model.config.model_type == "gemma4":
         extra["image_position_ids"] = out["image_position_ids"]
         extra["mm_token_type_ids"] = (input_ids == image).long()
+    elif model.config.model_type == "mistral3":
+        extra["image_sizes"] = out["image_sizes"]
     else:
         extra["image_grid_thw"] = out["image_grid_thw"]
         extra["mm_token_type_ids"] = (input_ids == image).int()
@@ -325,6 +371,8 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
     elif c.model_type == "gemma4":
         counts = iter([int(n) for n in out["num_soft_tokens_per_image"]])
         return gemma4_expanded(c, prompt_ids, counts)
+    elif c.model_type == "mistral3":
+        return pixtral_expanded(c, path, prompt_ids, iter(out["image_sizes"].tolist()))
     else:
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         place, after = c.image_token_id, []
@@ -346,4 +394,20 @@ def gemma4_expanded(c, prompt_ids: list[int], counts) -> list[int]:
         ids += (
             [c.boi_token_id, *[t] * next(counts), c.eoi_token_id] if t == c.image_token_id else [t]
         )
+    return ids
+
+
+def pixtral_expanded(c, path, prompt_ids: list[int], sizes) -> list[int]:
+    """Each image token as PixtralProcessor writes it: rows of image tokens, each ended by a
+    row break, the last by the image end."""
+    breaks, end = hf.AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(PIXTRAL_MARKERS[1:])
+    side = c.vision_config.patch_size * c.spatial_merge_size
+    ids = []
+    for t in prompt_ids:
+        if t != c.image_token_id:
+            ids.append(t)
+            continue
+        height, width = next(sizes)
+        span = ([t] * (width // side) + [breaks]) * (height // side)
+        ids += span[:-1] + [end]
     return ids

@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "Qwen3VLMoeForConditionalGeneration": ("qwen_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
     "Gemma4ForConditionalGeneration": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
+    "Mistral3ForConditionalGeneration": ("pixtral", "Mistral3ForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
@@ -116,6 +117,7 @@ VISION_LANGUAGE = {
     "Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True},  # HF always renormalises
     "Gemma3ForConditionalGeneration": {},
     "Gemma4ForConditionalGeneration": {},
+    "Mistral3ForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }
@@ -130,6 +132,10 @@ VISION_KEYS = (
     "mm_tokens_per_image",
     "boi_token_id",
     "eoi_token_id",
+    "spatial_merge_size",
+    "vision_feature_layer",
+    "projector_hidden_act",
+    "multimodal_projector_bias",
 )
 # architectures that rotate part of each head
 PARTIAL_ROTARY = {

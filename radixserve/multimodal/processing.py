@@ -50,6 +50,8 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
         height = width = spec.image_size
     elif spec.family == "gemma4":
         height, width = gemma4_size(image.height, image.width, spec)
+    elif spec.family == "pixtral":
+        height, width = pixtral_size(image.height, image.width, spec)
     else:
         height, width = fitted_size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
@@ -62,6 +64,10 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     elif spec.family == "gemma4":
         pixels, grid = patch_rows(normed, spec.patch_size)
         tokens = grid[1] * grid[2] // spec.merge_size**2
+    elif spec.family == "pixtral":
+        pixels, grid = patch_rows(normed, spec.patch_size, channels_first=True)
+        rows, columns = grid[1] // spec.merge_size, grid[2] // spec.merge_size
+        tokens = rows * (columns + 1)  # each row ended by a row break or the image's end
     else:
         pixels, grid = patchify(normed, spec)
         tokens = grid[1] * grid[2] // spec.merge_size**2
@@ -112,12 +118,26 @@ def gemma4_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
     return h, w
 
 
-def patch_rows(image: np.ndarray, patch: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+def pixtral_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """Pixtral's size: scaled down (floored) to fit `longest_edge`, each side then rounded up
+    to whole merged patches."""
+    ratio = max(height / spec.longest_edge, width / spec.longest_edge)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    side = spec.factor
+    return ((height - 1) // side + 1) * side, ((width - 1) // side + 1) * side
+
+
+def patch_rows(
+    image: np.ndarray, patch: int, channels_first: bool = False
+) -> tuple[np.ndarray, tuple[int, int, int]]:
     """[C, H, W] -> [patches, P x P x C], patches row by row, each patch's pixels row by row
-    with their channels together (Gemma 4's order)."""
+    with their channels together (Gemma 4's order); `channels_first`: [patches, C x P x P]
+    (a convolution's order, Pixtral's)."""
     channels, height, width = image.shape
     gh, gw = height // patch, width // patch
-    cut = image.reshape(channels, gh, patch, gw, patch).transpose(1, 3, 2, 4, 0)
+    order = (1, 3, 0, 2, 4) if channels_first else (1, 3, 2, 4, 0)
+    cut = image.reshape(channels, gh, patch, gw, patch).transpose(*order)
     return np.ascontiguousarray(cut.reshape(gh * gw, -1)), (1, gh, gw)
 
 
@@ -147,6 +167,17 @@ def expand_images(
     for place, image in zip(places, images):
         out += ids[last:place] + list(spec.before)
         offsets.append(len(out))
-        out += [image.token_id] * image.tokens + list(spec.after)
+        out += image_span(image, spec) + list(spec.after)
         last = place + 1
     return out + ids[last:], offsets
+
+
+def image_span(image: ProcessedImage, spec: VisionSpec) -> list[int]:
+    """The prompt tokens an image becomes: its hash token `image.tokens` times, or (Pixtral)
+    rows of them each ended by the row-break token, the last row by the image-end token."""
+    if spec.row_break_id is None:
+        return [image.token_id] * image.tokens
+    columns = image.grid[2] // spec.merge_size
+    rows = image.tokens // (columns + 1)
+    span = ([image.token_id] * columns + [spec.row_break_id]) * rows
+    return span[:-1] + [spec.image_end_id]

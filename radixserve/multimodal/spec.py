@@ -17,6 +17,7 @@ FAMILIES = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Mistral3ForConditionalGeneration": "pixtral",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -41,6 +42,11 @@ class VisionSpec:
     image_size: int = 0  # a fixed square size every image is resized to (Gemma 3)
     tokens_per_image: int = 0  # a fixed number of tokens an image becomes (Gemma 3)
     max_soft_tokens: int = 0  # the most tokens an image becomes (Gemma 4; merge_size pools)
+    longest_edge: int = 0  # the longest side an image is scaled down to (Pixtral)
+    # the tokens ending each row of an image's tokens and the image (Pixtral's row break and
+    # image end; the api process fills in their ids)
+    row_break_id: int | None = None
+    image_end_id: int | None = None
     # the prompt token that stands for one image, and the tokens put in its place around the
     # image's own (Gemma 3: two newlines and its start token before, its end token and two
     # newlines after; the api process fills in the newlines' ids)
@@ -60,6 +66,8 @@ class VisionSpec:
             return cls._gemma3(hf, vision, pre)
         if family == "gemma4":
             return cls._gemma4(hf, vision, pre)
+        if family == "pixtral":
+            return cls._pixtral(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         return cls(
@@ -134,6 +142,30 @@ class VisionSpec:
             after=(eoi,),
         )
 
+    @classmethod
+    def _pixtral(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
+        """Scaled down to fit `longest_edge`, sides rounded up to whole merged patches; a
+        prompt's image token becomes rows of its tokens, each ended by a row break, the last by
+        the image end."""
+        image = int(hf.get("image_token_index", hf.get("image_token_id", 10)))
+        return cls(
+            family="pixtral",
+            image_token_id=image,
+            start_token_id=None,
+            end_token_id=None,
+            patch_size=int(vision.get("patch_size", 16)),
+            temporal_patch_size=1,
+            merge_size=int(hf.get("spatial_merge_size", 2)),
+            min_pixels=0,
+            max_pixels=0,
+            mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+            std=tuple(pre.get("image_std", CLIP_STD)),
+            resample=int(pre.get("resample", BICUBIC)),
+            mrope=False,
+            longest_edge=int((pre.get("size") or {}).get("longest_edge", 1024)),
+            placeholder_id=image,
+        )
+
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this many pixels."""
@@ -141,7 +173,7 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        if self.family in ("gemma3", "gemma4"):
+        if self.family in ("gemma3", "gemma4", "pixtral"):
             return [self.placeholder_id]
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]

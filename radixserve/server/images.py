@@ -35,9 +35,8 @@ class ImagePart:
 
 class ImageInputs:
     def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
-        if spec is not None and spec.family == "gemma3" and tokenizer is not None:
-            newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
-            spec = replace(spec, before=newlines + spec.before, after=spec.after + newlines)
+        if spec is not None and tokenizer is not None:
+            spec = with_tokenizer_ids(spec, tokenizer)
         self.spec, self.policy, self.limit = spec, policy, limit
         self.marker = _marker_text(spec, tokenizer)
         if spec is not None:
@@ -123,6 +122,21 @@ class ImageInputs:
             )
             for im, offset in zip(images, offsets)
         ]
+
+
+def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
+    """The spec with the ids only the tokenizer knows: Gemma 3's two newlines around an image,
+    Pixtral's row-break and image-end tokens (ValueError, a start-up error, if it lacks them)."""
+    if spec.family == "gemma3":
+        newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
+        return replace(spec, before=newlines + spec.before, after=spec.after + newlines)
+    if spec.family == "pixtral":
+        names = ("[IMG_BREAK]", "[IMG_END]")
+        ids = [tokenizer.convert_tokens_to_ids(name) for name in names]
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"the tokenizer has no {names[0]} and {names[1]} tokens for images")
+        return replace(spec, row_break_id=ids[0], image_end_id=ids[1])
+    return spec
 
 
 def _marker_text(spec: VisionSpec | None, tokenizer: Any) -> str | None:
