@@ -180,15 +180,24 @@ class CausalLM(nn.Module):
         """Final-normed hidden states `[T, hidden]` of this step's tokens; `images`: the image
         features that take the place of image tokens (vision-language models)."""
         x = self.embed(input_ids, images)
+        per_layer = self.per_layer_inputs(input_ids, x, images)
         ropes = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
         layers = self.model.layers
         normed = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
-            x, normed = layer(x, normed, ropes, backend, self.norm_after(i))
+            extra = () if per_layer is None else (per_layer[:, i],)
+            x, normed = layer(x, normed, ropes, backend, self.norm_after(i), *extra)
             if images is not None and i < len(images.deepstack):
                 x = x.index_add(0, images.rows, images.deepstack[i].to(x.dtype))
                 normed = self.norm_after(i)(x)
         return normed
+
+    def per_layer_inputs(
+        self, input_ids: torch.Tensor, embedded: torch.Tensor, images: StepImages | None
+    ) -> torch.Tensor | None:
+        """`[T, layers, width]`: what each layer takes beside the residual stream (Gemma 4's
+        per-layer inputs), or None."""
+        return None
 
     def embed(self, input_ids: torch.Tensor, images: StepImages | None = None) -> torch.Tensor:
         """Token embeddings (times `embed_scale`); image tokens (ids past the vocabulary) take

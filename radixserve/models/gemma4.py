@@ -220,33 +220,16 @@ class Gemma4ForCausalLM(CausalLM):
             tables.append(RotaryEmbedding(dim, max_positions, theta, rope_scaling_of(rope)))
         return tables
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        backend: AttentionBackend,
-        images: StepImages | None = None,
-    ) -> torch.Tensor:
-        x = self.embed(input_ids, images)
-        per_layer = (
-            self.per_layer_inputs(self.per_layer_ids(input_ids, images), x) if self.ple else None
-        )
-        ropes = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
-        layers = self.model.layers
-        normed = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            inputs = None if per_layer is None else per_layer[:, i]
-            x, normed = layer(x, normed, ropes, backend, self.norm_after(i), inputs)
-        return normed
-
-    def per_layer_ids(self, input_ids: torch.Tensor, images: StepImages | None) -> torch.Tensor:
-        """The ids whose per-layer embeddings a step's tokens take (gemma4_vl: image tokens the
-        pad token's)."""
-        return input_ids
-
-    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """`[T, layers, ple]`: each token's own per-layer embedding (times sqrt(ple)) and a
-        normed projection of its embedding, summed and scaled by 1/sqrt(2)."""
+    def per_layer_inputs(
+        self, input_ids: torch.Tensor, embeds: torch.Tensor, images: StepImages | None
+    ) -> torch.Tensor | None:
+        """`[T, layers, ple]`: each token's own per-layer embedding (times sqrt(ple); an image
+        token's is the pad token's) and a normed projection of its embedding, summed and scaled
+        by 1/sqrt(2)."""
+        if not self.ple:
+            return None
+        if images is not None:
+            input_ids = input_ids.index_fill(0, images.rows, int(self.hf.get("pad_token_id") or 0))
         model, shape = self.model, (-1, self.cfg.num_layers, self.ple)
         own = model.embed_tokens_per_layer(input_ids).view(shape)
         own = own * torch.tensor(self.ple**0.5, dtype=own.dtype)

@@ -170,7 +170,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
         super().__init__(cfg, max_positions, tp)
         self.vision = Gemma4VisionTower(self.hf["vision_config"], cfg.hidden_size)
-        self.pad_id = int(self.hf.get("pad_token_id") or 0)
         # a step's images as (table row, first position, end, step row), read by the sliding
         # layers when images attend both ways there
         self.blocks: list[tuple[int, int, int, int]] = []
@@ -189,12 +188,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def forward(self, input_ids, positions, backend, images: StepImages | None = None):
         self.blocks[:] = images.blocks if images is not None else []
         return super().forward(input_ids, positions, backend, images)
-
-    def per_layer_ids(self, input_ids: torch.Tensor, images: StepImages | None) -> torch.Tensor:
-        """An image token's per-layer inputs are the pad token's."""
-        if images is None:
-            return input_ids
-        return input_ids.index_fill(0, images.rows, self.pad_id)
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor, grids):
