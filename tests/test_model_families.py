@@ -407,49 +407,41 @@ def test_tensor_parallel_matches_hf(tmp_path, family):
         assert server.stop() == 0, server.log()
 
 
-@pytest.mark.parametrize("tower", [True, False], ids=["with_vision", "without_vision"])
-def test_gemma4_multimodal_checkpoint_answers_text_as_hf(tmp_path, tower):
-    """Gemma 4 ships as `Gemma4ForConditionalGeneration`: served with its vision tower (images:
-    tests/test_vision_models.py), or as its language model where the checkpoint has none; HF's
+GEMMA4_WHOLE = dict(
+    text_config={**COMMON, **FAMILIES["gemma4_text"][2]},
+    vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
+        num_attention_heads=2, num_key_value_heads=2,
+    ),
+    audio_config=None, image_token_id=500, boi_token_id=501, eoi_token_id=502,
+    video_token_id=503,
+)  # fmt: skip
+LLAMA4_WHOLE = dict(
+    text_config={**COMMON, **FAMILIES["llama4_text"][2]},
+    vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=64, patch_size=16, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=32,
+    ),
+)  # fmt: skip
+MULTIMODAL = {
+    "gemma4": (hf.Gemma4Config, hf.Gemma4ForConditionalGeneration, GEMMA4_WHOLE),
+    "gemma4_no_tower": (
+        hf.Gemma4Config,
+        hf.Gemma4ForConditionalGeneration,
+        dict(GEMMA4_WHOLE, vision_config=None),
+    ),
+    "llama4": (hf.Llama4Config, hf.Llama4ForConditionalGeneration, LLAMA4_WHOLE),
+}
+
+
+@pytest.mark.parametrize("family", list(MULTIMODAL))
+def test_multimodal_checkpoints_answer_text_as_hf(tmp_path, family):
+    """Gemma 4 and Llama 4 ship as `...ForConditionalGeneration`: Gemma 4 served with its
+    vision tower (images: tests/test_vision_models.py) or as its language model where the
+    checkpoint has none, Llama 4 as its language model (tower and projector skipped); HF's
     whole model fed text alone gives the same greedy tokens, fresh and from the cache."""
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
-    whole = dict(
-        text_config={**COMMON, **FAMILIES["gemma4_text"][2]},
-        vision_config=dict(vision, num_attention_heads=2, num_key_value_heads=2) if tower else None,
-        audio_config=None,
-        image_token_id=500,
-        boi_token_id=501,
-        eoi_token_id=502,
-        video_token_id=503,
-    )
-    multimodal = {"gemma4": (hf.Gemma4Config, hf.Gemma4ForConditionalGeneration, whole)}
-    model, path = build_checkpoint(tmp_path, "gemma4", multimodal, {})
-    want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
-    fresh, cached = served_twice(path)
-    assert fresh == want
-    assert cached == want
-
-
-def test_llama4_multimodal_checkpoint_answers_text_as_hf(tmp_path):
-    """Llama 4 ships as `Llama4ForConditionalGeneration`: served as its language model (the
-    vision tower and projector skipped); HF's whole model fed text alone gives the same greedy
-    tokens, fresh and from the cache."""
-    whole = dict(
-        text_config={**COMMON, **FAMILIES["llama4_text"][2]},
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=64,
-            patch_size=16,
-            vision_output_dim=32,
-            projector_input_dim=32,
-            projector_output_dim=32,
-        ),  # fmt: skip
-    )
-    multimodal = {"llama4": (hf.Llama4Config, hf.Llama4ForConditionalGeneration, whole)}
-    model, path = build_checkpoint(tmp_path, "llama4", multimodal, {})
+    model, path = build_checkpoint(tmp_path, family, MULTIMODAL, {})
     want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     fresh, cached = served_twice(path)
     assert fresh == want

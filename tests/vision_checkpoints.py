@@ -208,19 +208,16 @@ def build_gemma3_checkpoint(root, model_dir):
         image_token_index=soft,
         **ends,
     )
-    torch.manual_seed(0)
-    model = hf.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if "embed_tokens" in name:  # scaled by sqrt(hidden) in the model
-                tensor.normal_(0, 0.05)
-            else:
-                tensor.normal_(0, 0.1 if "norm" in name else 0.2)
-    model.eval()
-    path = root / "gemma3"
-    save(model, tokenizer, path)
-    (path / "preprocessor_config.json").write_text(json.dumps(GEMMA_PRE))
-    return model, path
+    return built(
+        root, "gemma3", hf.Gemma3ForConditionalGeneration, config, tokenizer, GEMMA_PRE, gemma3_init
+    )
+
+
+def gemma3_init(name: str, tensor: torch.Tensor) -> None:
+    if "embed_tokens" in name:  # scaled by sqrt(hidden) in the model
+        tensor.normal_(0, 0.05)
+    else:
+        tensor.normal_(0, 0.1 if "norm" in name else 0.2)
 
 
 def build_gemma4_checkpoint(root, model_dir):
@@ -240,24 +237,20 @@ def build_gemma4_checkpoint(root, model_dir):
         video_token_id=image + 100,
         **ends,
     )
-    torch.manual_seed(0)
-    model = hf.Gemma4ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            leaf = name.rpartition(".")[2]
-            if leaf in CLIP_BOUNDS:
-                tensor.fill_(CLIP_BOUNDS[leaf])
-            elif "rotary" in name or "embed_scale" in name or not tensor.is_floating_point():
-                continue
-            elif "norm" in name or "scalar" in name or leaf == "std_scale":
-                tensor.normal_(1.0, 0.1)
-            else:
-                tensor.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
-    model.eval()
-    path = root / "gemma4"
-    save(model, tokenizer, path)
-    (path / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PRE))
-    return model, path
+    model_cls = hf.Gemma4ForConditionalGeneration
+    return built(root, "gemma4", model_cls, config, tokenizer, GEMMA4_PRE, gemma4_init, True)
+
+
+def gemma4_init(name: str, tensor: torch.Tensor) -> None:
+    leaf = name.rpartition(".")[2]
+    if leaf in CLIP_BOUNDS:
+        tensor.fill_(CLIP_BOUNDS[leaf])
+    elif "rotary" in name or "embed_scale" in name or not tensor.is_floating_point():
+        return
+    elif "norm" in name or "scalar" in name or leaf == "std_scale":
+        tensor.normal_(1.0, 0.1)
+    else:
+        tensor.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
 
 
 def build_pixtral_checkpoint(root, model_dir):
@@ -273,15 +266,28 @@ def build_pixtral_checkpoint(root, model_dir):
         spatial_merge_size=2,
         **ends,
     )
+    model_cls = hf.Mistral3ForConditionalGeneration
+    return built(root, "pixtral", model_cls, config, tokenizer, PIXTRAL_PRE, norm_around_one)
+
+
+def norm_around_one(name: str, tensor: torch.Tensor) -> None:
+    tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
+
+
+def built(root, name, model_cls, config, tokenizer, pre: dict, init, buffers: bool = False):
+    """(HF model of `config` with each parameter, and with `buffers` each buffer, set by
+    `init(name, tensor)`; its folder, saved with the tokenizer and `pre` as its preprocessor
+    config)."""
     torch.manual_seed(0)
-    model = hf.Mistral3ForConditionalGeneration(config)
+    model = model_cls(config)
     with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
+        tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else [])]
+        for tensor_name, tensor in tensors:
+            init(tensor_name, tensor)
     model.eval()
-    path = root / "pixtral"
+    path = root / name
     save(model, tokenizer, path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PIXTRAL_PRE))
+    (path / "preprocessor_config.json").write_text(json.dumps(pre))
     return model, path
 
 
