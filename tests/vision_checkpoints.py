@@ -30,6 +30,8 @@ TEXT = dict(
     max_position_embeddings=4096,
 )
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+QWEN3_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+QWEN3_VISION = dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
 FAMILIES = {
     "qwen2_5_vl": (
         hf.Qwen2_5_VLConfig,
@@ -41,14 +43,8 @@ FAMILIES = {
     "qwen3_vl": (
         hf.Qwen3VLConfig,
         hf.Qwen3VLForConditionalGeneration,
-        dict(
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            }
-        ),
-        dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        dict(rope_parameters=QWEN3_MROPE),
+        QWEN3_VISION,
         16,
     ),
     "qwen3_vl_moe": (
@@ -58,13 +54,9 @@ FAMILIES = {
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=48,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
+            rope_parameters=QWEN3_MROPE,
         ),
-        dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        QWEN3_VISION,
         16,
     ),
     "qwen3_5": (
