@@ -76,6 +76,16 @@ def test_two_images_in_one_prompt_match_hf(served):
     assert generate(server, ids, images)["output_ids"] == want
 
 
+def test_an_image_that_ends_the_prompt_matches_hf(served):
+    """The first tokens after an image read it most directly (how its tokens attended to each
+    other shows there)."""
+    model, path, server = served
+    image = picture(4, (150, 120))
+    ids = BEFORE + marker(model)
+    want, _ = hf_greedy(model, path, ids, [image], NEW)
+    assert generate(server, ids, [image])["output_ids"] == want
+
+
 def test_another_image_of_the_same_size_shares_no_kv_from_the_image_on(served):
     model, path, server = served
     ids = BEFORE + [7, 8] + marker(model) + AFTER

@@ -104,14 +104,16 @@ GEMMA_PRE = {
 GEMMA4_MARKERS = ["<|image|>", "<|image>", "<image|>"]  # image, start, end
 GEMMA4_TEXT = dict(
     TEXT,
-    num_hidden_layers=4,
+    num_hidden_layers=6,
     head_dim=16,
     global_head_dim=32,
     num_global_key_value_heads=1,
     attention_k_eq_v=True,
     sliding_window=24,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-    num_kv_shared_layers=1,
+    layer_types=["sliding_attention", "full_attention"]
+    + ["sliding_attention"] * 3
+    + ["full_attention"],
+    num_kv_shared_layers=3,
     hidden_size_per_layer_input=8,
     vocab_size_per_layer_input=VOCAB,
     use_bidirectional_attention="vision",
@@ -213,7 +215,7 @@ def gemma3_init(name: str, tensor: torch.Tensor) -> None:
 
 
 def build_gemma4_checkpoint(root, model_dir):
-    """Gemma 4: images attended both ways on the sliding layers, a KV-sharing layer, per-layer
+    """Gemma 4: images attended both ways on the sliding layers, KV-sharing layers, per-layer
     inputs, a tower with clipped linears and standardized outputs."""
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": GEMMA4_MARKERS})

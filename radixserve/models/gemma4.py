@@ -92,7 +92,6 @@ class Gemma4SharedAttention(nn.Module):
         self.sources = [source]  # a list: the source is another layer's module, not a part
         source.keeps_step_kv = True
         self.cpu_ops = None
-        self.image_blocks: list | None = None  # as Gemma4Attention's
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         cfg = self.cfg
@@ -100,10 +99,7 @@ class Gemma4SharedAttention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         q = apply_rotary(q, *ropes[self.rope], self.cpu_ops)
         k, v = self.sources[0].step_kv
-        out = backend.forward(self.layer, q, k, v, self.how)
-        if self.image_blocks is not None:
-            out = attend_whole_images(q, out, backend, self.layer, cfg, self.how, self.image_blocks)
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v, self.how)))
 
 
 class Gemma4Router(nn.Module):

@@ -7,7 +7,8 @@ normed and projected to the language model's width.
 An image's tokens take the per-layer inputs (PLE) of the pad token, mixed with a projection of
 the image's features. With `use_bidirectional_attention: vision` an image's tokens attend to
 each other both ways on the sliding layers (the global layers stay causal): a step computes an
-image whole and its rows are attended again over the image (`gemma.attend_whole_images`)."""
+image whole and its rows are attended again over the image (`gemma.attend_whole_images`); the
+KV-sharing layers skip that, since their image rows feed no KV and no sampled token."""
 
 from __future__ import annotations
 
@@ -174,10 +175,11 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         # layers when images attend both ways there
         self.blocks: list[tuple[int, int, int, int]] = []
         self.whole_images = self.hf.get("use_bidirectional_attention") == "vision"
-        if self.whole_images:
-            for layer, kind in zip(self.model.layers, self.types):
-                if kind == "sliding_attention":
-                    layer.self_attn.image_blocks = self.blocks
+        if self.whole_images:  # the sliding layers that store KV: a shared layer's image rows
+            # feed no KV and no sampled token, so how they attend changes nothing
+            for i in range(self.first_shared):
+                if self.types[i] == "sliding_attention":
+                    self.model.layers[i].self_attn.image_blocks = self.blocks
 
     def rename(self, name: str) -> str | None:
         for old, new in (LANGUAGE, *VISION):

@@ -124,6 +124,8 @@ def pixtral_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
     ratio = max(height / spec.longest_edge, width / spec.longest_edge)
     if ratio > 1:
         height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    if min(height, width) == 0:
+        raise ValueError(f"a side scales to nothing within {spec.longest_edge} pixels")
     side = spec.factor
     return ((height - 1) // side + 1) * side, ((width - 1) // side + 1) * side
 
