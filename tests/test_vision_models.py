@@ -1,4 +1,4 @@
-"""Vision-language models against HF transformers in float32: tiny random Qwen2.5-VL,
+"""Vision-language models against HF transformers in float32: tiny random Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4 and Mistral 3 checkpoints built
 with HF's classes, served, fed images through /generate and the OpenAI chat route, greedy tokens
 compared with HF's model fed by HF's image processor class, fresh and from the radix cache, with
@@ -25,7 +25,16 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
 
 @pytest.fixture(
     scope="module",
-    params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "gemma4", "pixtral"],
+    params=[
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "qwen3_5",
+        "gemma4",
+        "pixtral",
+    ],
 )
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)

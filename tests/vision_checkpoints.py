@@ -40,6 +40,13 @@ FAMILIES = {
         dict(patch_size=14, window_size=56, fullatt_block_indexes=[1], hidden_act="silu"),
         14,
     ),
+    "qwen2_vl": (
+        hf.Qwen2VLConfig,
+        hf.Qwen2VLForConditionalGeneration,
+        dict(rope_parameters={"rope_type": "default", "type": "mrope", "mrope_section": [2, 3, 3]}),
+        dict(embed_dim=32, hidden_size=64, mlp_ratio=2, patch_size=14),
+        14,
+    ),
     "qwen3_vl": (
         hf.Qwen3VLConfig,
         hf.Qwen3VLForConditionalGeneration,

@@ -83,6 +83,8 @@ def activation(name: str):
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
     raise ValueError(f"vision hidden_act {name!r} is not implemented")
 
 
@@ -99,10 +101,12 @@ class VisionBlock(nn.Module):
 
 
 class Qwen25Merger(nn.Module):
-    def __init__(self, dim: int, context: int, merge: int):
+    """Qwen2.5-VL's (Qwen2-VL's: `norm` a LayerNorm)."""
+
+    def __init__(self, dim: int, context: int, merge: int, norm=nn.RMSNorm):
         super().__init__()
         self.width = context * merge * merge
-        self.ln_q = nn.RMSNorm(context, eps=1e-6)
+        self.ln_q = norm(context, eps=1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, dim)
         )
@@ -205,6 +209,32 @@ class Qwen25VisionTower(QwenVisionTower):
                         bounds.append(bounds[-1] + cell.numel() * unit)
             base += t * gh * gw
         return torch.cat(order), bounds
+
+
+class Qwen2VisionTower(QwenVisionTower):
+    """Qwen2-VL's: every block attends over its whole image, LayerNorms, a two-layer MLP
+    (`fc1`, `fc2`; QuickGELU by default), the merger's norm a LayerNorm. Its config names the
+    tower's width `embed_dim` and the language model's `hidden_size`."""
+
+    def __init__(self, vc: dict):
+        width = vc["embed_dim"]
+        vc = dict(vc, hidden_size=width, out_hidden_size=vc["hidden_size"])
+        super().__init__(dict(vc, intermediate_size=width * vc.get("mlp_ratio", 4)))
+        self.merger = Qwen25Merger(vc["out_hidden_size"], width, self.merge, nn.LayerNorm)
+
+    def make_block(self, vc: dict, heads: int) -> nn.Module:
+        mlp = PlainMLP(
+            vc["hidden_size"], vc["intermediate_size"], vc.get("hidden_act", "quick_gelu")
+        )
+        return VisionBlock(vc["hidden_size"], heads, mlp, lambda d: nn.LayerNorm(d, eps=1e-6))
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]):
+        x = self.embed_patches(pixels)
+        cos, sin = self.rotary(self.rows_cols(grids))
+        bounds = self.image_bounds(grids)
+        for block in self.blocks:
+            x = block(x, bounds, cos, sin)
+        return self.merger(x), []
 
 
 class Qwen3VisionTower(QwenVisionTower):

@@ -14,7 +14,7 @@ from .llama import LlamaForCausalLM, Qwen3ForCausalLM
 from .moe import unstack_experts
 from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
-from .qwen_vision import Qwen3VisionTower, Qwen25VisionTower
+from .qwen_vision import Qwen2VisionTower, Qwen3VisionTower, Qwen25VisionTower
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -83,6 +83,19 @@ class VisionLanguage:
 
 class Qwen2_5_VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
     tower_class = Qwen25VisionTower
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
+    """Qwen2-VL: Qwen2.5-VL's positions and language model, its own tower (MLP layers named
+    `fc1`, `fc2` in the checkpoint)."""
+
+    tower_class = Qwen2VisionTower
+
+    def rename(self, name: str) -> str | None:
+        for old, new in ((".mlp.fc1.", ".mlp.linear_fc1."), (".mlp.fc2.", ".mlp.linear_fc2.")):
+            if "visual." in name:
+                name = name.replace(old, new)
+        return super().rename(name)
 
 
 class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):

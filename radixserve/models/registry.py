@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("qwen_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
@@ -113,6 +114,7 @@ TEXT_OF_MULTIMODAL = {
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {
     "Qwen2_5_VLForConditionalGeneration": {"attention_bias": True},
+    "Qwen2VLForConditionalGeneration": {"attention_bias": True},
     "Qwen3VLForConditionalGeneration": {},
     "Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True},  # HF always renormalises
     "Gemma3ForConditionalGeneration": {},

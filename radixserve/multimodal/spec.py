@@ -11,6 +11,7 @@ from pathlib import Path
 # vision-language architectures -> family
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2VLForConditionalGeneration": "qwen2_5_vl",  # the same preprocessing and positions
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
