@@ -121,7 +121,9 @@ class VisionSpec:
         [0, 1] (no normalization), cut into patches that `pooling_kernel_size`^2 at a time
         become one token; a prompt's image token becomes its start token, its tokens and its
         end token."""
-        image, boi, eoi = (int(hf[k]) for k in ("image_token_id", "boi_token_id", "eoi_token_id"))
+        defaults = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
+        image, boi, eoi = (int(hf.get(k, v)) for k, v in defaults.items())  # transformers'
+
         normalize = pre.get("do_normalize", False)
         return cls(
             family="gemma4",

@@ -35,7 +35,7 @@ class ImagePart:
 
 class ImageInputs:
     def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
-        if spec is not None and tokenizer is not None:
+        if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
         self.spec, self.policy, self.limit = spec, policy, limit
         self.marker = _marker_text(spec, tokenizer)
@@ -127,6 +127,12 @@ class ImageInputs:
 def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
     """The spec with the ids only the tokenizer knows: Gemma 3's two newlines around an image,
     Pixtral's row-break and image-end tokens (ValueError, a start-up error, if it lacks them)."""
+    if spec.family == "pixtral" and tokenizer is None:
+        raise ValueError(
+            "Pixtral's images need the checkpoint's tokenizer ([IMG_BREAK], [IMG_END])"
+        )
+    if tokenizer is None:
+        return spec
     if spec.family == "gemma3":
         newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
         return replace(spec, before=newlines + spec.before, after=spec.after + newlines)
