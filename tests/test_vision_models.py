@@ -258,3 +258,30 @@ def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
     with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as engine:
         got = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"]
     assert got == want
+
+
+@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl"])
+def test_at_tp_2_a_vision_model_serves_text_as_hf_and_refuses_images(tmp_path, model_dir, family):
+    """Images run on one rank: at `--tp-size 2` the language model is sharded (each rank holds
+    the whole tower, unused) and answers text as HF does; a request with an image is a 400
+    that names the flag, and the server goes on."""
+    import torch
+
+    model, path = build_vl_checkpoint(tmp_path, family, model_dir)
+    ids = BEFORE + AFTER
+    with torch.no_grad():
+        want = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+        )[0, len(ids) :].tolist()
+    server = start_server(
+        tmp_path, "--model", str(path), "--tp-size", "2", "--max-total-tokens", "2048"
+    )
+    try:
+        with server.client() as client:
+            image = {"input_ids": ids, "image_data": [data_url(picture(5))]}
+            refused = client.post("/generate", json={**image, "sampling_params": GREEDY})
+            assert refused.status_code == 400 and "--tp-size" in refused.text, refused.text
+            body = {"input_ids": ids, "sampling_params": GREEDY}
+            assert client.post("/generate", json=body).json()["output_ids"] == want
+    finally:
+        assert server.stop() == 0, server.log()

@@ -308,6 +308,9 @@ class CausalLM(nn.Module):
         return {name}
 
     def tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor; a vision tower's whole (each rank holds it)."""
+        if module_name.startswith(VISION_TOWERS):
+            return tensor
         leaf = module_name.rpartition(".")[2]
         if leaf in SPLIT_BY_OUTPUT:
             return self.tp.shard(tensor, 0)
@@ -324,6 +327,7 @@ class CausalLM(nn.Module):
 
 
 KV_SCALE_KINDS = ("k_scale", "v_scale", "kv_scale")
+VISION_TOWERS = ("vision.", "visual.")  # the towers' module names in vision-language models
 
 
 def layer_window(hf: dict, i: int) -> int | None:

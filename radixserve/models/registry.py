@@ -300,7 +300,6 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
     if cfg.architecture not in VISION_LANGUAGE:
         return
     for name, on in (
-        ("tp_size", args.tp_size > 1),
         ("speculative_algorithm", args.speculative_algorithm is not None),
         ("disaggregation_mode", args.disaggregation_mode != "null"),
         ("enable_torch_compile", args.enable_torch_compile),
