@@ -214,6 +214,13 @@ def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, mode
         assert np.array_equal(ours.reshape(want.shape), want), image.mode
 
 
+def test_every_vision_family_has_a_preprocessing_layout():
+    from radixserve.multimodal.processing import LAYOUTS
+    from radixserve.multimodal.spec import FAMILIES
+
+    assert set(FAMILIES.values()) == set(LAYOUTS)
+
+
 def test_the_encoder_cache_keeps_the_recent_features_within_its_bytes():
     """Squeezed to two images' features: the least recently used goes first, a hit counts as a
     use, a set of features larger than the whole cache is not kept, the bytes never exceed

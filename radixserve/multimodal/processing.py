@@ -1,16 +1,18 @@
 """An image as the vision tower takes it, and the ids that name it in a prompt.
 
-The Qwen-VL preprocessing is HF's `Qwen2VLImageProcessor` (PIL backend) step by step: the sides
-rounded to multiples of patch x merge within the pixel budget, a PIL resize, x 1/255 in float64
-then float32, normalized, cut into patches in the order the tower merges them. Its content hash
-(over the processed pixels and their grid) names the image everywhere: in the radix tree its
-tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal images share a cached prefix and
-different ones part at their first token."""
+Each family's preprocessing is its HF image processor's (PIL backend) step by step: the size it
+picks (`LAYOUTS`: Qwen-VL's sides rounded to multiples of patch x merge within the pixel budget,
+Gemma 3's square, Gemma 4's token budget, Pixtral's longest edge), a PIL resize, x 1/255 in
+float64 then float32, normalized, cut into patches in the order its tower reads them. Its
+content hash (over the processed pixels and their grid) names the image everywhere: in the
+radix tree its tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal images share a
+cached prefix and different ones part at their first token."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,39 +45,62 @@ def is_image_token(token: int) -> bool:
 
 
 def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
-    """Qwen-VL: resized within the pixel budget and cut into patches. Gemma 3: resized to its
-    one square size, kept whole (`[1, C x H x W]`, grid (1, H, W)). Gemma 4: resized within its
-    token budget, cut into patches row by row (grid (1, rows, columns) of patches)."""
-    if spec.image_size:
-        height = width = spec.image_size
-    elif spec.family == "gemma4":
-        height, width = gemma4_size(image.height, image.width, spec)
-    elif spec.family == "pixtral":
-        height, width = pixtral_size(image.height, image.width, spec)
-    else:
-        height, width = fitted_size(image.height, image.width, spec)
+    """The image resized as its family does (`LAYOUTS`), scaled to [0, 1] (x 1/255 in float64,
+    then float32), normalized, and cut into what the tower takes."""
+    layout = LAYOUTS[spec.family]
+    height, width = layout.size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
     scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
     mean = np.asarray(spec.mean, dtype=np.float32)
     std = np.asarray(spec.std, dtype=np.float32)
     normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
-    if spec.image_size:
-        pixels, grid, tokens = normed.reshape(1, -1), (1, height, width), spec.tokens_per_image
-    elif spec.family == "gemma4":
-        pixels, grid = patch_rows(normed, spec.patch_size)
-        tokens = grid[1] * grid[2] // spec.merge_size**2
-    elif spec.family == "pixtral":
-        pixels, grid = patch_rows(normed, spec.patch_size, channels_first=True)
-        rows, columns = grid[1] // spec.merge_size, grid[2] // spec.merge_size
-        tokens = rows * (columns + 1)  # each row ended by a row break or the image's end
-    else:
-        pixels, grid = patchify(normed, spec)
-        tokens = grid[1] * grid[2] // spec.merge_size**2
+    pixels, grid, tokens = layout.cut(normed, spec)
     pixels = np.ascontiguousarray(pixels)
     digest = int.from_bytes(
         hashlib.sha256(np.asarray(grid).tobytes() + pixels.tobytes()).digest()[:8], "little"
     )
     return ProcessedImage(pixels, grid, tokens, digest)
+
+
+Cut = tuple[np.ndarray, tuple[int, int, int], int]  # pixels, grid, prompt tokens
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a family resizes an image (`size(height, width, spec)` -> the new height, width)
+    and cuts the normalized `[C, H, W]` pixels for its tower (`cut(pixels, spec)`)."""
+
+    size: Callable[[int, int, VisionSpec], tuple[int, int]]
+    cut: Callable[[np.ndarray, VisionSpec], Cut]
+
+
+def merged_patches(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """Qwen-VL: patches of each merge x merge block together, a token a block."""
+    pixels, grid = patchify(image, spec)
+    return pixels, grid, grid[1] * grid[2] // spec.merge_size**2
+
+
+def whole_image(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """Gemma 3: the image kept whole (`[1, C x H x W]`, grid (1, H, W)), a fixed token count."""
+    return image.reshape(1, -1), (1, *image.shape[1:]), spec.tokens_per_image
+
+
+def pooled_patches(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """Gemma 4: patches row by row, a token each merge x merge of them."""
+    pixels, grid = patch_rows(image, spec.patch_size)
+    return pixels, grid, grid[1] * grid[2] // spec.merge_size**2
+
+
+def patch_rows_with_breaks(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """Pixtral: patches row by row in a convolution's order; a token each merge x merge of
+    them, and one more a row (its row break, or the image's end)."""
+    pixels, grid = patch_rows(image, spec.patch_size, channels_first=True)
+    rows, columns = grid[1] // spec.merge_size, grid[2] // spec.merge_size
+    return pixels, grid, rows * (columns + 1)
+
+
+def square_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    return spec.image_size, spec.image_size
 
 
 def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
@@ -172,6 +197,16 @@ def expand_images(
         out += image_span(image, spec) + list(spec.after)
         last = place + 1
     return out + ids[last:], offsets
+
+
+# each family's Layout (multimodal.spec.FAMILIES names the families)
+LAYOUTS = {
+    "qwen2_5_vl": Layout(fitted_size, merged_patches),
+    "qwen3_vl": Layout(fitted_size, merged_patches),
+    "gemma3": Layout(square_size, whole_image),
+    "gemma4": Layout(gemma4_size, pooled_patches),
+    "pixtral": Layout(pixtral_size, patch_rows_with_breaks),
+}
 
 
 def image_span(image: ProcessedImage, spec: VisionSpec) -> list[int]:
