@@ -36,16 +36,17 @@ class TPGroup:
         return int(tensor.item())
 
     def send_step(self, packed: torch.Tensor) -> None:
-        """Rank 0: broadcast one step's packed model inputs (its size first)."""
+        """Rank 0: broadcast one step's packed model inputs (its size first), or any flat
+        tensor a step adds to them."""
         size = torch.tensor([packed.numel()], dtype=torch.long, device=packed.device)
         torch.distributed.broadcast(size, src=0)
         torch.distributed.broadcast(packed, src=0)
 
-    def receive_step(self, device: torch.device) -> torch.Tensor:
-        """Ranks > 0: wait for rank 0's next step."""
+    def receive_step(self, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Ranks > 0: wait for rank 0's next step (or what the step adds, in `dtype`)."""
         size = torch.empty(1, dtype=torch.long, device=device)
         torch.distributed.broadcast(size, src=0)
-        packed = torch.empty(int(size.item()), dtype=torch.long, device=device)
+        packed = torch.empty(int(size.item()), dtype=dtype, device=device)
         torch.distributed.broadcast(packed, src=0)
         return packed
 

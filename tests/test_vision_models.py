@@ -267,28 +267,30 @@ def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
     assert got == want
 
 
-@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl"])
-def test_at_tp_2_a_vision_model_serves_text_as_hf_and_refuses_images(tmp_path, model_dir, family):
-    """Images run on one rank: at `--tp-size 2` the language model is sharded (each rank holds
-    the whole tower, unused) and answers text as HF does; a request with an image is a 400
-    that names the flag, and the server goes on."""
+@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl"])
+def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
+    """`--tp-size 2`: rank 0 runs the tower and sends the other rank each step's image
+    features with the step (with Qwen-VL's 3-D positions and DeepStack features, Gemma 4's
+    image blocks); a prompt with an image, fresh and cached, and one of text equal HF's."""
     import torch
 
     model, path = build_vl_checkpoint(tmp_path, family, model_dir)
-    ids = BEFORE + AFTER
+    image = picture(6, (160, 120))
+    with_image = BEFORE + marker(model) + AFTER
+    want_image, _ = hf_greedy(model, path, with_image, [image], NEW)
+    text = BEFORE + AFTER
     with torch.no_grad():
-        want = model.generate(
-            torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
-        )[0, len(ids) :].tolist()
+        want_text = model.generate(
+            torch.tensor([text]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+        )[0, len(text) :].tolist()
     server = start_server(
-        tmp_path, "--model", str(path), "--tp-size", "2", "--max-total-tokens", "2048"
-    )
+        tmp_path, "--model", str(path), "--tp-size", "2", "--chunked-prefill-size", "16",
+        "--max-total-tokens", "2048",
+    )  # fmt: skip
     try:
-        with server.client() as client:
-            image = {"input_ids": ids, "image_data": [data_url(picture(5))]}
-            refused = client.post("/generate", json={**image, "sampling_params": GREEDY})
-            assert refused.status_code == 400 and "--tp-size" in refused.text, refused.text
-            body = {"input_ids": ids, "sampling_params": GREEDY}
-            assert client.post("/generate", json=body).json()["output_ids"] == want
+        for _ in range(2):
+            assert generate(server, with_image, [image])["output_ids"] == want_image
+        body = {"input_ids": text, "sampling_params": GREEDY}
+        assert server.client().post("/generate", json=body).json()["output_ids"] == want_text
     finally:
         assert server.stop() == 0, server.log()

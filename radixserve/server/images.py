@@ -34,18 +34,10 @@ class ImagePart:
 
 
 class ImageInputs:
-    def __init__(
-        self,
-        spec: VisionSpec | None,
-        policy: MediaPolicy,
-        limit: int,
-        tokenizer: Any,
-        refusal: str | None = None,
-    ):
-        """`refusal`: why this server takes no images though its model would (a 400 each)."""
+    def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
         if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
-        self.spec, self.policy, self.limit, self.refusal = spec, policy, limit, refusal
+        self.spec, self.policy, self.limit = spec, policy, limit
         self.marker = _marker_text(spec, tokenizer)
         if spec is not None:
             load_image_plugins()
@@ -62,8 +54,6 @@ class ImageInputs:
         """Each part's image, preprocessed, in order."""
         if not parts:
             return []
-        if self.refusal is not None:
-            raise RequestError(f"{parts[0].where}: {self.refusal}")
         if self.spec is None:
             raise RequestError(
                 f"{parts[0].where}: this model takes no images (image_url, input_image and "

@@ -43,8 +43,6 @@ DEATH_GRACE_S = (
 SCHEDULER_MAIN = "radixserve.scheduler.process:run_scheduler"
 FOLLOWER_MAIN = "radixserve.worker.process:run_follower"  # a tensor-parallel rank > 0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# a vision-language model's images run on one rank; at --tp-size > 1 it serves text
-IMAGES_NEED_ONE_RANK = "images are served at --tp-size 1 only (this server takes text)"
 
 
 def ignore_stop_signals() -> None:
@@ -231,11 +229,7 @@ def launch_server(args: ServerArgs) -> int:
         )
         spec = VisionSpec.of(source.config.hf_config, source.weights_dir)
         tm.images = ImageInputs(
-            spec,
-            args.media_policy(),
-            image_limit(args.limit_mm_per_prompt),
-            tokenizer,
-            IMAGES_NEED_ONE_RANK if args.engine.tp_size > 1 else None,
+            spec, args.media_policy(), image_limit(args.limit_mm_per_prompt), tokenizer
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"

@@ -14,7 +14,9 @@ import torch
 from ..messages import ForwardBatch, ForwardMode
 from ..models.layers import StepImages
 
-_HEADER = 7  # mode, tokens, requests, table entries, logit rows, longest sequence, longest extend
+# mode, tokens, requests, table entries, logit rows, longest sequence, longest extend, extras
+_HEADER = 8
+IMAGES, MROPE = 1, 2  # the extras' bits: a step's image features, its 3-D positions
 
 
 @dataclass
@@ -38,10 +40,11 @@ class StepInputs:
     logit_index: torch.Tensor
     max_seq_len: int
     max_extend_len: int
-    # vision-language models (rank 0 only): the step's image features, and the tokens'
-    # (time, height, width) positions `[3, T]` where a request has images
+    # vision-language models: the step's image features, and the tokens' (time, height, width)
+    # positions `[3, T]` where a request has images (TP ranks > 0 receive them after the rest)
     images: StepImages | None = None
     mrope_positions: torch.Tensor | None = None
+    extras: int = 0  # on TP ranks > 0, before they arrive: which of the two will
 
     @classmethod
     def from_batch(cls, fb: ForwardBatch, device: torch.device) -> "StepInputs":
@@ -94,14 +97,45 @@ class StepInputs:
                 self.logit_index.numel(),
                 self.max_seq_len,
                 self.max_extend_len,
+                (IMAGES if self.images is not None else 0)
+                | (MROPE if self.mrope_positions is not None else 0),
             ],
             dtype=torch.long,
             device=self.rows.device,
         )
-        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-4]])
+        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-5]])
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "StepInputs":
-        mode, tokens, reqs, entries, logits, max_seq_len, max_extend_len = packed[:_HEADER].tolist()
+        mode, tokens, reqs, entries, logits, longest, extend, extras = packed[:_HEADER].tolist()
         sizes = [tokens, tokens, tokens, reqs, reqs, reqs, entries, entries, entries, logits]
-        return cls(ForwardMode(mode), *packed[_HEADER:].split(sizes), max_seq_len, max_extend_len)
+        values = packed[_HEADER:].split(sizes)
+        return cls(ForwardMode(mode), *values, longest, extend, extras=extras)
+
+    def pack_extras(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What TP ranks > 0 need besides `pack()`: one int64 tensor (the images' counts, rows
+        and blocks, then the 3-D positions) and the image features (embeds, then each DeepStack
+        layer's) as float32."""
+        longs, features = [], None
+        if self.images is not None:
+            im = self.images
+            counts = [im.rows.numel(), len(im.deepstack), len(im.blocks)]
+            blocks = torch.tensor(im.blocks, dtype=torch.long).reshape(-1)
+            longs += [torch.tensor(counts), im.rows.cpu(), blocks]
+            features = torch.cat([im.embeds, *im.deepstack]).float().reshape(-1)
+        if self.mrope_positions is not None:
+            longs.append(self.mrope_positions.cpu().reshape(-1))
+        return torch.cat(longs).to(self.rows.device), features
+
+    def add_extras(self, longs: torch.Tensor, features: torch.Tensor | None, dtype) -> None:
+        """A TP rank > 0: the images and 3-D positions `pack_extras` sent (features in the
+        model's `dtype`)."""
+        if self.extras & IMAGES:
+            rows, layers, blocks = longs[:3].tolist()
+            longs = longs[3:]
+            embeds = features.to(dtype).view((1 + layers) * rows, -1).split(rows)
+            table = [tuple(b) for b in longs[rows : rows + 4 * blocks].view(-1, 4).tolist()]
+            self.images = StepImages(longs[:rows], embeds[0], list(embeds[1:]), table)
+            longs = longs[rows + 4 * blocks :]
+        if self.extras & MROPE:
+            self.mrope_positions = longs.view(3, -1)
