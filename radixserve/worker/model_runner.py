@@ -25,7 +25,7 @@ from .build import kv_num_pages, prepare_forward, state_pool
 from .device import default_device, resolve_dtype
 from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
-from .step_inputs import IMAGES, StepInputs
+from .step_inputs import StepInputs, receive_step, send_step
 from .vision import VisionEncoder
 from .window_pools import make_pools, pool_bytes, window_info, window_layers
 
@@ -234,7 +234,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare_step(fb.lora_names or [None] * fb.batch_size, fb.extend_lens)
         if self.tp.size > 1:
-            self.send_step(inputs)
+            send_step(self.tp, inputs)
         logits, hidden = self.run_model(inputs)
         accepted = None
         if fb.pooling is not None and None not in fb.pooling:  # nothing to sample
@@ -256,27 +256,11 @@ class ModelRunner:
             None if fb.pooling is None else pooled(hidden, fb, self.model.compute_logits),
         )
 
-    def send_step(self, inputs: StepInputs) -> None:
-        """TP rank 0: the step to the other ranks, its images and 3-D positions after it."""
-        self.tp.send_step(inputs.pack())
-        if inputs.images is not None or inputs.mrope_positions is not None:
-            longs, features = inputs.pack_extras()
-            self.tp.send_step(longs)
-            if features is not None:
-                self.tp.send_step(features)
-
     def follow(self) -> None:
         """TP ranks > 0: run every step rank 0 sends; its results are rank 0's to report."""
         with torch.inference_mode():
             while True:
-                inputs = StepInputs.unpack(self.tp.receive_step(self.device))
-                if inputs.extras:
-                    longs = self.tp.receive_step(self.device)
-                    features = None
-                    if inputs.extras & IMAGES:
-                        features = self.tp.receive_step(self.device, torch.float32)
-                    inputs.add_extras(longs, features, self.dtype)
-                self.run_model(inputs)
+                self.run_model(receive_step(self.tp, self.device, self.dtype))
 
     def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits at `logit_index` (each request's last token, and its drafts before it), and the

@@ -1,4 +1,5 @@
-"""One step's model inputs as tensors, and their packing into one tensor for TP ranks > 0.
+"""One step's model inputs as tensors, and their packing into one tensor for TP ranks > 0
+(`send_step`, `receive_step`; a vision-language step's images and 3-D positions follow it).
 
 Rank 0 (in the scheduler process) builds `StepInputs` from the scheduler's ForwardBatch and
 broadcasts them packed; the other ranks unpack and run the same forward. Sampling inputs
@@ -11,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..distributed import TPGroup
 from ..messages import ForwardBatch, ForwardMode
 from ..models.layers import StepImages
 
@@ -139,3 +141,23 @@ class StepInputs:
             longs = longs[rows + 4 * blocks :]
         if self.extras & MROPE:
             self.mrope_positions = longs.view(3, -1)
+
+
+def send_step(tp: TPGroup, inputs: StepInputs) -> None:
+    """TP rank 0: the step to the other ranks, its images and 3-D positions after it."""
+    tp.send_step(inputs.pack())
+    if inputs.images is not None or inputs.mrope_positions is not None:
+        longs, features = inputs.pack_extras()
+        tp.send_step(longs)
+        if features is not None:
+            tp.send_step(features)
+
+
+def receive_step(tp: TPGroup, device: torch.device, dtype: torch.dtype) -> StepInputs:
+    """TP ranks > 0: rank 0's next step, with what follows it (image features in `dtype`)."""
+    inputs = StepInputs.unpack(tp.receive_step(device))
+    if inputs.extras:
+        longs = tp.receive_step(device)
+        features = tp.receive_step(device, torch.float32) if inputs.extras & IMAGES else None
+        inputs.add_extras(longs, features, dtype)
+    return inputs
