@@ -326,6 +326,15 @@ class CausalLM(nn.Module):
         return sum(module.parts[:shard]) if shard else 0
 
 
+def swap_prefix(name: str, prefixes) -> str:
+    """`name` with the first of its `(old, new)` prefixes that starts it replaced (a
+    multimodal checkpoint's names for its parts); unchanged where none does."""
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
+
+
 KV_SCALE_KINDS = ("k_scale", "v_scale", "kv_scale")
 VISION_TOWERS = ("vision.", "visual.")  # the towers' module names in vision-language models
 

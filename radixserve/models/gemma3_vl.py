@@ -13,10 +13,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPGroup
-from .decoder import Attention
+from .decoder import Attention, swap_prefix
 from .gemma import Gemma3ForCausalLM, GemmaNorm, attend_whole_images
 from .layers import StepImages
 from .qwen_vision import activation
+
+# the checkpoint's names for its parts (newer and older transformers) -> ours
+PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("model.vision_tower.vision_model.", "vision."),
+    ("vision_tower.vision_model.", "vision."),
+    ("model.vision_tower.", "vision."),
+    ("vision_tower.", "vision."),
+    ("model.multi_modal_projector.", "vision."),
+    ("multi_modal_projector.", "vision."),
+)
 
 
 class SiglipLayer(nn.Module):
@@ -106,19 +118,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return BlockAttention(*args, blocks=self.blocks, **kwargs)
 
     def rename(self, name: str) -> str | None:
-        for old, new in (
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("model.vision_tower.vision_model.", "vision."),
-            ("vision_tower.vision_model.", "vision."),
-            ("model.vision_tower.", "vision."),
-            ("vision_tower.", "vision."),
-            ("model.multi_modal_projector.", "vision."),
-            ("multi_modal_projector.", "vision."),
-        ):
-            if name.startswith(old):
-                name = new + name.removeprefix(old)
-                break
+        name = swap_prefix(name, PREFIXES)
         if name.startswith("vision.head."):
             return None
         return {

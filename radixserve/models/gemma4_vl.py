@@ -17,12 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPGroup
+from .decoder import swap_prefix
 from .gemma4 import Gemma4ForCausalLM
-from .layers import RMSNorm, StepImages, activation
+from .layers import RMSNorm, StepImages, activation, apply_rotary
 from .recipe import UnweightedNorm
 
-LANGUAGE = ("model.language_model.", "model.")
-VISION = (("model.vision_tower.", "vision."), ("model.embed_vision.", "vision.embed."))
+# the checkpoint's names for its parts -> ours (its audio tower's: Gemma4ForCausalLM.rename)
+PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.vision_tower.", "vision."),
+    ("model.embed_vision.", "vision.embed."),
+)
 
 
 class ClippedLinear(nn.Module):
@@ -46,23 +51,18 @@ class ClippedLinear(nn.Module):
 
 
 def axial_rotary(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos and sin `[patches, 1, head_dim]`: the first half of a head turns by the patch's
-    column, the second by its row, each half rotated as a rotate-half pair."""
+    """cos and sin `[patches, 1, head_dim / 2]`: a quarter-width table for each half of a head,
+    the first turned by the patch's column, the second by its row (`rotate_halves`)."""
     quarter = head_dim // 4
     inv_freq = 1.0 / theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float) / (2 * quarter))
-    angles = [positions[:, axis, None].float() * inv_freq for axis in (0, 1)]
-    halves = [torch.cat([a, a], dim=-1) for a in angles]
-    full = torch.cat(halves, dim=-1).unsqueeze(1)
-    return full.cos(), full.sin()
+    angles = torch.cat([positions[:, axis, None].float() * inv_freq for axis in (0, 1)], dim=-1)
+    return angles.unsqueeze(1).cos(), angles.unsqueeze(1).sin()
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Each half of each head rotated by its own angles (rotate-half within the half)."""
-    out = []
-    for part, c, s in zip(x.chunk(2, -1), cos.chunk(2, -1), sin.chunk(2, -1)):
-        first, second = part.chunk(2, -1)
-        out.append(part * c + torch.cat([-second, first], dim=-1) * s)
-    return torch.cat(out, dim=-1)
+    """Each half of each head rotated (`layers.apply_rotary`) by its own half of the tables."""
+    parts = zip(x.chunk(2, -1), cos.chunk(2, -1), sin.chunk(2, -1))
+    return torch.cat([apply_rotary(part, c, s) for part, c, s in parts], dim=-1)
 
 
 class VisionAttention(nn.Module):
@@ -182,10 +182,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                     self.model.layers[i].self_attn.image_blocks = self.blocks
 
     def rename(self, name: str) -> str | None:
-        for old, new in (LANGUAGE, *VISION):
-            if name.startswith(old):
-                return new + name.removeprefix(old)
-        return super().rename(name)
+        renamed = swap_prefix(name, PREFIXES)
+        return renamed if renamed != name else super().rename(name)
 
     def forward(self, input_ids, positions, backend, images: StepImages | None = None):
         self.blocks[:] = images.blocks if images is not None else []

@@ -11,12 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decoder import swap_prefix
 from .layers import SwiGLU
 from .moe import Experts, unstack_experts
 from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
 
-NOT_TEXT = ("vision_model.", "multi_modal_projector.", "model.vision_model.")
-NOT_TEXT += ("model.multi_modal_projector.",)
+NOT_TEXT = (
+    "vision_model.",
+    "multi_modal_projector.",
+    "model.vision_model.",
+    "model.multi_modal_projector.",
+)
 # a multimodal checkpoint's language model, as transformers saves it (older and newer names)
 LANGUAGE_MODEL = (("language_model.", ""), ("model.language_model.", "model."))
 
@@ -107,11 +112,8 @@ class Llama4ForCausalLM(RecipeCausalLM):
         and projector are not served."""
         if name.startswith(NOT_TEXT):
             return None
-        for old, new in LANGUAGE_MODEL:
-            if name.startswith(old):
-                name = new + name.removeprefix(old)
-                break
-        name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+        name = swap_prefix(name, LANGUAGE_MODEL).replace(".feed_forward.", ".mlp.")
+        name = name.replace(".mlp.router.", ".mlp.gate.")
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 
     def load_weights(self, weights) -> None:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPGroup
-from .layers import RMSNorm, StepImages
+from .decoder import swap_prefix
+from .layers import RMSNorm, StepImages, apply_rotary
 from .llama import LlamaForCausalLM
 from .qwen_vision import activation
 
@@ -30,21 +31,15 @@ PREFIXES = (
 
 
 def axial_rotary(rows: int, columns: int, head_dim: int, theta: float):
-    """cos and sin `[patches, 1, head_dim]` of Pixtral's 2-D rotary: alternate frequencies turn
-    by the patch's row and by its column, the two sets side by side, repeated for the
-    rotate-half pairs."""
+    """cos and sin `[patches, 1, head_dim / 2]` (`layers.apply_rotary`'s tables) of Pixtral's
+    2-D rotary: alternate frequencies turn by the patch's row and by its column, the two sets
+    side by side."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
     row, column = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
     angles = torch.cat(
         [row.reshape(-1, 1) * inv_freq[0::2], column.reshape(-1, 1) * inv_freq[1::2]], dim=-1
-    )
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    ).unsqueeze(1)
     return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, -1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class PixtralLayer(nn.Module):
@@ -68,7 +63,7 @@ class PixtralLayer(nn.Module):
         a, n = self.attention, len(x)
         h = self.attention_norm(x)
         q, k, v = (p(h).view(n, self.heads, -1) for p in (a.q_proj, a.k_proj, a.v_proj))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         )
@@ -133,10 +128,7 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         self.vision = PixtralTower(self.hf, cfg.hidden_size)
 
     def rename(self, name: str) -> str | None:
-        for old, new in PREFIXES:
-            if name.startswith(old):
-                return super().rename(new + name.removeprefix(old))
-        return super().rename(name)
+        return super().rename(swap_prefix(name, PREFIXES))
 
     def embed(self, input_ids: torch.Tensor, images: StepImages | None = None) -> torch.Tensor:
         """Image rows that hold a vocabulary token (row breaks, the image's end) keep its

@@ -92,9 +92,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
     tower_class = Qwen2VisionTower
 
     def rename(self, name: str) -> str | None:
-        for old, new in ((".mlp.fc1.", ".mlp.linear_fc1."), (".mlp.fc2.", ".mlp.linear_fc2.")):
-            if "visual." in name:
-                name = name.replace(old, new)
+        if "visual." in name:
+            name = name.replace(".mlp.fc1.", ".mlp.linear_fc1.")
+            name = name.replace(".mlp.fc2.", ".mlp.linear_fc2.")
         return super().rename(name)
 
 

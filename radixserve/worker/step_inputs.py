@@ -99,8 +99,7 @@ class StepInputs:
                 self.logit_index.numel(),
                 self.max_seq_len,
                 self.max_extend_len,
-                (IMAGES if self.images is not None else 0)
-                | (MROPE if self.mrope_positions is not None else 0),
+                self.extra_bits(),
             ],
             dtype=torch.long,
             device=self.rows.device,
@@ -113,6 +112,12 @@ class StepInputs:
         sizes = [tokens, tokens, tokens, reqs, reqs, reqs, entries, entries, entries, logits]
         values = packed[_HEADER:].split(sizes)
         return cls(ForwardMode(mode), *values, longest, extend, extras=extras)
+
+    def extra_bits(self) -> int:
+        """Rank 0: which of the images and 3-D positions follow the packed step."""
+        return (IMAGES if self.images is not None else 0) | (
+            MROPE if self.mrope_positions is not None else 0
+        )
 
     def pack_extras(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What TP ranks > 0 need besides `pack()`: one int64 tensor (the images' counts, rows
@@ -146,7 +151,7 @@ class StepInputs:
 def send_step(tp: TPGroup, inputs: StepInputs) -> None:
     """TP rank 0: the step to the other ranks, its images and 3-D positions after it."""
     tp.send_step(inputs.pack())
-    if inputs.images is not None or inputs.mrope_positions is not None:
+    if inputs.extra_bits():
         longs, features = inputs.pack_extras()
         tp.send_step(longs)
         if features is not None:
