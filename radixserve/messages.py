@@ -84,9 +84,10 @@ class LogprobRequest:
 
 @dataclass
 class ImageInput:
-    """One image of a prompt: its content hash (its tokens' ids derive from it), where its
-    tokens lie in the prompt, and its preprocessed pixels (float32 bytes, `[patches, patch_dim]`)
-    with their (t, h, w) patch grid."""
+    """One image of a prompt (or a video, or a video's frame pair): its content hash (its
+    tokens' ids derive from it), where its tokens lie in the prompt, and its preprocessed pixels
+    (float32 bytes, `[patches, patch_dim]`) with their (t, h, w) patch grid; a video's time
+    positions lie `time_interval` apart from one frame pair to the next."""
 
     digest: int
     offset: int
@@ -94,6 +95,7 @@ class ImageInput:
     grid: list[int]
     pixels: bytes
     patch_dim: int
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:

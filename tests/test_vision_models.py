@@ -150,6 +150,17 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
         assert cached >= 0.9 * prompt_len
 
 
+def test_a_video_to_a_family_without_videos_is_a_400_naming_the_part(served):
+    model, _, server = served
+    if model.config.model_type not in ("gemma3", "gemma4", "mistral3"):
+        pytest.skip("a Qwen-VL family takes videos (tests/test_video_inputs.py)")
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = server.client().post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert "messages[0].content[0]: this model takes no videos" in r.json()["error"]["message"]
+
+
 def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(served):
     """The same picture after a different prefix: its KV is not cached there, its features
     are (the encoder cache); /metrics and the dashboard count image tokens and hits."""

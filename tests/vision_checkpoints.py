@@ -17,8 +17,8 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImagePr
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-VOCAB = 49280  # SmolLM2's 49152 tokens, the three image tokens, room to spare
+MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+VOCAB = 49280  # SmolLM2's 49152 tokens, the image and video tokens, room to spare
 TEXT = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -162,7 +162,7 @@ def build_vl_checkpoint(root, family: str, model_dir):
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
-    start, pad, end = tokenizer.convert_tokens_to_ids(MARKERS)
+    start, pad, end, video = tokenizer.convert_tokens_to_ids(MARKERS)
     ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = config_cls(
         text_config={**TEXT, **text, **ends},
@@ -170,7 +170,7 @@ def build_vl_checkpoint(root, family: str, model_dir):
         image_token_id=pad,
         vision_start_token_id=start,
         vision_end_token_id=end,
-        video_token_id=pad + 100,
+        video_token_id=video,
         **ends,
     )
     torch.manual_seed(0)

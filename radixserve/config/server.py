@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..multimodal.media import MediaPolicy, image_limit
+from ..multimodal.media import MediaPolicy, media_limits
 from .engine import EngineArgs
 from .options import check_choices, option, refuse_problems
 
@@ -70,11 +70,16 @@ class ServerArgs:
         None, "a folder images may be read from as file:// URLs (none by default)"
     )
     limit_mm_per_prompt: str = option(
-        '{"image": 8}', "the images a prompt may carry, as a JSON object"
+        '{"image": 8, "video": 1}',
+        "the images and videos a prompt may carry, as a JSON object (a kind left out keeps its "
+        "default)",
     )
     media_fetch_timeout: float = option(10.0, "seconds an image fetch may take")
     max_image_pixels: int = option(
-        40_000_000, "the largest image accepted, in pixels (a larger one is a 400)"
+        40_000_000, "the largest image or video frame accepted, in pixels (a larger one is a 400)"
+    )
+    max_video_frames: int = option(
+        7200, "the most frames a video may have (a longer one is a 400; they are sampled at fps)"
     )
 
     def __post_init__(self) -> None:
@@ -87,6 +92,7 @@ class ServerArgs:
             self.max_request_bytes,
             self.media_fetch_timeout,
             self.max_image_pixels,
+            self.max_video_frames,
         )
 
     def _problems(self):
@@ -100,7 +106,7 @@ class ServerArgs:
         if self.dp_size < 1:
             yield "dp_size must be >= 1"
         try:
-            image_limit(self.limit_mm_per_prompt)
+            media_limits(self.limit_mm_per_prompt)
         except ValueError as exc:
             yield str(exc)
         if (
@@ -108,8 +114,8 @@ class ServerArgs:
             and not Path(self.allowed_local_media_path).is_dir()
         ):
             yield f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder"
-        if self.media_fetch_timeout <= 0 or self.max_image_pixels < 1:
-            yield "media_fetch_timeout and max_image_pixels must be > 0"
+        if self.media_fetch_timeout <= 0 or min(self.max_image_pixels, self.max_video_frames) < 1:
+            yield "media_fetch_timeout, max_image_pixels and max_video_frames must be > 0"
         if self.dp_size > 1 and self.engine.nnodes > 1:
             yield (
                 "dp_size with nnodes is not supported: start each multi-node replica on its own, "

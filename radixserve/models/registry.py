@@ -128,6 +128,7 @@ VISION_KEYS = (
     "image_token_id",
     "vision_start_token_id",
     "vision_end_token_id",
+    "video_token_id",
     "image_token_index",
     "boi_token_index",
     "eoi_token_index",

@@ -1,5 +1,6 @@
-"""An image's bytes from a `data:` URL, an allowed http(s) host or an allowed local folder, and
-the decoded picture, with every refusal a `MediaError` naming the request part."""
+"""An image's (or a video's) bytes from a `data:` URL, an allowed http(s) host or an allowed
+local folder, and the decoded picture, with every refusal a `MediaError` naming the request
+part."""
 
 from __future__ import annotations
 
@@ -42,21 +43,31 @@ class MediaPolicy:
     allowed_local_path: str | None = None
     max_bytes: int = 20 << 20
     fetch_timeout_s: float = 10.0
-    max_pixels: int = 40_000_000
+    max_pixels: int = 40_000_000  # an image's, or a video frame's
+    max_video_frames: int = 7200
 
 
-def image_limit(limit_mm_per_prompt: str) -> int:
-    """The images a prompt may carry, from `--limit-mm-per-prompt '{"image": N}'`."""
+MEDIA_LIMITS = {"image": 8, "video": 1}  # each kind's count a prompt may carry, unless set
+
+
+def media_limits(limit_mm_per_prompt: str) -> dict[str, int]:
+    """The images and videos a prompt may carry, from `--limit-mm-per-prompt '{"image": N,
+    "video": M}'` (a kind left out keeps its default)."""
     try:
         limits = json.loads(limit_mm_per_prompt)
-        count = limits["image"]
-    except (json.JSONDecodeError, TypeError, KeyError):
+    except json.JSONDecodeError:
+        limits = None
+    if not isinstance(limits, dict):
         raise ValueError(
-            "limit_mm_per_prompt must be a JSON object like '{\"image\": 8}'"
-        ) from None
-    if set(limits) != {"image"} or not isinstance(count, int) or count < 0:
-        raise ValueError("limit_mm_per_prompt takes one key, 'image', with a count >= 0")
-    return count
+            'limit_mm_per_prompt must be a JSON object like \'{"image": 8, "video": 1}\''
+        )
+    for kind, count in limits.items():
+        if kind not in MEDIA_LIMITS or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                "limit_mm_per_prompt takes the keys 'image' and 'video', each a count >= 0; "
+                f"got {kind!r}: {count!r}"
+            )
+    return {**MEDIA_LIMITS, **limits}
 
 
 def is_remote(url: str) -> bool:
@@ -64,17 +75,17 @@ def is_remote(url: str) -> bool:
     return isinstance(url, str) and url[:8].lower().startswith(("http://", "https://"))
 
 
-def local_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
-    """The encoded image of a data URL (or bare base64) or an allowed file: URL."""
+def local_bytes(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
+    """The encoded image (or video) of a data URL (or bare base64) or an allowed file: URL."""
     if not isinstance(url, str) or not url:
-        raise MediaError(f"{where}: an image URL must be a non-empty string")
+        raise MediaError(f"{where}: an {kind} URL must be a non-empty string")
     scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
     if scheme == "data":
-        return _data_url(url, policy, where)
+        return _data_url(url, policy, where, kind)
     if scheme == "file":
-        return _local_file(url, policy, where)
+        return _local_file(url, policy, where, kind)
     if scheme == "":
-        return _base64(url, policy, where)
+        return _base64(url, policy, where, kind)
     raise MediaError(f"{where}: URL scheme {scheme!r} is not allowed (data, http, https, file)")
 
 
@@ -121,27 +132,27 @@ def _on_white(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
-def _data_url(url: str, policy: MediaPolicy, where: str) -> bytes:
+def _data_url(url: str, policy: MediaPolicy, where: str, kind: str) -> bytes:
     head, sep, body = url.partition(",")
     if not sep:
         raise MediaError(f"{where}: a data URL needs a ',' before its data")
-    if not head.lower().startswith("data:image/"):
-        raise MediaError(f"{where}: a data URL must have an image/* media type")
+    if not head.lower().startswith(f"data:{kind}/"):
+        raise MediaError(f"{where}: a data URL must have an {kind}/* media type")
     if head.lower().endswith(";base64"):
-        return _base64(body, policy, where)
-    return _limited(unquote_to_bytes(body), policy, where)
+        return _base64(body, policy, where, kind)
+    return _limited(unquote_to_bytes(body), policy, where, kind)
 
 
-def _base64(text: str, policy: MediaPolicy, where: str) -> bytes:
+def _base64(text: str, policy: MediaPolicy, where: str, kind: str) -> bytes:
     if len(text) > policy.max_bytes * 4 // 3 + 4:
-        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+        raise MediaError(f"{where}: the {kind} is over {policy.max_bytes} bytes")
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise MediaError(f"{where}: the image data is not valid base64") from None
+        raise MediaError(f"{where}: the {kind} data is not valid base64") from None
 
 
-def _local_file(url: str, policy: MediaPolicy, where: str) -> bytes:
+def _local_file(url: str, policy: MediaPolicy, where: str, kind: str) -> bytes:
     if policy.allowed_local_path is None:
         raise MediaError(f"{where}: file URLs need --allowed-local-media-path")
     root = Path(policy.allowed_local_path).resolve()
@@ -151,11 +162,11 @@ def _local_file(url: str, policy: MediaPolicy, where: str) -> bytes:
     if not path.is_file():
         raise MediaError(f"{where}: no such file under --allowed-local-media-path")
     if path.stat().st_size > policy.max_bytes:
-        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+        raise MediaError(f"{where}: the {kind} is over {policy.max_bytes} bytes")
     return path.read_bytes()
 
 
-async def fetch_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
+async def fetch_bytes(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
     """GET an allowed URL; redirects are followed only to allowed hosts, at most MAX_REDIRECTS."""
     timeout = aiohttp.ClientTimeout(total=policy.fetch_timeout_s)
     try:
@@ -167,21 +178,21 @@ async def fetch_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
                         url = str(resp.url.join(URL(resp.headers["Location"])))
                         continue
                     if resp.status != 200:
-                        raise MediaError(f"{where}: fetching the image gave HTTP {resp.status}")
-                    return await _read_limited(resp, policy, where)
+                        raise MediaError(f"{where}: fetching the {kind} gave HTTP {resp.status}")
+                    return await _read_limited(resp, policy, where, kind)
     except MediaError:
         raise
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-        raise MediaError(f"{where}: the image could not be fetched ({_short(exc)})") from None
+        raise MediaError(f"{where}: the {kind} could not be fetched ({_short(exc)})") from None
     raise MediaError(f"{where}: more than {MAX_REDIRECTS} redirects")
 
 
-async def _read_limited(resp, policy: MediaPolicy, where: str) -> bytes:
+async def _read_limited(resp, policy: MediaPolicy, where: str, kind: str) -> bytes:
     chunks, size = [], 0
     async for chunk in resp.content.iter_chunked(1 << 16):
         size += len(chunk)
         if size > policy.max_bytes:
-            raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+            raise MediaError(f"{where}: the {kind} is over {policy.max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -214,9 +225,9 @@ def _is_address(host: str) -> bool:
         return False
 
 
-def _limited(data: bytes, policy: MediaPolicy, where: str) -> bytes:
+def _limited(data: bytes, policy: MediaPolicy, where: str, kind: str) -> bytes:
     if len(data) > policy.max_bytes:
-        raise MediaError(f"{where}: the image is over {policy.max_bytes} bytes")
+        raise MediaError(f"{where}: the {kind} is over {policy.max_bytes} bytes")
     return data
 
 

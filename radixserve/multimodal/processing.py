@@ -30,6 +30,7 @@ class ProcessedImage:
     grid: tuple[int, int, int]  # (t, h, w) in patches
     tokens: int  # prompt tokens it becomes
     digest: int  # content hash
+    time_interval: float = 1.0  # a video's: time positions from one frame pair to the next
 
     @property
     def token_id(self) -> int:
@@ -56,10 +57,15 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
     pixels, grid, tokens = layout.cut(normed, spec)
     pixels = np.ascontiguousarray(pixels)
-    digest = int.from_bytes(
-        hashlib.sha256(np.asarray(grid).tobytes() + pixels.tobytes()).digest()[:8], "little"
-    )
-    return ProcessedImage(pixels, grid, tokens, digest)
+    return ProcessedImage(pixels, grid, tokens, content_digest(pixels, grid))
+
+
+def content_digest(pixels: np.ndarray, grid: tuple[int, int, int], interval: float = 1.0) -> int:
+    """The hash that names an image (or a video's part) everywhere: over its grid, pixels and,
+    for a video's time spacing other than one, that spacing."""
+    spacing = b"" if interval == 1.0 else np.float64(interval).tobytes()
+    data = np.asarray(grid).tobytes() + spacing + pixels.tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 Cut = tuple[np.ndarray, tuple[int, int, int], int]  # pixels, grid, prompt tokens
@@ -179,24 +185,56 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int
     return np.ascontiguousarray(frames.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
 
 
-def expand_images(
-    ids: list[int], images: list[ProcessedImage], spec: VisionSpec
-) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True)
+class ProcessedVideo:
+    parts: list[ProcessedImage]  # one (Qwen2-VL, Qwen2.5-VL), or one a frame pair (Qwen3-VL)
+    timestamps: list[float]  # each part's time in seconds (Qwen3-VL), else empty
+
+
+Media = ProcessedImage | ProcessedVideo
+
+
+def expand_media(
+    ids: list[int], media: list[Media], spec: VisionSpec, words: Callable[[str], list[int]]
+) -> tuple[list[int], list[tuple[ProcessedImage, int]]]:
     """The prompt with each image placeholder replaced by `spec.before`, the image's tokens and
-    `spec.after`, and where each image's tokens start. ValueError when the prompt holds another
-    number of placeholders."""
-    places = [i for i, t in enumerate(ids) if t == spec.placeholder_id]
-    if len(places) != len(images):
-        raise ValueError(
-            f"the prompt has {len(places)} image placeholders for {len(images)} images"
-        )
-    out, offsets, last = [], [], 0
-    for place, image in zip(places, images):
-        out += ids[last:place] + list(spec.before)
-        offsets.append(len(out))
-        out += image_span(image, spec) + list(spec.after)
-        last = place + 1
-    return out + ids[last:], offsets
+    `spec.after`, each video placeholder by its parts' tokens (Qwen3-VL: each part after the
+    tokens of its time, `words(text)`, between its own start and end tokens); and where each
+    image or part starts. ValueError when the prompt holds another number of placeholders."""
+    images = [m for m in media if isinstance(m, ProcessedImage)]
+    videos = [m for m in media if isinstance(m, ProcessedVideo)]
+    video_id = spec.video.token_id if spec.video is not None else None
+    for kind, items, token in (("image", images, spec.placeholder_id), ("video", videos, video_id)):
+        found = sum(t == token for t in ids) if token is not None else 0
+        if found != len(items):
+            raise ValueError(f"the prompt has {found} {kind} placeholders for {len(items)} {kind}s")
+    out: list[int] = []
+    placed: list[tuple[ProcessedImage, int]] = []
+    next_image, next_video, skip = iter(images), iter(videos), -1
+    for i, t in enumerate(ids):
+        if i == skip:
+            continue
+        if t == spec.placeholder_id:
+            image = next(next_image)
+            out += spec.before
+            placed.append((image, len(out)))
+            out += image_span(image, spec) + list(spec.after)
+        elif t == video_id and spec.video.timestamps:
+            if out and out[-1] == spec.start_token_id and ids[i + 1 : i + 2] == [spec.end_token_id]:
+                out.pop()  # the chat's start and end around the video: each part has its own
+                skip = i + 1
+            video = next(next_video)
+            for part, seconds in zip(video.parts, video.timestamps):
+                out += words(f"<{seconds:.1f} seconds>") + [spec.start_token_id]
+                placed.append((part, len(out)))
+                out += [part.token_id] * part.tokens + [spec.end_token_id]
+        elif t == video_id:
+            (part,) = next(next_video).parts
+            placed.append((part, len(out)))
+            out += [part.token_id] * part.tokens
+        else:
+            out.append(t)
+    return out, placed
 
 
 # each family's Layout (multimodal.spec.FAMILIES names the families)

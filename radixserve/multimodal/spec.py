@@ -1,6 +1,7 @@
 """What a vision-language checkpoint expects of an image: its family, the token that stands for
 image features in a prompt, the text that stands for one image in a chat turn, and how pixels
-are resized, normalized and cut into patches (from `preprocessor_config.json`)."""
+are resized, normalized and cut into patches (from `preprocessor_config.json`); and of a video,
+for the families that take them (`VideoSpec`, from `video_preprocessor_config.json`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,49 @@ FAMILIES = {
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC, BILINEAR = 3, 2  # PIL's resampling filter numbers
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """How a family samples and sizes a video's frames (HF's video processor defaults where the
+    checkpoint's video preprocessor config is silent)."""
+
+    token_id: int  # the prompt token that stands for a video
+    min_pixels: int  # Qwen2-VL and Qwen2.5-VL: a frame's; Qwen3-VL: all frames' together
+    max_pixels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    fps: float = 2.0  # frames sampled a second of video
+    min_frames: int = 4
+    max_frames: int = 768
+    # Qwen2.5-VL: time positions a second of video (0: a time position a frame pair, Qwen2-VL)
+    tokens_per_second: float = 0.0
+    # Qwen3-VL: each frame pair its own span, after the text of its time in seconds
+    timestamps: bool = False
+
+    @classmethod
+    def of(cls, family: str, hf: dict, pre: dict, video: dict) -> VideoSpec | None:
+        if family not in VIDEO_FAMILIES or "video_token_id" not in hf:
+            return None
+        qwen3 = family == "qwen3_vl"
+        side = 32 if qwen3 else 28
+        size = video.get("size") or {}
+        low = video.get("min_pixels", size.get("shortest_edge", 128 * side * side))
+        high = video.get("max_pixels", size.get("longest_edge", 768 * side * side))
+        vision = hf["vision_config"]
+        return cls(
+            token_id=int(hf["video_token_id"]),
+            min_pixels=int(low),
+            max_pixels=int(high),
+            mean=tuple(video.get("image_mean", pre.get("image_mean", CLIP_MEAN))),
+            std=tuple(video.get("image_std", pre.get("image_std", CLIP_STD))),
+            fps=float(video.get("fps", 2.0)),
+            min_frames=int(video.get("min_frames", 4)),
+            max_frames=int(video.get("max_frames", 768)),
+            tokens_per_second=float(vision.get("tokens_per_second", 0)),
+            timestamps=qwen3,
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +98,7 @@ class VisionSpec:
     placeholder_id: int = 0
     before: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
+    video: VideoSpec | None = None  # None: the family takes no videos
 
     @classmethod
     def of(cls, hf: dict, folder: Path | None) -> VisionSpec | None:
@@ -71,6 +116,8 @@ class VisionSpec:
             return cls._pixtral(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
+        # HF reads a video's settings from the image's config where there is no video one
+        video = _json_file(folder, "video_preprocessor_config.json") or pre
         return cls(
             family=family,
             image_token_id=int(hf["image_token_id"]),
@@ -87,6 +134,7 @@ class VisionSpec:
             std=tuple(pre.get("image_std", CLIP_STD)),
             resample=int(pre.get("resample", BICUBIC)),
             placeholder_id=int(hf["image_token_id"]),
+            video=VideoSpec.of(family, hf, pre, video),
         )
 
     @classmethod
@@ -181,9 +229,18 @@ class VisionSpec:
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]
 
+    def video_marker_ids(self) -> list[int]:
+        """The token ids a chat turn holds for one video (Qwen-VL: start, video, end)."""
+        assert self.video is not None
+        return [self.start_token_id, self.video.token_id, self.end_token_id]
+
 
 def _preprocessor_config(folder: Path | None) -> dict:
-    path = folder / "preprocessor_config.json" if folder is not None else None
+    return _json_file(folder, "preprocessor_config.json")
+
+
+def _json_file(folder: Path | None, name: str) -> dict:
+    path = folder / name if folder is not None else None
     if path is None or not path.is_file():
         return {}
     try:

@@ -29,7 +29,7 @@ def _first(value: Any) -> Any:
 
 
 def _prompt_key(value: Any, images: Any = None) -> str:
-    """A prompt's key; /generate's `image_data` follows it as hashes."""
+    """A prompt's key; /generate's `image_data` and `video_data` follow it as hashes."""
     if images is not None:
         urls = [images] if isinstance(images, str) else images
         tail = "".join(_part_key({"image_url": u}) for u in urls if isinstance(u, str))
@@ -53,7 +53,7 @@ def _part_key(part: dict) -> str:
     `image`) as a short hash of its URL or data, never the data itself."""
     if isinstance(part.get("text"), str):
         return part["text"]
-    image = part.get("image_url") or part.get("source")
+    image = part.get("image_url") or part.get("video_url") or part.get("source")
     if isinstance(image, dict):
         image = image.get("url") or image.get("data")
     if not isinstance(image, str):
@@ -62,7 +62,7 @@ def _part_key(part: dict) -> str:
 
 
 def _has_images(data: dict) -> bool:
-    if data.get("image_data") is not None:
+    if data.get("image_data") is not None or data.get("video_data") is not None:
         return True
     messages = data.get("messages")
     return any(
@@ -122,7 +122,12 @@ def _adapter(path: str, data: dict) -> str | None:
 def _unsalted_key(path: str, data: dict) -> str:
     if path == "/generate":
         prompt = data["text"] if data.get("text") is not None else data.get("input_ids")
-        return _prompt_key(prompt, data.get("image_data"))
+        media = [
+            url
+            for value in (data.get("image_data"), data.get("video_data"))
+            for url in ([value] if isinstance(value, str) else value or [])
+        ]
+        return _prompt_key(prompt, media or None)
     if path == "/v1/completions":
         return _prompt_key(data.get("prompt"))
     if path == "/v1/chat/completions":

@@ -57,7 +57,7 @@ class Intake:
             whole_images=self.whole_images and bool(msg.images),
         )
         if req.images and self.mrope_merge_size:
-            spans = [(im.offset, tuple(im.grid)) for im in req.images]
+            spans = [(im.offset, tuple(im.grid), im.time_interval) for im in req.images]
             req.mrope = mrope_positions(len(req.input_ids), spans, self.mrope_merge_size)
         req.grammar = self._grammar_matcher(params)
         if self.speculative:

@@ -133,14 +133,16 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
 async def _generate_images(
     tm: TokenizerManager, body: GenerateRequest, single: bool, ids: list[int]
 ) -> tuple[list[int], list[ImageInput] | None]:
-    """A /generate prompt's `image_data`: one prompt's images, each marked in its text (or by
-    the image token among its input_ids)."""
-    if body.image_data is None:
-        return tm.images.attach(ids, [])
-    if not single:
-        raise RequestError("image_data goes with one prompt, not a batch")
-    urls = [body.image_data] if isinstance(body.image_data, str) else body.image_data
-    parts = [ImagePart(url, f"image_data[{i}]") for i, url in enumerate(urls)]
+    """A /generate prompt's `image_data` and `video_data`: one prompt's images and videos, each
+    marked in its text (or by the image or video token among its input_ids)."""
+    parts = []
+    for kind, value in (("image", body.image_data), ("video", body.video_data)):
+        if value is None:
+            continue
+        if not single:
+            raise RequestError(f"{kind}_data goes with one prompt, not a batch")
+        urls = [value] if isinstance(value, str) else value
+        parts += [ImagePart(url, f"{kind}_data[{i}]", kind=kind) for i, url in enumerate(urls)]
     return tm.images.attach(ids, await tm.images.prepare(parts))
 
 

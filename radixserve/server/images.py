@@ -1,7 +1,8 @@
-"""The api process's side of images: each request part fetched or decoded (`multimodal.media`),
-preprocessed off the event loop (`multimodal.processing`), and put into the prompt as its
-content-hash tokens (`ImageInput`s for the scheduler). Every failure is a 400 naming the part;
-a failed image fails its request alone."""
+"""The api process's side of images and videos: each request part fetched or decoded
+(`multimodal.media`, `multimodal.video`), preprocessed off the event loop
+(`multimodal.processing`), and put into the prompt as its content-hash tokens (`ImageInput`s
+for the scheduler: an image, a whole video, or a video's frame pair). Every failure is a 400
+naming the part; a failed image or video fails its request alone."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from ..multimodal.media import (
     load_image_plugins,
     local_bytes,
 )
-from ..multimodal.processing import ProcessedImage, expand_images, preprocess
+from ..multimodal.processing import Media, expand_media, preprocess
 from ..multimodal.spec import VisionSpec
+from ..multimodal.video import decode_video, preprocess_video
 from .http import RequestError
 from .tokenizing import lower_this_threads_priority
+
+KINDS = {"image": "image_url, input_image and image parts", "video": "video_url parts"}
 
 
 @dataclass(frozen=True)
@@ -31,14 +35,18 @@ class ImagePart:
     url: str
     where: str  # the request part it came from, for errors
     detail: str = "auto"
+    kind: str = "image"  # or "video"
 
 
 class ImageInputs:
-    def __init__(self, spec: VisionSpec | None, policy: MediaPolicy, limit: int, tokenizer: Any):
+    def __init__(
+        self, spec: VisionSpec | None, policy: MediaPolicy, limits: dict[str, int], tokenizer: Any
+    ):
         if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
-        self.spec, self.policy, self.limit = spec, policy, limit
-        self.marker = _marker_text(spec, tokenizer)
+        self.spec, self.policy, self.limits, self.tokenizer = spec, policy, limits, tokenizer
+        # the text a chat turn holds for each kind of content part
+        self.markers = _marker_texts(spec, tokenizer)
         if spec is not None:
             load_image_plugins()
         # at the lowest CPU priority, as long tokenizations: decoding a large image must not
@@ -50,26 +58,18 @@ class ImageInputs:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, parts: list[ImagePart]) -> list[ProcessedImage]:
-        """Each part's image, preprocessed, in order."""
+    async def prepare(self, parts: list[ImagePart]) -> list[Media]:
+        """Each part's image or video, preprocessed, in order."""
         if not parts:
             return []
-        if self.spec is None:
-            raise RequestError(
-                f"{parts[0].where}: this model takes no images (image_url, input_image and "
-                "image parts need a vision-language model)"
-            )
-        if len(parts) > self.limit:
-            raise RequestError(
-                f"{parts[self.limit].where}: at most {self.limit} images a prompt "
-                "(--limit-mm-per-prompt)"
-            )
-        for part in parts:
-            if part.detail not in ("auto", "low", "high"):
-                raise RequestError(f"{part.where}.detail must be 'auto', 'low' or 'high'")
+        self._check(parts)
         try:
             fetched = await asyncio.gather(
-                *(fetch_bytes(p.url, self.policy, p.where) for p in parts if is_remote(p.url))
+                *(
+                    fetch_bytes(p.url, self.policy, p.where, p.kind)
+                    for p in parts
+                    if is_remote(p.url)
+                )
             )
             remote = iter(fetched)
             loop = asyncio.get_running_loop()
@@ -86,31 +86,59 @@ class ImageInputs:
         except MediaError as exc:
             raise RequestError(str(exc)) from None
 
-    def _process(self, data: bytes | None, part: ImagePart) -> ProcessedImage:
-        """On a pool thread: the bytes (unless fetched), the picture, its pixels."""
+    def _check(self, parts: list[ImagePart]) -> None:
+        for kind, named in KINDS.items():
+            mine = [p for p in parts if p.kind == kind]
+            takes = self.spec is not None and (kind == "image" or self.spec.video is not None)
+            if mine and not takes:
+                raise RequestError(f"{mine[0].where}: this model takes no {kind}s ({named})")
+            limit = self.limits.get(kind, 0)
+            if len(mine) > limit:
+                raise RequestError(
+                    f"{mine[limit].where}: at most {limit} {kind}s a prompt (--limit-mm-per-prompt)"
+                )
+        for part in parts:
+            if part.detail not in ("auto", "low", "high"):
+                raise RequestError(f"{part.where}.detail must be 'auto', 'low' or 'high'")
+
+    def _process(self, data: bytes | None, part: ImagePart) -> Media:
+        """On a pool thread: the bytes (unless fetched), the picture or frames, their pixels."""
         if data is None:
-            data = local_bytes(part.url, self.policy, part.where)
-        image = decode_image(data, self.policy, part.where)
+            data = local_bytes(part.url, self.policy, part.where, part.kind)
         try:
-            return preprocess(image, self.spec)
+            if part.kind == "video":
+                return preprocess_video(
+                    decode_video(data, self.policy, self.spec, part.where), self.spec
+                )
+            return preprocess(decode_image(data, self.policy, part.where), self.spec)
         except (ValueError, OSError) as exc:
-            raise MediaError(f"{part.where}: the image cannot be preprocessed ({exc})") from None
+            if isinstance(exc, MediaError):
+                raise
+            raise MediaError(
+                f"{part.where}: the {part.kind} cannot be preprocessed ({exc})"
+            ) from None
 
     def attach(
-        self, ids: list[int], images: list[ProcessedImage]
+        self, ids: list[int], media: list[Media]
     ) -> tuple[list[int], list[ImageInput] | None]:
-        """The prompt with its image tokens expanded to each image's hash tokens, and the
-        scheduler's view of the images."""
-        if not images:
-            if self.spec is not None and self.spec.placeholder_id in ids:
+        """The prompt with its image and video tokens expanded to each one's hash tokens, and
+        the scheduler's view of them."""
+        if not media:
+            spec = self.spec
+            if spec is not None and spec.placeholder_id in ids:
                 raise RequestError(
                     "the prompt holds an image placeholder but the request has no image"
                 )
+            if spec is not None and spec.video is not None and spec.video.token_id in ids:
+                raise RequestError(
+                    "the prompt holds a video placeholder but the request has no video"
+                )
             return ids, None
         try:
-            expanded, offsets = expand_images(ids, images, self.spec)
+            expanded, placed = expand_media(ids, media, self.spec, self._words)
         except ValueError as exc:
-            raise RequestError(f"{exc} (each image needs {self.marker!r} in the prompt)") from None
+            shown = " and ".join(f"each {k} needs {m!r}" for k, m in self.markers.items())
+            raise RequestError(f"{exc} ({shown} in the prompt)") from None
         return expanded, [
             ImageInput(
                 im.digest,
@@ -119,9 +147,13 @@ class ImageInputs:
                 list(im.grid),
                 im.pixels.tobytes(),
                 im.pixels.shape[1],
+                im.time_interval,
             )
-            for im, offset in zip(images, offsets)
+            for im, offset in placed
         ]
+
+    def _words(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
@@ -132,7 +164,7 @@ def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
             "Pixtral's images need the checkpoint's tokenizer ([IMG_BREAK], [IMG_END])"
         )
     if tokenizer is None:
-        return spec
+        return replace(spec, video=None)  # Qwen3-VL's frame times are words
     if spec.family == "gemma3":
         newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
         return replace(spec, before=newlines + spec.before, after=spec.after + newlines)
@@ -145,8 +177,12 @@ def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
     return spec
 
 
-def _marker_text(spec: VisionSpec | None, tokenizer: Any) -> str | None:
-    """The text a chat turn holds for one image (the vision start, image and end tokens)."""
+def _marker_texts(spec: VisionSpec | None, tokenizer: Any) -> dict[str, str]:
+    """The text a chat turn holds for one image (the vision start, image and end tokens) and,
+    where the model takes videos, for one video; by content part type."""
     if spec is None or tokenizer is None:
-        return None
-    return "".join(tokenizer.convert_ids_to_tokens(spec.marker_ids()))
+        return {}
+    out = {"image_url": "".join(tokenizer.convert_ids_to_tokens(spec.marker_ids()))}
+    if spec.video is not None:
+        out["video_url"] = "".join(tokenizer.convert_ids_to_tokens(spec.video_marker_ids()))
+    return out

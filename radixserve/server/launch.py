@@ -25,7 +25,7 @@ from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
 from ..models.registry import is_classifier, model_problems
 from ..models.source import resolve_draft_model, resolve_model
-from ..multimodal.media import image_limit
+from ..multimodal.media import media_limits
 from ..multimodal.spec import VisionSpec
 from ..quant import quantization_problems
 from ..tokenizer import load_tokenizer_or_none
@@ -229,7 +229,7 @@ def launch_server(args: ServerArgs) -> int:
         )
         spec = VisionSpec.of(source.config.hf_config, source.weights_dir)
         tm.images = ImageInputs(
-            spec, args.media_policy(), image_limit(args.limit_mm_per_prompt), tokenizer
+            spec, args.media_policy(), media_limits(args.limit_mm_per_prompt), tokenizer
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"

@@ -161,7 +161,7 @@ async def chat_prompt_ids(
     marker expanded to its content-hash tokens; and its images."""
     images = await tm.images.prepare(body.image_parts())
     prompt = await tm.inputs.chat_prompt(
-        [m.template_dict(tm.images.marker) for m in body.messages],
+        [m.template_dict(tm.images.markers) for m in body.messages],
         body.template_functions() or None,
         **body.template_options(),
     )

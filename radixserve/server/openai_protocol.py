@@ -227,18 +227,18 @@ class ChatMessage(BaseModel):
             check_parts(content)
         return content
 
-    def text(self, image_marker: str | None = None) -> str:
+    def text(self, markers: dict[str, str] | None = None) -> str:
         if isinstance(self.content, list):
-            return parts_text(self.content, image_marker)
+            return parts_text(self.content, markers or {})
         return self.content or ""
 
     def images(self, where: str) -> list[ImagePart]:
         return image_parts(self.content, where) if isinstance(self.content, list) else []
 
-    def template_dict(self, image_marker: str | None = None) -> dict[str, Any]:
+    def template_dict(self, markers: dict[str, str] | None = None) -> dict[str, Any]:
         """The message as chat templates take it (tool calls with their arguments as objects,
-        each image as the model's image marker)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text(image_marker)}
+        each image or video as the model's marker for it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(markers)}
         if self.tool_calls:
             out["tool_calls"] = [
                 {
@@ -341,7 +341,7 @@ class ChatCompletionRequest(_OpenAIBase):
         return self
 
     def image_parts(self) -> list[ImagePart]:
-        """Every image of the conversation, in order."""
+        """Every image and video of the conversation, in order."""
         return [
             part
             for i, message in enumerate(self.messages)

@@ -58,6 +58,7 @@ class GenerateRequest(BootstrapFields):
     cache_salt: str | None = None  # requests of different salts never share cached KV
     lora_path: str | list[str | None] | None = None  # a served adapter's name, or one a prompt
     image_data: str | list[str] | None = None  # images (URLs, data URLs, base64) of one prompt
+    video_data: str | list[str] | None = None  # its videos, alike
 
 
 class TokenizeRequest(BaseModel):

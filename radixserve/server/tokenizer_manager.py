@@ -78,7 +78,7 @@ class TokenizerManager:
         self.weight_version = "default"  # named by /update_weights_from_disk; in every reply
         self.only_pooling: str | None = None  # a classifier serves pooling requests only
         self.lora_adapters = list(ready.lora_adapters)  # kept by /load_ and /unload_lora_adapter
-        self.images = ImageInputs(None, MediaPolicy(), 0, None)  # a vision model's: set at launch
+        self.images = ImageInputs(None, MediaPolicy(), {}, None)  # a vision model's: set at launch
 
     async def start(self, inbox: zmq.Socket | None = None) -> None:
         """Bind sockets and start reading outputs (call inside the server's event loop)."""

@@ -1,0 +1,199 @@
+"""A video as the Qwen-VL towers take it: decoded with PyAV, its frames sampled as HF's video
+processors sample them, sized, normalized and cut into patches of frame pairs.
+
+Qwen2-VL and Qwen2.5-VL take a video as one span of `t x h x w / merge^2` tokens (its time
+positions `tokens_per_second x temporal_patch / sampled fps` apart on Qwen2.5-VL); Qwen3-VL
+takes each frame pair as its own span after the text of its time (`<1.5 seconds>`). The tower
+reads each frame pair on its own either way, so a Qwen3-VL video is a list of one-pair parts,
+each named by its own content hash: a video's frame pairs share cached KV with the same pairs
+of another request."""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, replace
+
+import av
+import numpy as np
+from PIL import Image
+
+from .media import MAX_ASPECT, MIN_SIDE, MediaError, MediaPolicy
+from .processing import ProcessedImage, ProcessedVideo, content_digest, fitted_size
+from .spec import VisionSpec
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    frames: list[np.ndarray]  # the sampled frames, RGB uint8 [H, W, 3]
+    indices: list[int]  # their places among the video's frames
+    total: int  # the video's frames
+    fps: float  # the video's frame rate
+
+
+def decode_video(data: bytes, policy: MediaPolicy, spec: VisionSpec, where: str) -> DecodedVideo:
+    """The sampled frames, checked from the stream's header before a frame is decoded: a frame
+    size within `max_pixels`, at most `max_video_frames` frames, a frame rate."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            return _sampled(container, policy, spec, where)
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, EOFError, IndexError) as exc:
+        raise MediaError(f"{where}: not a video PyAV can read ({_short(exc)})") from None
+
+
+def _sampled(container, policy: MediaPolicy, spec: VisionSpec, where: str) -> DecodedVideo:
+    if not container.streams.video:
+        raise MediaError(f"{where}: the file has no video stream")
+    stream = container.streams.video[0]
+    _check_frame_size(stream.codec_context.width, stream.codec_context.height, policy, where)
+    fps = float(stream.average_rate or 0)
+    if not fps > 0:
+        raise MediaError(f"{where}: the video has no frame rate")
+    total = stream.frames or _count_frames(container, stream, policy, where)
+    if total > policy.max_video_frames:
+        raise MediaError(
+            f"{where}: the video has {total} frames; at most {policy.max_video_frames} are "
+            "accepted (--max-video-frames)"
+        )
+    indices = sample_frames(total, fps, spec)
+    if not indices:
+        raise MediaError(f"{where}: the video has {total} frames, too few to sample")
+    wanted, frames = set(indices), []
+    for i, frame in enumerate(container.decode(stream)):
+        if i in wanted:
+            frames.append(frame.to_ndarray(format="rgb24"))
+        if i >= indices[-1]:
+            break
+    if len(frames) < len(indices):
+        raise MediaError(
+            f"{where}: the video ends after {len(frames)} of the frames its header lists"
+        )
+    return DecodedVideo(frames, indices, total, fps)
+
+
+def _check_frame_size(width: int, height: int, policy: MediaPolicy, where: str) -> None:
+    if width * height > policy.max_pixels:
+        raise MediaError(
+            f"{where}: the video's frames have {width}x{height} pixels; at most "
+            f"{policy.max_pixels} are accepted"
+        )
+    if min(width, height) < MIN_SIDE:
+        raise MediaError(f"{where}: the video is {width}x{height}; each side needs {MIN_SIDE}+")
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise MediaError(
+            f"{where}: the video is {width}x{height}; its aspect ratio must be within "
+            f"{MAX_ASPECT}:1"
+        )
+
+
+def _count_frames(container, stream, policy: MediaPolicy, where: str) -> int:
+    """Frames of a stream whose header does not say: its packets, counted without decoding."""
+    count = 0
+    for packet in container.demux(stream):
+        count += packet.size > 0
+        if count > policy.max_video_frames:
+            break
+    container.seek(0)
+    return count
+
+
+def sample_frames(total: int, fps: float, spec: VisionSpec) -> list[int]:
+    """The frames HF's video processor samples at `spec.video.fps` frames a second: Qwen2-VL's
+    and Qwen2.5-VL's (a multiple of the temporal patch, evenly strided), Qwen3-VL's (evenly
+    spaced from the first frame to the last)."""
+    video, pair = spec.video, spec.temporal_patch_size
+    assert video is not None
+    wanted = total / fps * video.fps
+    if video.timestamps:
+        count = min(max(int(wanted), video.min_frames), video.max_frames, total)
+        return np.linspace(0, total - 1, count).round().astype(int).tolist()
+    most = math.floor(min(video.max_frames, total) / pair) * pair
+    count = math.floor(min(max(wanted, video.min_frames), most, total) / pair) * pair
+    if count == 0:
+        return []
+    step = total / count  # torch.arange's: float32 values of double steps, truncated
+    values = (np.arange(math.ceil(total / step), dtype=np.float64) * step).astype(np.float32)
+    return values.astype(np.int64).tolist()
+
+
+def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
+    """Every frame resized to one size (as an image is, PIL), normalized, the last repeated to
+    fill the last frame pair, and cut into patches of frame pairs (HF's video patch order:
+    frame pair, merge block, patch, then channel, frame, pixel)."""
+    vs = spec.video
+    assert vs is not None
+    first = video.frames[0]
+    height, width = frame_size(len(video.frames), first.shape[0], first.shape[1], spec)
+    mean, std = np.asarray(vs.mean, np.float32), np.asarray(vs.std, np.float32)
+    frames = []
+    for frame in video.frames:
+        resized = np.asarray(Image.fromarray(frame).resize((width, height), spec.resample))
+        scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
+        frames.append(((scaled - mean) / std).transpose(2, 0, 1))
+    pair = spec.temporal_patch_size
+    frames += frames[-1:] * (-len(frames) % pair)
+    pixels = cut_frame_pairs(np.stack(frames), spec)
+    t, gh, gw = len(frames) // pair, height // spec.patch_size, width // spec.patch_size
+    per_pair = gh * gw // spec.merge_size**2
+    if not vs.timestamps:
+        sampled_fps = len(video.indices) / video.total * video.fps
+        interval = vs.tokens_per_second * pair / sampled_fps if vs.tokens_per_second else 1.0
+        return ProcessedVideo([_part(pixels, (t, gh, gw), t * per_pair, interval)], [])
+    rows = gh * gw
+    parts = [_part(pixels[i * rows : (i + 1) * rows], (1, gh, gw), per_pair) for i in range(t)]
+    return ProcessedVideo(parts, pair_times(video.indices, video.fps, pair))
+
+
+def frame_size(frames: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """HF's `smart_resize` for videos: Qwen2-VL's and Qwen2.5-VL's bound each frame; Qwen3-VL's
+    bound all frames together (and first scale a side under one merged patch up to it)."""
+    vs = spec.video
+    assert vs is not None
+    factor = spec.factor
+    if not vs.timestamps:
+        bounds = replace(spec, min_pixels=vs.min_pixels, max_pixels=vs.max_pixels)
+        return fitted_size(height, width, bounds)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    t = round(frames / spec.temporal_patch_size) * spec.temporal_patch_size
+    if t * h * w > vs.max_pixels:
+        beta = math.sqrt(frames * height * width / vs.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < vs.min_pixels:
+        beta = math.sqrt(vs.min_pixels / (frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def cut_frame_pairs(frames: np.ndarray, spec: VisionSpec) -> np.ndarray:
+    """[F, C, H, W] -> [pairs x patches, C x T x P x P], merge blocks together in each pair."""
+    count, channels, height, width = frames.shape
+    p, m, pair = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    gh, gw = height // p, width // p
+    cut = frames.reshape(count // pair, pair, channels, gh // m, m, p, gw // m, m, p)
+    cut = cut.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(cut.reshape(count // pair * gh * gw, channels * pair * p * p))
+
+
+def pair_times(indices: list[int], fps: float, pair: int) -> list[float]:
+    """Each frame pair's time: the mean of its first and last frames' (HF's Qwen3-VL)."""
+    padded = indices + indices[-1:] * (-len(indices) % pair)
+    seconds = [i / fps for i in padded]
+    return [(seconds[i] + seconds[i + pair - 1]) / 2 for i in range(0, len(seconds), pair)]
+
+
+def _part(pixels: np.ndarray, grid: tuple[int, int, int], tokens: int, interval: float = 1.0):
+    """A video's part; its hash covers its time spacing too (it sets the tokens' positions)."""
+    pixels = np.ascontiguousarray(pixels)
+    return ProcessedImage(pixels, grid, tokens, content_digest(pixels, grid, interval), interval)
+
+
+def _short(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:200]

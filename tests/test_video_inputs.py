@@ -1,0 +1,267 @@
+"""Videos in, against HF transformers in float32: tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+Qwen3.5 (hybrid) checkpoints built with HF's classes, served, fed an MP4 through /generate
+(`video_data`) and the OpenAI chat route (`video_url` parts), greedy tokens compared with HF's
+model, fresh and from the radix cache, with prefill chunks (16 tokens) that split a video's tokens.
+
+HF's side: the file decoded by HF's own PyAV reader, the frames HF's video processor samples
+(its formulas below: that class needs torchvision, which does not load beside this torch),
+each frame through HF's PIL image processor class, the frames of each pair put together in HF's
+video patch order (frame pair, merge block, patch, then channel, frame, pixel), the prompt
+expanded as HF's processors do (Qwen3-VL: each pair after its time), `second_per_grid_ts` from
+the sampled frame rate (Qwen2.5-VL). Sizes are picked so that the last time position of a
+video stays under its largest row or column one, where transformers 5 and Qwen's reference
+(which radixserve follows) place the text after a video alike."""
+
+import base64
+import functools
+import http.server
+import math
+import threading
+
+import av
+import numpy as np
+import pytest
+import torch
+import transformers as hf
+from PIL import Image
+from server_utils import start_server
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.video_utils import VideoMetadata, read_video_pyav
+from vision_checkpoints import build_vl_checkpoint, image_processor, picture
+
+NEW = 8
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
+FPS = 4  # the test videos' frame rate; 2 frames a second are sampled
+TIMESTAMPED = ("qwen3_vl", "qwen3_5")  # model types whose frame pairs follow their times
+
+
+def video_file(folder, seed: int, frames: int, size: tuple[int, int]):
+    """An MP4 of `frames` different pictures (H.264) and its path."""
+    path = folder / f"video-{seed}-{frames}-{size[0]}x{size[1]}.mp4"
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=FPS)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(frames):
+            image = np.asarray(picture(seed * 100 + i, size))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def data_url(path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def hf_sampled(metadata: VideoMetadata, timestamps: bool, **_) -> np.ndarray:
+    """The frames HF's video processors sample at 2 frames a second (min 4, max 768)."""
+    total, wanted = metadata.total_num_frames, metadata.total_num_frames / metadata.fps * 2
+    if timestamps:  # Qwen3VLVideoProcessor.sample_frames
+        count = min(max(int(wanted), 4), 768, total)
+        return np.linspace(0, total - 1, count).round().astype(int)
+    most = math.floor(min(768, total) / 2) * 2  # Qwen2VLVideoProcessor.sample_frames
+    count = math.floor(min(max(wanted, 4), most, total) / 2) * 2
+    return torch.arange(0, total, total / count).int().numpy()
+
+
+def hf_video_inputs(model, path, video_path):
+    """HF's pixel_values_videos and video_grid_thw, the sampled frames' indices and the video's
+    frame rate."""
+    timestamps = model.config.model_type in TIMESTAMPED
+    frames, meta = read_video_pyav(
+        str(video_path), lambda metadata, **_: hf_sampled(metadata, timestamps)
+    )
+    out = image_processor(path)(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
+    grid = out["image_grid_thw"][0]
+    per_frame = out["pixel_values"].view(len(frames), int(grid.prod()), 3, 2, -1)[:, :, :, 0]
+    pairs = per_frame.view(len(frames) // 2, 2, *per_frame.shape[1:]).permute(0, 2, 3, 1, 4)
+    pixels = pairs.reshape(len(frames) // 2 * int(grid.prod()), -1)
+    thw = torch.tensor([[len(frames) // 2, int(grid[1]), int(grid[2])]])
+    return pixels, thw, list(meta.frames_indices), meta.fps
+
+
+def hf_greedy_video(model, path, ids: list[int], video_path):
+    """HF's greedy tokens for `ids` holding one video marker, and the expanded prompt's length."""
+    c = model.config
+    pixels, thw, indices, fps = hf_video_inputs(model, path, video_path)
+    pairs, per_pair = int(thw[0, 0]), int(thw[0, 1] * thw[0, 2]) // 4
+    at = ids.index(c.video_token_id)
+    extra = {}
+    if c.model_type in TIMESTAMPED:
+        tokenizer = hf.AutoTokenizer.from_pretrained(path)
+        times = Qwen3VLProcessor._calculate_timestamps(None, indices, fps, 2)
+        span = []
+        for seconds in times:
+            span += tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+            span += [c.vision_start_token_id] + [c.video_token_id] * per_pair
+            span += [c.vision_end_token_id]
+        full = ids[: at - 1] + span + ids[at + 2 :]
+    else:
+        full = ids[:at] + [c.video_token_id] * (pairs * per_pair) + ids[at + 1 :]
+        if c.model_type == "qwen2_5_vl":
+            sampled_fps = len(indices) / int(av.open(str(video_path)).streams.video[0].frames) * fps
+            extra["second_per_grid_ts"] = torch.tensor([2 / sampled_fps])
+    input_ids = torch.tensor([full])
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids,
+            pixel_values_videos=pixels,
+            video_grid_thw=thw,
+            mm_token_type_ids=(input_ids == c.video_token_id).int() * 2,
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **extra,
+        )
+    return gen[0, len(full) :].tolist(), len(full)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def served(request, tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp(request.param)
+    model, path = build_vl_checkpoint(root, request.param, model_dir)
+    files = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), files)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    server = start_server(
+        root,
+        "--model", str(path), "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
+        "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--max-video-frames", "40",
+        "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(root),
+    )  # fmt: skip
+    yield model, path, server, root, f"http://127.0.0.1:{host.server_port}"
+    server.stop()
+    host.shutdown()
+    host.server_close()
+
+
+def least_cached(model, prompt_len: int) -> float:
+    """The prompt tokens a repeated request reads from the cache at least (a hybrid resumes
+    from the state snapshot at its last chunk's end)."""
+    if model.config.model_type == "qwen3_5":
+        return (prompt_len - 1) // 16 * 16
+    return 0.9 * prompt_len
+
+
+def video_marker(model) -> list[int]:
+    c = model.config
+    return [c.vision_start_token_id, c.video_token_id, c.vision_end_token_id]
+
+
+def frame_size(model) -> tuple[int, int]:
+    """(width, height): Qwen2-VL, Qwen2.5-VL: 5 x 4 merged patches (Qwen2.5-VL's time positions
+    reach 4); Qwen3-VL, Qwen3.5: 4 x 3."""
+    return (128, 96) if model.config.model_type in TIMESTAMPED else (140, 112)
+
+
+def generate(server, ids, videos, images=()):
+    body = {"input_ids": ids, "video_data": videos, "sampling_params": GREEDY}
+    if images:
+        body["image_data"] = list(images)
+    r = server.client().post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_video_matches_hf_fresh_and_cached(served):
+    model, path, server, root, _ = served
+    video = video_file(root, 1, 8, frame_size(model))
+    ids = BEFORE + video_marker(model) + AFTER
+    want, prompt_len = hf_greedy_video(model, path, ids, video)
+    fresh = generate(server, ids, [data_url(video)])
+    assert fresh["output_ids"] == want
+    assert fresh["meta_info"]["prompt_tokens"] == prompt_len
+    again = generate(server, ids, [data_url(video)])
+    assert again["output_ids"] == want
+    assert again["meta_info"]["cached_tokens"] >= least_cached(model, prompt_len)
+
+
+def test_a_video_that_ends_the_prompt_matches_hf(served):
+    model, path, server, root, _ = served
+    video = video_file(root, 2, 8, frame_size(model))
+    ids = BEFORE + video_marker(model)
+    want, _ = hf_greedy_video(model, path, ids, video)
+    assert generate(server, ids, [data_url(video)])["output_ids"] == want
+
+
+def test_chat_route_with_a_video_part_answers_as_hf(served):
+    model, path, server, root, _ = served
+    video = video_file(root, 3, 8, frame_size(model))
+    tokenizer = hf.AutoTokenizer.from_pretrained(path)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": tokenizer.decode(video_marker(model)) + "What happens?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    want, prompt_len = hf_greedy_video(model, path, tokenizer.encode(rendered), video)
+    content = [
+        {"type": "video_url", "video_url": {"url": data_url(video)}},
+        {"type": "text", "text": "What happens?"},
+    ]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    for _ in range(2):
+        r = server.client().post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
+            want, skip_special_tokens=True
+        )
+        assert r.json()["usage"]["prompt_tokens"] == prompt_len
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= least_cached(model, prompt_len)
+
+
+def test_bad_videos_are_400s_naming_the_part_and_the_server_answers_after(served):
+    model, path, server, root, _ = served
+    good = video_file(root, 4, 8, frame_size(model))
+    long = video_file(root, 5, 44, (32, 32))
+    raw = good.read_bytes()
+    ids = BEFORE + video_marker(model) + AFTER
+    bad = {
+        "not a video": "data:video/mp4;base64," + base64.b64encode(b"hello" * 50).decode(),
+        "truncated": "data:video/mp4;base64," + base64.b64encode(raw[: len(raw) // 3]).decode(),
+        "an image's media type": "data:image/png;base64," + base64.b64encode(raw).decode(),
+        "too many frames": data_url(long),
+        "not base64": "data:video/mp4;base64,@@@",
+    }
+    client = server.client()
+    for name, url in bad.items():
+        body = {"input_ids": ids, "video_data": [url], "sampling_params": GREEDY}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 400, (name, r.text)
+        assert "video_data[0]" in r.json()["error"]["message"], (name, r.text)
+    two = {"input_ids": ids, "video_data": [data_url(good)] * 2, "sampling_params": GREEDY}
+    r = client.post("/generate", json=two)
+    assert r.status_code == 400 and "at most 1 videos" in r.text
+    unmarked = {"input_ids": BEFORE, "video_data": [data_url(good)], "sampling_params": GREEDY}
+    r = client.post("/generate", json=unmarked)
+    assert r.status_code == 400 and "0 video placeholders for 1 videos" in r.text
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+    assert r.status_code == 400 and "video placeholder" in r.text
+    want, _ = hf_greedy_video(model, path, ids, good)
+    assert generate(server, ids, [data_url(good)])["output_ids"] == want
+
+
+def test_a_video_from_an_allowed_host_or_folder_is_the_same_video(served):
+    """Fetched over http or read from the allowed folder: the same tokens as its data URL,
+    its whole prompt from the cache the second and third time."""
+    model, path, server, root, site = served
+    video = video_file(root, 6, 8, frame_size(model))
+    ids = BEFORE + video_marker(model) + AFTER
+    want = generate(server, ids, [data_url(video)])
+    for url in (f"{site}/{video.name}", f"file://{video}"):
+        got = generate(server, ids, [url])
+        assert got["output_ids"] == want["output_ids"]
+        meta = got["meta_info"]
+        assert meta["cached_tokens"] >= least_cached(model, meta["prompt_tokens"])
+    r = server.client().post(
+        "/generate", json={"input_ids": ids, "video_data": [f"{site}/missing.mp4"]}
+    )
+    assert r.status_code == 400 and "video_data[0]: fetching the video gave HTTP 404" in r.text
