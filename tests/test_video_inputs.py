@@ -15,6 +15,7 @@ video stays under its largest row or column one, where transformers 5 and Qwen's
 import base64
 import functools
 import http.server
+import json
 import math
 import threading
 
@@ -36,11 +37,11 @@ FPS = 4  # the test videos' frame rate; 2 frames a second are sampled
 TIMESTAMPED = ("qwen3_vl", "qwen3_5")  # model types whose frame pairs follow their times
 
 
-def video_file(folder, seed: int, frames: int, size: tuple[int, int]):
+def video_file(folder, seed: int, frames: int, size: tuple[int, int], rate: int = FPS):
     """An MP4 of `frames` different pictures (H.264) and its path."""
-    path = folder / f"video-{seed}-{frames}-{size[0]}x{size[1]}.mp4"
+    path = folder / f"video-{seed}-{frames}-{size[0]}x{size[1]}-{rate}.mp4"
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=FPS)
+        stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         for i in range(frames):
             image = np.asarray(picture(seed * 100 + i, size))
@@ -66,6 +67,17 @@ def hf_sampled(metadata: VideoMetadata, timestamps: bool, **_) -> np.ndarray:
     return torch.arange(0, total, total / count).int().numpy()
 
 
+def frame_processor(path):
+    """HF's PIL image processor for the frames: the checkpoint's, with the mean and std of its
+    video preprocessor config where it has one (Qwen3-VL's)."""
+    processor = image_processor(path)
+    video_config = path / "video_preprocessor_config.json"
+    if video_config.is_file():
+        video = json.loads(video_config.read_text())
+        processor.image_mean, processor.image_std = video["image_mean"], video["image_std"]
+    return processor
+
+
 def hf_video_inputs(model, path, video_path):
     """HF's pixel_values_videos and video_grid_thw, the sampled frames' indices and the video's
     frame rate."""
@@ -73,7 +85,7 @@ def hf_video_inputs(model, path, video_path):
     frames, meta = read_video_pyav(
         str(video_path), lambda metadata, **_: hf_sampled(metadata, timestamps)
     )
-    out = image_processor(path)(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
+    out = frame_processor(path)(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
     grid = out["image_grid_thw"][0]
     per_frame = out["pixel_values"].view(len(frames), int(grid.prod()), 3, 2, -1)[:, :, :, 0]
     pairs = per_frame.view(len(frames) // 2, 2, *per_frame.shape[1:]).permute(0, 2, 3, 1, 4)
@@ -130,6 +142,7 @@ def served(request, tmp_path_factory, model_dir):
         root,
         "--model", str(path), "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
         "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--max-video-frames", "40",
+        "--max-context-len", "1024",
         "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(root),
     )  # fmt: skip
     yield model, path, server, root, f"http://127.0.0.1:{host.server_port}"
@@ -237,6 +250,12 @@ def test_bad_videos_are_400s_naming_the_part_and_the_server_answers_after(served
         r = client.post("/generate", json=body)
         assert r.status_code == 400, (name, r.text)
         assert "video_data[0]" in r.json()["error"]["message"], (name, r.text)
+    if model.config.model_type not in TIMESTAMPED:  # Qwen3-VL's budget bounds all frames
+        wide = video_file(root, 7, 40, (224, 224), rate=1)  # 20 pairs of 64 tokens
+        body = {"input_ids": ids, "video_data": [data_url(wide)], "sampling_params": GREEDY}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 400
+        assert "video_data[0]: the video would be 1280 prompt tokens" in r.text
     two = {"input_ids": ids, "video_data": [data_url(good)] * 2, "sampling_params": GREEDY}
     r = client.post("/generate", json=two)
     assert r.status_code == 400 and "at most 1 videos" in r.text

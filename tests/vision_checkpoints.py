@@ -192,6 +192,10 @@ def build_vl_checkpoint(root, family: str, model_dir):
         "max_pixels": MAX_PIXELS,
     }
     (path / "preprocessor_config.json").write_text(json.dumps(pre))
+    if patch == 16:  # Qwen3-VL's video processor reads its own config (`size`: all frames)
+        video = {**pre, "size": {"shortest_edge": 4096, "longest_edge": 200_000}}
+        video.update(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video))
     return model, path
 
 

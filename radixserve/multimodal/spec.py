@@ -46,25 +46,30 @@ class VideoSpec:
     timestamps: bool = False
 
     @classmethod
-    def of(cls, family: str, hf: dict, pre: dict, video: dict) -> VideoSpec | None:
+    def of(cls, family: str, hf: dict, video: dict) -> VideoSpec | None:
+        """From the video preprocessor config (or the image's, as HF falls back to it): Qwen2-VL's
+        video processor reads `min_pixels`/`max_pixels` or `size`, CLIP's mean and std by
+        default; Qwen3-VL's reads `size` only, a mean and std of 0.5 by default."""
         if family not in VIDEO_FAMILIES or "video_token_id" not in hf:
             return None
         qwen3 = family == "qwen3_vl"
         side = 32 if qwen3 else 28
         size = video.get("size") or {}
-        low = video.get("min_pixels", size.get("shortest_edge", 128 * side * side))
-        high = video.get("max_pixels", size.get("longest_edge", 768 * side * side))
-        vision = hf["vision_config"]
+        low = size.get("shortest_edge", 128 * side * side)
+        high = size.get("longest_edge", 768 * side * side)
+        if not qwen3:
+            low, high = video.get("min_pixels", low), video.get("max_pixels", high)
+        mean, std = ((0.5,) * 3, (0.5,) * 3) if qwen3 else (CLIP_MEAN, CLIP_STD)
         return cls(
             token_id=int(hf["video_token_id"]),
             min_pixels=int(low),
             max_pixels=int(high),
-            mean=tuple(video.get("image_mean", pre.get("image_mean", CLIP_MEAN))),
-            std=tuple(video.get("image_std", pre.get("image_std", CLIP_STD))),
+            mean=tuple(video.get("image_mean", mean)),
+            std=tuple(video.get("image_std", std)),
             fps=float(video.get("fps", 2.0)),
             min_frames=int(video.get("min_frames", 4)),
             max_frames=int(video.get("max_frames", 768)),
-            tokens_per_second=float(vision.get("tokens_per_second", 0)),
+            tokens_per_second=float(hf["vision_config"].get("tokens_per_second", 0)),
             timestamps=qwen3,
         )
 
@@ -134,7 +139,7 @@ class VisionSpec:
             std=tuple(pre.get("image_std", CLIP_STD)),
             resample=int(pre.get("resample", BICUBIC)),
             placeholder_id=int(hf["image_token_id"]),
-            video=VideoSpec.of(family, hf, pre, video),
+            video=VideoSpec.of(family, hf, video),
         )
 
     @classmethod

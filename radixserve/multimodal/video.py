@@ -25,29 +25,36 @@ from .spec import VisionSpec
 
 @dataclass(frozen=True)
 class DecodedVideo:
-    frames: list[np.ndarray]  # the sampled frames, RGB uint8 [H, W, 3]
+    frames: list[np.ndarray]  # the sampled frames at the family's size, RGB uint8 [H, W, 3]
     indices: list[int]  # their places among the video's frames
     total: int  # the video's frames
     fps: float  # the video's frame rate
 
 
-def decode_video(data: bytes, policy: MediaPolicy, spec: VisionSpec, where: str) -> DecodedVideo:
-    """The sampled frames, checked from the stream's header before a frame is decoded: a frame
-    size within `max_pixels`, at most `max_video_frames` frames, a frame rate."""
+def decode_video(
+    data: bytes, policy: MediaPolicy, spec: VisionSpec, where: str, max_tokens: int
+) -> DecodedVideo:
+    """The sampled frames, resized as each is decoded, checked from the stream's header before
+    a frame is decoded: a frame size within `max_pixels`, at most `max_video_frames` frames, a
+    frame rate, at most `max_tokens` prompt tokens (a long video at a large size would fill
+    memory with frames before its prompt was found too long)."""
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            return _sampled(container, policy, spec, where)
+            return _sampled(container, policy, spec, where, max_tokens)
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError, IndexError) as exc:
         raise MediaError(f"{where}: not a video PyAV can read ({_short(exc)})") from None
 
 
-def _sampled(container, policy: MediaPolicy, spec: VisionSpec, where: str) -> DecodedVideo:
+def _sampled(
+    container, policy: MediaPolicy, spec: VisionSpec, where: str, max_tokens: int
+) -> DecodedVideo:
     if not container.streams.video:
         raise MediaError(f"{where}: the file has no video stream")
     stream = container.streams.video[0]
-    _check_frame_size(stream.codec_context.width, stream.codec_context.height, policy, where)
+    width, height = stream.codec_context.width, stream.codec_context.height
+    _check_frame_size(width, height, policy, where)
     fps = float(stream.average_rate or 0)
     if not fps > 0:
         raise MediaError(f"{where}: the video has no frame rate")
@@ -60,10 +67,18 @@ def _sampled(container, policy: MediaPolicy, spec: VisionSpec, where: str) -> De
     indices = sample_frames(total, fps, spec)
     if not indices:
         raise MediaError(f"{where}: the video has {total} frames, too few to sample")
+    size_h, size_w = frame_size(len(indices), height, width, spec)
+    tokens = video_tokens(len(indices), size_h, size_w, spec)
+    if tokens > max_tokens:
+        raise MediaError(
+            f"{where}: the video would be {tokens} prompt tokens ({len(indices)} frames of "
+            f"{size_w}x{size_h}); the context holds {max_tokens}"
+        )
     wanted, frames = set(indices), []
     for i, frame in enumerate(container.decode(stream)):
         if i in wanted:
-            frames.append(frame.to_ndarray(format="rgb24"))
+            image = Image.fromarray(frame.to_ndarray(format="rgb24"))
+            frames.append(np.asarray(image.resize((size_w, size_h), spec.resample)))
         if i >= indices[-1]:
             break
     if len(frames) < len(indices):
@@ -118,19 +133,23 @@ def sample_frames(total: int, fps: float, spec: VisionSpec) -> list[int]:
     return values.astype(np.int64).tolist()
 
 
+def video_tokens(frames: int, height: int, width: int, spec: VisionSpec) -> int:
+    """The prompt tokens of `frames` frames of this size (Qwen3-VL's frame times aside)."""
+    pairs = -(-frames // spec.temporal_patch_size)
+    return pairs * (height // spec.factor) * (width // spec.factor)
+
+
 def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
-    """Every frame resized to one size (as an image is, PIL), normalized, the last repeated to
+    """The frames (resized as decoded, as an image is, PIL) normalized, the last repeated to
     fill the last frame pair, and cut into patches of frame pairs (HF's video patch order:
     frame pair, merge block, patch, then channel, frame, pixel)."""
     vs = spec.video
     assert vs is not None
-    first = video.frames[0]
-    height, width = frame_size(len(video.frames), first.shape[0], first.shape[1], spec)
+    height, width = video.frames[0].shape[:2]
     mean, std = np.asarray(vs.mean, np.float32), np.asarray(vs.std, np.float32)
     frames = []
     for frame in video.frames:
-        resized = np.asarray(Image.fromarray(frame).resize((width, height), spec.resample))
-        scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
+        scaled = (frame.astype(np.float64) * (1 / 255)).astype(np.float32)
         frames.append(((scaled - mean) / std).transpose(2, 0, 1))
     pair = spec.temporal_patch_size
     frames += frames[-1:] * (-len(frames) % pair)

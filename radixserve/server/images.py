@@ -40,11 +40,18 @@ class ImagePart:
 
 class ImageInputs:
     def __init__(
-        self, spec: VisionSpec | None, policy: MediaPolicy, limits: dict[str, int], tokenizer: Any
+        self,
+        spec: VisionSpec | None,
+        policy: MediaPolicy,
+        limits: dict[str, int],
+        tokenizer: Any,
+        max_tokens: int = 0,
     ):
+        """`max_tokens`: the context length, the most tokens a video may become."""
         if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
         self.spec, self.policy, self.limits, self.tokenizer = spec, policy, limits, tokenizer
+        self.max_tokens = max_tokens
         # the text a chat turn holds for each kind of content part
         self.markers = _marker_texts(spec, tokenizer)
         if spec is not None:
@@ -107,9 +114,8 @@ class ImageInputs:
             data = local_bytes(part.url, self.policy, part.where, part.kind)
         try:
             if part.kind == "video":
-                return preprocess_video(
-                    decode_video(data, self.policy, self.spec, part.where), self.spec
-                )
+                video = decode_video(data, self.policy, self.spec, part.where, self.max_tokens)
+                return preprocess_video(video, self.spec)
             return preprocess(decode_image(data, self.policy, part.where), self.spec)
         except (ValueError, OSError) as exc:
             if isinstance(exc, MediaError):

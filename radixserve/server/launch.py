@@ -229,7 +229,11 @@ def launch_server(args: ServerArgs) -> int:
         )
         spec = VisionSpec.of(source.config.hf_config, source.weights_dir)
         tm.images = ImageInputs(
-            spec, args.media_policy(), media_limits(args.limit_mm_per_prompt), tokenizer
+            spec,
+            args.media_policy(),
+            media_limits(args.limit_mm_per_prompt),
+            tokenizer,
+            tm.info.max_context_len,
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"
