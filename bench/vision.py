@@ -1,5 +1,5 @@
-"""Images in: time to first token of a one-image request, fresh and from the cache, and the
-vision tower's time per image.
+"""Images and videos in: time to first token of a one-image (and a one-video) request, fresh and
+from the cache, and the vision tower's time per image.
 
     python bench/vision.py [--out results/vision.json] [--runs 3]
 
@@ -15,7 +15,12 @@ language model at SmolLM2-135M's (30 layers of width 576), SmolLM2's tokenizer, 
   prompts part before it), its features are (the encoder cache): no tower run, the prefill of
   the image's tokens and the rest.
 The tower's time per image is the server's own (`radixserve:encoder_seconds_total` over
-`radixserve:images_encoded_total`).
+`radixserve:images_encoded_total`). Then the same for a video: an 8-second 448x448 MP4 at 30
+frames a second, 16 frames sampled (2 a second), 8 frame pairs of 256 tokens:
+- `video_fresh`: decode (PyAV), sample, preprocess, the tower over 8 frame pairs, the prefill;
+- `video_cached`: the same request again;
+- `video_followup`: a second turn about the same video (the first turn and its answer before
+  the new question): the video's KV read from the radix cache.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import av
 import httpx
 import numpy as np
 import torch
@@ -41,14 +47,15 @@ from server_utils import start_server  # noqa: E402
 
 from radixserve.models.source import bundled_model_dir  # noqa: E402
 
-MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 SIDE = 448  # pixels: 32 x 32 patches of 14, 256 tokens after the 2 x 2 merge
+VIDEO_SECONDS, VIDEO_FPS = 8, 30
 
 
 def build_checkpoint(folder: Path) -> Path:
     tokenizer = hf.AutoTokenizer.from_pretrained(bundled_model_dir())
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
-    start, pad, end = tokenizer.convert_tokens_to_ids(MARKERS)
+    start, pad, end, video = tokenizer.convert_tokens_to_ids(MARKERS)
     ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = hf.Qwen2_5_VLConfig(
         text_config=dict(
@@ -74,6 +81,7 @@ def build_checkpoint(folder: Path) -> Path:
         image_token_id=pad,
         vision_start_token_id=start,
         vision_end_token_id=end,
+        video_token_id=video,
         **ends,
     )
     torch.manual_seed(0)
@@ -95,15 +103,48 @@ def picture(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def first_token_s(client: httpx.Client, url: str, question: str, text_first=False) -> float:
+def video(seed: int) -> str:
+    """An MP4 (H.264) of smoothly moving colour blobs, as a data URL."""
+    rng = np.random.default_rng(seed)
+    coarse = (rng.random((8, 16, 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = SIDE, SIDE, "yuv420p"
+        for i in range(VIDEO_SECONDS * VIDEO_FPS):
+            window = np.roll(coarse, i // 10, axis=1)[:, :8]
+            frame = np.asarray(Image.fromarray(window).resize((SIDE, SIDE)))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def turn(url: str, question: str, kind: str = "image_url", text_first=False) -> dict:
+    """A user turn of one image (or video) part and a question."""
+    content = [{"type": kind, kind: {"url": url}}, {"type": "text", "text": question}]
+    return {"role": "user", "content": content[::-1] if text_first else content}
+
+
+def first_token_s(client: httpx.Client, messages: list[dict]) -> float:
     """The time of a request for one token: its time to first token."""
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
-    content = content[::-1] if text_first else content
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
     start = time.perf_counter()
     r = client.post("/v1/chat/completions", json=body)
     r.raise_for_status()
     return time.perf_counter() - start
+
+
+def video_rows(client: httpx.Client, runs: int) -> dict[str, list[float]]:
+    rows = {"video_fresh": [], "video_cached": [], "video_followup": []}
+    for run in range(runs):
+        first = turn(video(run), "What happens in this video?", "video_url")
+        rows["video_fresh"].append(first_token_s(client, [first]))
+        rows["video_cached"].append(first_token_s(client, [first]))
+        answer = {"role": "assistant", "content": "Colours drift to the left."}
+        rows["video_followup"].append(
+            first_token_s(client, [first, answer, {"role": "user", "content": "And then?"}])
+        )
+    return rows
 
 
 def metric(client: httpx.Client, name: str) -> float:
@@ -124,16 +165,18 @@ def main() -> None:
         server = start_server(folder, "--model", str(path), "--dtype", "auto")
         try:
             client = server.client(timeout=600)
-            first_token_s(client, picture(999), "Warm up.")
+            first_token_s(client, [turn(picture(999), "Warm up.")])
             rows = {"fresh": [], "cached": [], "encoder_cache": []}
             for run in range(args.runs):
                 url = picture(run)
-                rows["fresh"].append(first_token_s(client, url, "What is in this picture?"))
-                rows["cached"].append(first_token_s(client, url, "What is in this picture?"))
-                ask = f"Question {run}: describe the colours of"
-                rows["encoder_cache"].append(first_token_s(client, url, ask, text_first=True))
+                ask = [turn(url, "What is in this picture?")]
+                rows["fresh"].append(first_token_s(client, ask))
+                rows["cached"].append(first_token_s(client, ask))
+                other = turn(url, f"Question {run}: describe the colours of", text_first=True)
+                rows["encoder_cache"].append(first_token_s(client, [other]))
             images = metric(client, "images_encoded_total")
             tower = metric(client, "encoder_seconds_total") / images
+            rows |= video_rows(client, args.runs)
             dtype = client.get("/get_server_info").json()["worker"]["dtype"]
         finally:
             server.stop()
@@ -141,6 +184,8 @@ def main() -> None:
         "model": "random Qwen2.5-VL: 3B's vision tower, SmolLM2-135M's language model",
         "dtype": dtype,
         "image": f"{SIDE}x{SIDE} PNG, 256 image tokens",
+        "video": f"{VIDEO_SECONDS} s of {SIDE}x{SIDE} H.264 at {VIDEO_FPS} fps: 16 frames "
+        "sampled, 2,048 video tokens",
         "runs": args.runs,
         "ttft_s": {k: statistics.median(v) for k, v in rows.items()},
         "ttft_runs_s": rows,

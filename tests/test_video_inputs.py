@@ -284,3 +284,39 @@ def test_a_video_from_an_allowed_host_or_folder_is_the_same_video(served):
         "/generate", json={"input_ids": ids, "video_data": [f"{site}/missing.mp4"]}
     )
     assert r.status_code == 400 and "video_data[0]: fetching the video gave HTTP 404" in r.text
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
+def test_the_processor_cache_keeps_a_sent_again_video_within_its_bytes(
+    tmp_path, model_dir, cache_bytes
+):
+    """The same bytes sent again (the next turn of a chat) give what they gave, not decoded
+    again, while the cache has room; with no room every request decodes its video."""
+    import asyncio
+
+    from radixserve.models.source import resolve_model
+    from radixserve.multimodal.media import MediaPolicy
+    from radixserve.multimodal.spec import VisionSpec
+    from radixserve.server.images import ImageInputs, ImagePart
+    from radixserve.tokenizer import load_tokenizer_or_none
+
+    _, path = build_vl_checkpoint(tmp_path, "qwen2_5_vl", model_dir)
+    spec = VisionSpec.of(resolve_model(str(path)).config.hf_config, path)
+    limits = {"image": 1, "video": 1}
+    inputs = ImageInputs(
+        spec, MediaPolicy(), limits, load_tokenizer_or_none(path), 4096, cache_bytes
+    )
+    one, other = (data_url(video_file(tmp_path, s, 8, (140, 112))) for s in (1, 2))
+
+    async def prepared(url):
+        (video,) = await inputs.prepare([ImagePart(url, "video_data[0]", kind="video")])
+        return video
+
+    async def run():
+        first, again, different = [await prepared(u) for u in (one, one, other)]
+        assert (again is first) == (cache_bytes > 0)
+        assert again.parts[0].digest == first.parts[0].digest != different.parts[0].digest
+        assert inputs.processed.bytes == (first.nbytes + different.nbytes if cache_bytes else 0)
+
+    asyncio.run(run())
+    inputs.close()

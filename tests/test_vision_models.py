@@ -238,13 +238,14 @@ def test_the_encoder_cache_keeps_the_recent_features_within_its_bytes():
     the bound."""
     import torch
 
-    from radixserve.worker.vision import EncoderCache, ImageFeatures
+    from radixserve.multimodal.cache import BoundedCache
+    from radixserve.worker.vision import ImageFeatures
 
     def features(tokens: int) -> ImageFeatures:
         return ImageFeatures(torch.zeros(tokens, 16), [torch.zeros(tokens, 16)])
 
     one = features(4).nbytes
-    cache = EncoderCache(2 * one)
+    cache = BoundedCache(2 * one)
     cache.put(1, features(4))
     cache.put(2, features(4))
     assert cache.get(1) is not None  # 1 is now the most recent

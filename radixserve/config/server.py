@@ -81,6 +81,12 @@ class ServerArgs:
     max_video_frames: int = option(
         7200, "the most frames a video may have (a longer one is a 400; they are sampled at fps)"
     )
+    mm_processor_cache_gb: float = option(
+        1.0,
+        "GiB of preprocessed images and videos the api process keeps by the hash of their "
+        "bytes, so one sent again (each turn of a chat) is not decoded and preprocessed again "
+        "(0: none kept)",
+    )
 
     def __post_init__(self) -> None:
         refuse_problems("server", self._problems())
@@ -116,6 +122,8 @@ class ServerArgs:
             yield f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder"
         if self.media_fetch_timeout <= 0 or min(self.max_image_pixels, self.max_video_frames) < 1:
             yield "media_fetch_timeout, max_image_pixels and max_video_frames must be > 0"
+        if self.mm_processor_cache_gb < 0:
+            yield "mm_processor_cache_gb must be >= 0"
         if self.dp_size > 1 and self.engine.nnodes > 1:
             yield (
                 "dp_size with nnodes is not supported: start each multi-node replica on its own, "

@@ -36,6 +36,10 @@ class ProcessedImage:
     def token_id(self) -> int:
         return image_token_id(self.digest)
 
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.nbytes
+
 
 def image_token_id(digest: int) -> int:
     return IMAGE_ID_BASE + digest % IMAGE_ID_SPAN
@@ -189,6 +193,10 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int
 class ProcessedVideo:
     parts: list[ProcessedImage]  # one (Qwen2-VL, Qwen2.5-VL), or one a frame pair (Qwen3-VL)
     timestamps: list[float]  # each part's time in seconds (Qwen3-VL), else empty
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
 
 Media = ProcessedImage | ProcessedVideo

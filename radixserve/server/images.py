@@ -7,11 +7,13 @@ naming the part; a failed image or video fails its request alone."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..messages import ImageInput
+from ..multimodal.cache import BoundedCache
 from ..multimodal.media import (
     MediaError,
     MediaPolicy,
@@ -46,12 +48,16 @@ class ImageInputs:
         limits: dict[str, int],
         tokenizer: Any,
         max_tokens: int = 0,
+        cache_bytes: int = 0,
     ):
-        """`max_tokens`: the context length, the most tokens a video may become."""
+        """`max_tokens`: the context length, the most tokens a video may become; `cache_bytes`:
+        the preprocessed images and videos kept by the hash of their bytes (a chat that sends
+        its picture or video again each turn skips decoding and preprocessing it)."""
         if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
         self.spec, self.policy, self.limits, self.tokenizer = spec, policy, limits, tokenizer
         self.max_tokens = max_tokens
+        self.processed: BoundedCache[tuple[str, bytes], Media] = BoundedCache(cache_bytes)
         # the text a chat turn holds for each kind of content part
         self.markers = _marker_texts(spec, tokenizer)
         if spec is not None:
@@ -109,9 +115,18 @@ class ImageInputs:
                 raise RequestError(f"{part.where}.detail must be 'auto', 'low' or 'high'")
 
     def _process(self, data: bytes | None, part: ImagePart) -> Media:
-        """On a pool thread: the bytes (unless fetched), the picture or frames, their pixels."""
+        """On a pool thread: the bytes (unless fetched), the picture or frames, their pixels
+        (or what the same bytes gave before)."""
         if data is None:
             data = local_bytes(part.url, self.policy, part.where, part.kind)
+        key = (part.kind, hashlib.sha256(data).digest())
+        found = self.processed.get(key)
+        if found is None:
+            found = self._preprocess(data, part)
+            self.processed.put(key, found)
+        return found
+
+    def _preprocess(self, data: bytes, part: ImagePart) -> Media:
         try:
             if part.kind == "video":
                 video = decode_video(data, self.policy, self.spec, part.where, self.max_tokens)

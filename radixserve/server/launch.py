@@ -234,6 +234,7 @@ def launch_server(args: ServerArgs) -> int:
             media_limits(args.limit_mm_per_prompt),
             tokenizer,
             tm.info.max_context_len,
+            int(args.mm_processor_cache_gb * (1 << 30)),
         )
         if embedding is not None and embedding.pooling == "score":
             tm.only_pooling = "score"

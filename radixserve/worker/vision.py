@@ -7,13 +7,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..messages import ForwardBatch, ImageInput, ImageSlice
 from ..models.layers import StepImages
+from ..multimodal.cache import BoundedCache
 
 
 @dataclass
@@ -33,31 +33,10 @@ class VisionStats:
     encode_seconds: float = 0.0
 
 
-class EncoderCache:
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.entries: OrderedDict[int, ImageFeatures] = OrderedDict()
-
-    def get(self, digest: int) -> ImageFeatures | None:
-        found = self.entries.get(digest)
-        if found is not None:
-            self.entries.move_to_end(digest)
-        return found
-
-    def put(self, digest: int, features: ImageFeatures) -> None:
-        if features.nbytes > self.max_bytes or digest in self.entries:
-            return
-        while self.bytes + features.nbytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.nbytes
-        self.entries[digest] = features
-        self.bytes += features.nbytes
-
-
 class VisionEncoder:
     def __init__(self, model, device: torch.device, cache_bytes: int):
         self.model, self.device = model, device
-        self.cache = EncoderCache(cache_bytes)
+        self.cache: BoundedCache[int, ImageFeatures] = BoundedCache(cache_bytes)
         self.stats = VisionStats()
 
     @classmethod
