@@ -295,9 +295,10 @@ def test_the_processor_cache_keeps_a_sent_again_video_within_its_bytes(
     import asyncio
 
     from radixserve.models.source import resolve_model
+    from radixserve.multimodal.inputs import MediaPart
     from radixserve.multimodal.media import MediaPolicy
     from radixserve.multimodal.spec import VisionSpec
-    from radixserve.server.images import ImageInputs, ImagePart
+    from radixserve.server.images import ImageInputs
     from radixserve.tokenizer import load_tokenizer_or_none
 
     _, path = build_vl_checkpoint(tmp_path, "qwen2_5_vl", model_dir)
@@ -309,7 +310,7 @@ def test_the_processor_cache_keeps_a_sent_again_video_within_its_bytes(
     one, other = (data_url(video_file(tmp_path, s, 8, (140, 112))) for s in (1, 2))
 
     async def prepared(url):
-        (video,) = await inputs.prepare([ImagePart(url, "video_data[0]", kind="video")])
+        (video,) = await inputs.prepare([MediaPart(url, "video_data[0]", kind="video")])
         return video
 
     async def run():
@@ -320,3 +321,35 @@ def test_the_processor_cache_keeps_a_sent_again_video_within_its_bytes(
 
     asyncio.run(run())
     inputs.close()
+
+
+def test_the_offline_engine_takes_images_and_videos_as_hf(tmp_path, model_dir):
+    """`Engine.generate(image_data=..., video_data=...)`: a video by path, an image as a data
+    URL, in one prompt; HF's greedy tokens for each; a batch with media and an http URL are
+    refused naming the field."""
+    from vision_checkpoints import data_url as image_url
+    from vision_checkpoints import hf_greedy, marker
+
+    from radixserve import Engine
+
+    model, path = build_vl_checkpoint(tmp_path, "qwen2_5_vl", model_dir)
+    video = video_file(tmp_path, 8, 8, frame_size(model))
+    image = picture(9, (120, 90))
+    engine = Engine(model=str(path), chunked_prefill_size=16, max_total_tokens=4096)
+    try:
+        ids = BEFORE + marker(model) + AFTER
+        got = engine.generate(input_ids=ids, image_data=image_url(image), sampling_params=GREEDY)
+        assert got["output_ids"] == hf_greedy(model, path, ids, [image], NEW)[0]
+        ids = BEFORE + video_marker(model) + AFTER
+        got = engine.generate(input_ids=ids, video_data=[str(video)], sampling_params=GREEDY)
+        assert got["output_ids"] == hf_greedy_video(model, path, ids, video)[0]
+        raw = video.read_bytes()
+        again = engine.generate(input_ids=ids, video_data=raw, sampling_params=GREEDY)
+        assert again["output_ids"] == got["output_ids"]
+        assert again["meta_info"]["cached_tokens"] >= 0.9 * again["meta_info"]["prompt_tokens"]
+        with pytest.raises(ValueError, match="one prompt, not a batch"):
+            engine.generate(input_ids=[ids, ids], video_data=[str(video)])
+        with pytest.raises(ValueError, match=r"video_data\[0\]: the offline Engine does not fetch"):
+            engine.generate(input_ids=ids, video_data="http://127.0.0.1/v.mp4")
+    finally:
+        engine.shutdown()

@@ -17,9 +17,11 @@ from ..detokenizer import Detokenizer
 from ..messages import GenerateReq, SchedulerStats
 from ..models.registry import model_problems
 from ..models.source import resolve_model
+from ..multimodal.spec import VisionSpec
 from ..request_state import RequestState
 from ..sampling_params import SamplingParams
 from ..tokenizer import encode_prompt, load_tokenizer_or_none
+from .media import Data, EngineMedia
 from .requests import make_requests, need_tokenizer
 from .thread import SchedulerThread, next_output
 
@@ -47,6 +49,8 @@ class Engine:
         self.tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer else None
         self._thread = SchedulerThread(self.args, source, self.tokenizer, self.detokenizer)
+        spec = VisionSpec.of(source.config.hf_config, source.weights_dir)
+        self.media = EngineMedia(spec, self.tokenizer, self.runner.info.max_context_len)
         log.info(self.runner.info.capacity_line())
 
     @property
@@ -69,9 +73,13 @@ class Engine:
         return_text_in_logprobs: bool = False,
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Data | list[Data] | None = None,
+        video_data: Data | list[Data] | None = None,
     ) -> dict | list[dict]:
         """SGLang-shaped results: one dict for one prompt, a list for a batch (n>1 expands in
-        place). `lora_path`: an adapter's name for every prompt, or a list, one per prompt."""
+        place). `lora_path`: an adapter's name for every prompt, or a list, one per prompt.
+        `image_data`, `video_data`: one prompt's images and videos (`engine.media`), each
+        marked in it as a chat turn marks one."""
         reqs, single = make_requests(
             self.tokenizer,
             self.runner.info,
@@ -83,6 +91,7 @@ class Engine:
             top_logprobs_num,
             cache_salt,
             lora_path,
+            self._media(image_data, video_data),
         )
         streams = [self._thread.submit(r) for r in reqs]
         results = [
@@ -175,6 +184,11 @@ class Engine:
         self.shutdown()
 
     # ---- request plumbing --------------------------------------------------
+    def _media(self, image_data, video_data):
+        if image_data is None and video_data is None:
+            return None
+        return lambda ids: self.media.attach(ids, image_data, video_data)
+
     def _collect(
         self, req: GenerateReq, stream: queue.Queue, with_logprobs: bool, text_in_logprobs: bool
     ) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from ..messages import GenerateReq
+from ..messages import GenerateReq, ImageInput
 from ..sampling_params import SamplingParams
 from ..tokenizer import encode_prompt
 from ..validation import check_cache_salt, check_generate
@@ -22,10 +22,12 @@ def make_requests(
     top_logprobs_num,
     cache_salt: str | None = None,
     lora_path: str | list[str | None] | None = None,
+    media=None,
 ) -> tuple[list[GenerateReq], bool]:
     """The offline Engine's prompts (text, or token ids) and options as checked `GenerateReq`s,
     one per prompt and sample, and whether one prompt was given; ValueError naming what is
-    wrong, as the server's validation would."""
+    wrong, as the server's validation would. `media`: a callable that expands one prompt's
+    ids by its images and videos (`EngineMedia.attach` bound to them), or None."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt or input_ids")
     check_cache_salt(cache_salt)
@@ -37,6 +39,11 @@ def make_requests(
     else:
         need_tokenizer(tokenizer)
         id_lists = [encode_prompt(tokenizer, p) for p in ([prompt] if single else prompt)]
+    images: list[ImageInput] | None = None
+    if media is not None:
+        if not single:
+            raise ValueError("image_data and video_data go with one prompt, not a batch")
+        id_lists[0], images = media(id_lists[0])
     params_list = (
         sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
     )
@@ -60,6 +67,7 @@ def make_requests(
                 top_logprobs_num,
                 cache_salt=cache_salt,
                 lora_path=adapter,
+                images=images,
             )
             check_generate(req, info)
             reqs.append(req)

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..config import ServerArgs
 from ..ipc import Heartbeat
 from ..messages import GenerateReq, ImageInput
+from ..multimodal.inputs import MediaPart
 from ..tokenizer import chat_roles
 from .anthropic_api import anthropic_routes
 from .embeddings_api import EmbeddingSetup, embeddings_routes
@@ -30,7 +31,6 @@ from .http import (
     parse_body,
     sse,
 )
-from .images import ImagePart
 from .lora_api import lora_routes
 from .metrics import Metrics
 from .openai_api import ChatSetup, openai_routes, served_name
@@ -142,7 +142,7 @@ async def _generate_images(
         if not single:
             raise RequestError(f"{kind}_data goes with one prompt, not a batch")
         urls = [value] if isinstance(value, str) else value
-        parts += [ImagePart(url, f"{kind}_data[{i}]", kind=kind) for i, url in enumerate(urls)]
+        parts += [MediaPart(url, f"{kind}_data[{i}]", kind=kind) for i, url in enumerate(urls)]
     return tm.images.attach(ids, await tm.images.prepare(parts))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .images import ImagePart
+from ..multimodal.inputs import MediaPart
 
 TEXT_PART = "text"
 IMAGE_PART = "image_url"
@@ -38,7 +38,7 @@ def parts_text(content: list[dict[str, Any]], markers: dict[str, str]) -> str:
     )
 
 
-def image_parts(content: list[dict[str, Any]], where: str) -> list[ImagePart]:
+def image_parts(content: list[dict[str, Any]], where: str) -> list[MediaPart]:
     """The image and video parts, in order."""
     out = []
     for j, part in enumerate(content):
@@ -47,7 +47,7 @@ def image_parts(content: list[dict[str, Any]], where: str) -> list[ImagePart]:
             value = part[kind]
             detail = value.get("detail", "auto") if isinstance(value, dict) else "auto"
             at = part.get("where") or f"{where}[{j}]"
-            out.append(ImagePart(_url_of(part), at, detail, MEDIA_KINDS[kind]))
+            out.append(MediaPart(_url_of(part), at, detail, MEDIA_KINDS[kind]))
     return out
 
 

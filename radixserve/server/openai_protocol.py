@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..multimodal.inputs import MediaPart
 from .content_parts import check_parts, image_parts, parts_text
 from .http import RequestError
-from .images import ImagePart
 from .protocol import BootstrapFields, refuse_unsupported
 
 # OpenAI request fields with no implementation here: refused when set to anything but these
@@ -232,7 +232,7 @@ class ChatMessage(BaseModel):
             return parts_text(self.content, markers or {})
         return self.content or ""
 
-    def images(self, where: str) -> list[ImagePart]:
+    def images(self, where: str) -> list[MediaPart]:
         return image_parts(self.content, where) if isinstance(self.content, list) else []
 
     def template_dict(self, markers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -340,7 +340,7 @@ class ChatCompletionRequest(_OpenAIBase):
             )
         return self
 
-    def image_parts(self) -> list[ImagePart]:
+    def image_parts(self) -> list[MediaPart]:
         """Every image and video of the conversation, in order."""
         return [
             part
