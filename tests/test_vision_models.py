@@ -306,3 +306,33 @@ def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
         assert server.client().post("/generate", json=body).json()["output_ids"] == want_text
     finally:
         assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_at_ngram_speculative_decoding_images_match_hf(tmp_path, model_dir, family):
+    """n-gram speculative decoding with images (the offline Engine, float32, every draft worth
+    its rows): the same request twice, the second drafting the first's output from the table
+    of finished outputs, so drafts are verified at their M-RoPE positions; both equal HF's.
+    A draft stops before an image's tokens (a decoding step has no image features)."""
+    from test_speculative import FlatStepCost
+
+    from radixserve import Engine
+    from radixserve.scheduler.speculative import NgramDrafter, SpecState
+
+    model, path = build_vl_checkpoint(tmp_path, family, model_dir)
+    image = picture(10, (150, 120))
+    ids = BEFORE + marker(model) + AFTER
+    want, _ = hf_greedy(model, path, ids, [image], 3 * NEW)
+    settings = dict(speculative_algorithm="ngram", dtype="float32", chunked_prefill_size=16)
+    with Engine(model=str(path), max_total_tokens=4096, **settings) as engine:
+        engine.scheduler.decode.step_cost = FlatStepCost()
+        params = {**GREEDY, "max_new_tokens": 3 * NEW}
+        for _ in range(2):
+            got = engine.generate(input_ids=ids, image_data=data_url(image), sampling_params=params)
+            assert got["output_ids"] == want
+        assert engine.get_stats().spec_accepted_tokens_total > 0
+    image_id = (1 << 30) + 7
+    tokens = [1, 2, 3, 4, image_id, image_id, 5, 1, 2, 3, 4]
+    assert NgramDrafter(8).propose(SpecState(), tokens, 0, 8) == []
+    tokens = [1, 2, 3, 4, 9, image_id, 5, 1, 2, 3, 4]
+    assert NgramDrafter(8).propose(SpecState(), tokens, 0, 8) == [9]

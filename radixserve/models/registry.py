@@ -301,7 +301,7 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
     if cfg.architecture not in VISION_LANGUAGE:
         return
     for name, on in (
-        ("speculative_algorithm", args.speculative_algorithm is not None),
+        ("speculative_algorithm draft", args.speculative_algorithm == "draft"),
         ("disaggregation_mode", args.disaggregation_mode != "null"),
         ("enable_torch_compile", args.enable_torch_compile),
     ):

@@ -20,6 +20,8 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from ..multimodal.processing import is_image_token
+
 MIN_NGRAM = 3  # shorter matches are mostly chance in natural text (they cost rows, not output)
 MAX_NGRAM = 5
 ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance estimate
@@ -152,6 +154,13 @@ def budget_drafts(
         state.drafts = draft[:n]
 
 
+def text_only(draft: list[int]) -> list[int]:
+    """The draft up to its first image token: an image's tokens are its features, which a
+    decoding step has not got (a model only ever outputs text)."""
+    cut = next((i for i, t in enumerate(draft) if is_image_token(t)), len(draft))
+    return draft[:cut]
+
+
 class NgramDrafter:
     """Proposes drafts by n-gram lookup: first in the request's own prompt and output, then in
     a bounded table of n-grams from the outputs of finished requests (LRU)."""
@@ -173,7 +182,7 @@ class NgramDrafter:
             key = tuple(tokens[-n:])
             end = state.index.get(key)
             if end is not None:
-                return tokens[end + 1 : end + 1 + limit]
+                return text_only(tokens[end + 1 : end + 1 + limit])
             follow = self.shared.get(key)
             if follow is not None:
                 self.shared.move_to_end(key)
