@@ -28,7 +28,7 @@ from PIL import Image
 from server_utils import start_server
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
-from vision_checkpoints import build_vl_checkpoint, image_processor, picture
+from vision_checkpoints import build_vl_checkpoint, chat_twice_as_hf, image_processor, picture
 
 NEW = 8
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
@@ -214,20 +214,7 @@ def test_chat_route_with_a_video_part_answers_as_hf(served):
         {"type": "video_url", "video_url": {"url": data_url(video)}},
         {"type": "text", "text": "What happens?"},
     ]
-    body = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": NEW,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    for _ in range(2):
-        r = server.client().post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
-            want, skip_special_tokens=True
-        )
-        assert r.json()["usage"]["prompt_tokens"] == prompt_len
-    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = chat_twice_as_hf(server, content, tokenizer, want, prompt_len)
     assert cached >= least_cached(model, prompt_len)
 
 

@@ -10,6 +10,7 @@ import transformers as hf
 from server_utils import start_server
 from vision_checkpoints import (
     build_vl_checkpoint,
+    chat_twice_as_hf,
     data_url,
     expanded,
     hf_greedy,
@@ -130,20 +131,7 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
             {"type": "image_url", "image_url": {"url": data_url(image)}},
             {"type": "text", "text": text},
         ]
-    body = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": NEW,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    for _ in range(2):
-        r = server.client().post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(
-            want, skip_special_tokens=True
-        )
-        assert r.json()["usage"]["prompt_tokens"] == prompt_len
-    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = chat_twice_as_hf(server, content, tokenizer, want, prompt_len)
     if model.config.model_type == "qwen3_5":  # a hybrid resumes at a chunk end's snapshot
         assert cached >= (prompt_len - 1) // 16 * 16
     else:

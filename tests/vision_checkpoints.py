@@ -422,3 +422,21 @@ def pixtral_expanded(c, path, prompt_ids: list[int], sizes) -> list[int]:
         span = ([t] * (width // side) + [breaks]) * (height // side)
         ids += span[:-1] + [end]
     return ids
+
+
+def chat_twice_as_hf(server, content: list[dict], tokenizer, want: list[int], prompt_len: int):
+    """One user message of `content` through the chat route twice (the second from the cache),
+    each answer HF's greedy text of `prompt_len` prompt tokens; the second's cached tokens."""
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": len(want),
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    for _ in range(2):
+        r = server.client().post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        text = tokenizer.decode(want, skip_special_tokens=True)
+        assert r.json()["choices"][0]["message"]["content"] == text
+        assert r.json()["usage"]["prompt_tokens"] == prompt_len
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -96,19 +96,7 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
         image = Image.open(io.BytesIO(data))
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"{where}: not an image Pillow can read ({_short(exc)})") from None
-    width, height = image.size
-    if width * height > policy.max_pixels:
-        raise MediaError(
-            f"{where}: the image has {width}x{height} pixels; at most {policy.max_pixels} "
-            "are accepted"
-        )
-    if min(width, height) < MIN_SIDE:
-        raise MediaError(f"{where}: the image is {width}x{height}; each side needs {MIN_SIDE}+")
-    if max(width, height) > MAX_ASPECT * min(width, height):
-        raise MediaError(
-            f"{where}: the image is {width}x{height}; its aspect ratio must be within "
-            f"{MAX_ASPECT}:1"
-        )
+    check_size(*image.size, policy, where, "image")
     if getattr(image, "n_frames", 1) > 1:
         raise MediaError(f"{where}: animated images are not accepted; send one frame")
     if image.mode not in MODES:
@@ -122,6 +110,23 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
         raise MediaError(
             f"{where}: the image data is truncated or corrupt ({_short(exc)})"
         ) from None
+
+
+def check_size(width: int, height: int, policy: MediaPolicy, where: str, kind: str) -> None:
+    """An image's (or a video frame's) size, from its header: within `max_pixels`, sides of at
+    least MIN_SIDE, an aspect ratio within MAX_ASPECT."""
+    if width * height > policy.max_pixels:
+        raise MediaError(
+            f"{where}: the {kind} is {width}x{height} pixels; at most {policy.max_pixels} are "
+            "accepted"
+        )
+    if min(width, height) < MIN_SIDE:
+        raise MediaError(f"{where}: the {kind} is {width}x{height}; each side needs {MIN_SIDE}+")
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise MediaError(
+            f"{where}: the {kind} is {width}x{height}; its aspect ratio must be within "
+            f"{MAX_ASPECT}:1"
+        )
 
 
 def _on_white(image: Image.Image) -> Image.Image:

@@ -18,7 +18,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from .media import MAX_ASPECT, MIN_SIDE, MediaError, MediaPolicy
+from .media import MediaError, MediaPolicy, check_size
 from .processing import ProcessedImage, ProcessedVideo, content_digest, fitted_size
 from .spec import VisionSpec
 
@@ -54,7 +54,7 @@ def _sampled(
         raise MediaError(f"{where}: the file has no video stream")
     stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
-    _check_frame_size(width, height, policy, where)
+    check_size(width, height, policy, where, "video's frame")
     fps = float(stream.average_rate or 0)
     if not fps > 0:
         raise MediaError(f"{where}: the video has no frame rate")
@@ -86,21 +86,6 @@ def _sampled(
             f"{where}: the video ends after {len(frames)} of the frames its header lists"
         )
     return DecodedVideo(frames, indices, total, fps)
-
-
-def _check_frame_size(width: int, height: int, policy: MediaPolicy, where: str) -> None:
-    if width * height > policy.max_pixels:
-        raise MediaError(
-            f"{where}: the video's frames have {width}x{height} pixels; at most "
-            f"{policy.max_pixels} are accepted"
-        )
-    if min(width, height) < MIN_SIDE:
-        raise MediaError(f"{where}: the video is {width}x{height}; each side needs {MIN_SIDE}+")
-    if max(width, height) > MAX_ASPECT * min(width, height):
-        raise MediaError(
-            f"{where}: the video is {width}x{height}; its aspect ratio must be within "
-            f"{MAX_ASPECT}:1"
-        )
 
 
 def _count_frames(container, stream, policy: MediaPolicy, where: str) -> int:
