@@ -85,14 +85,14 @@ def covered_tokens(state_bytes: int, kv_bytes_per_token: int, multiple: int = 16
 
 
 def context_problem(plan: MemoryPlan, asked: int | None) -> str | None:
-    """Why an explicit `--max-context-len` cannot fit one request in the pool (None: it fits)."""
+    """Why an explicit `--context-length` cannot fit one request in the pool (None: it fits)."""
     if asked is None or asked <= plan.kv_tokens:
         return None
     need = asked * plan.kv_bytes_per_token
     return (
-        f"--max-context-len {asked}: one request of that length needs {asked} tokens x "
+        f"--context-length {asked}: one request of that length needs {asked} tokens x "
         f"{plan.kv_bytes_per_token} B = {human_bytes(need)} of KV, and the pool holds "
-        f"{plan.kv_tokens} tokens ({human_bytes(plan.kv_bytes)}); lower --max-context-len, or "
+        f"{plan.kv_tokens} tokens ({human_bytes(plan.kv_bytes)}); lower --context-length, or "
         "raise --mem-fraction or --max-total-tokens (--kv-cache-dtype fp8_e4m3 halves a token)"
     )
 

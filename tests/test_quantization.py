@@ -150,13 +150,13 @@ def test_a_context_that_cannot_fit_one_request_is_refused(tmp_path):
         "float32",  # 1024 B a token whatever `auto` picks on this CPU
         "--max-total-tokens",
         "256",
-        "--max-context-len",
+        "--context-length",
         "512",
     )
     assert lines[-1] == (
-        "radixserve: --max-context-len 512: one request of that length needs 512 tokens x 1024 B "
+        "radixserve: --context-length 512: one request of that length needs 512 tokens x 1024 B "
         "= 512.00 KiB of KV, and the pool holds 256 tokens (256.00 KiB); lower "
-        "--max-context-len, or raise --mem-fraction or --max-total-tokens (--kv-cache-dtype "
+        "--context-length, or raise --mem-fraction or --max-total-tokens (--kv-cache-dtype "
         "fp8_e4m3 halves a token)"
     )
 

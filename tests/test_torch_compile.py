@@ -19,7 +19,7 @@ ARGS = EngineArgs(
     max_total_tokens=4096,
     max_running_requests=8,
     chunked_prefill_size=64,
-    max_context_len=512,
+    context_length=512,
 )
 
 

@@ -94,9 +94,41 @@ def hf_video_inputs(model, path, video_path):
     return pixels, thw, list(meta.frames_indices), meta.fps
 
 
+def hf_gemma4_video(model, path, ids: list[int], video_path):
+    """Gemma 4: 32 frames evenly (every frame of a shorter video: HF's processor refuses one),
+    each through HF's PIL image processor, the video token expanded as Gemma4Processor does
+    (`00:01 <start><video>...<end>`, the frames apart by a space), tokenized whole."""
+    c = model.config
+
+    def evenly(metadata: VideoMetadata, **_) -> np.ndarray:
+        count = min(32, metadata.total_num_frames)
+        return np.arange(count, dtype=int) * metadata.total_num_frames // count
+
+    frames, meta = read_video_pyav(str(video_path), evenly)
+    out = image_processor(path)(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
+    tokenizer = hf.AutoTokenizer.from_pretrained(path)
+    boi, eoi, video = tokenizer.convert_ids_to_tokens(
+        [c.boi_token_id, c.eoi_token_id, c.video_token_id]
+    )
+    tokens = int(out["num_soft_tokens_per_image"][0])
+    clock = [f"{int(s // 60):02d}:{int(s % 60):02d}" for s in meta.timestamps]
+    text = " ".join(f"{t} {boi}{video * tokens}{eoi}" for t in clock)
+    at = ids.index(c.video_token_id)
+    full = ids[:at] + tokenizer.encode(text, add_special_tokens=False) + ids[at + 1 :]
+    inputs = dict(
+        pixel_values_videos=out["pixel_values"],
+        video_position_ids=out["image_position_ids"],
+        num_frames_per_video=torch.tensor([len(frames)]),
+    )
+    return full, inputs
+
+
 def hf_greedy_video(model, path, ids: list[int], video_path):
     """HF's greedy tokens for `ids` holding one video marker, and the expanded prompt's length."""
     c = model.config
+    if c.model_type == "gemma4":
+        full, inputs = hf_gemma4_video(model, path, ids, video_path)
+        return hf_generate(model, full, inputs)
     pixels, thw, indices, fps = hf_video_inputs(model, path, video_path)
     pairs, per_pair = int(thw[0, 0]), int(thw[0, 1] * thw[0, 2]) // 4
     at = ids.index(c.video_token_id)
@@ -115,23 +147,26 @@ def hf_greedy_video(model, path, ids: list[int], video_path):
         if c.model_type == "qwen2_5_vl":
             sampled_fps = len(indices) / int(av.open(str(video_path)).streams.video[0].frames) * fps
             extra["second_per_grid_ts"] = torch.tensor([2 / sampled_fps])
+    return hf_generate(model, full, dict(pixel_values_videos=pixels, video_grid_thw=thw, **extra))
+
+
+def hf_generate(model, full: list[int], inputs: dict):
+    """HF's greedy tokens after the expanded prompt `full`, and its length."""
     input_ids = torch.tensor([full])
     with torch.no_grad():
         gen = model.generate(
             input_ids,
-            pixel_values_videos=pixels,
-            video_grid_thw=thw,
-            mm_token_type_ids=(input_ids == c.video_token_id).int() * 2,
+            mm_token_type_ids=(input_ids == model.config.video_token_id).int() * 2,
             max_new_tokens=NEW,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
-            **extra,
+            **inputs,
         )
     return gen[0, len(full) :].tolist(), len(full)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4"])
 def served(request, tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp(request.param)
     model, path = build_vl_checkpoint(root, request.param, model_dir)
@@ -142,7 +177,7 @@ def served(request, tmp_path_factory, model_dir):
         root,
         "--model", str(path), "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
         "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--max-video-frames", "40",
-        "--max-context-len", "1024",
+        "--context-length", "1024",
         "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(root),
     )  # fmt: skip
     yield model, path, server, root, f"http://127.0.0.1:{host.server_port}"
@@ -161,13 +196,16 @@ def least_cached(model, prompt_len: int) -> float:
 
 def video_marker(model) -> list[int]:
     c = model.config
+    if c.model_type == "gemma4":
+        return [c.video_token_id]
     return [c.vision_start_token_id, c.video_token_id, c.vision_end_token_id]
 
 
 def frame_size(model) -> tuple[int, int]:
     """(width, height): Qwen2-VL, Qwen2.5-VL: 5 x 4 merged patches (Qwen2.5-VL's time positions
-    reach 4); Qwen3-VL, Qwen3.5: 4 x 3."""
-    return (128, 96) if model.config.model_type in TIMESTAMPED else (140, 112)
+    reach 4); Qwen3-VL, Qwen3.5: 4 x 3; Gemma 4 (resized to its token budget): 64 x 48."""
+    kind = model.config.model_type
+    return (64, 48) if kind == "gemma4" else (128, 96) if kind in TIMESTAMPED else (140, 112)
 
 
 def generate(server, ids, videos, images=()):
@@ -200,21 +238,27 @@ def test_a_video_that_ends_the_prompt_matches_hf(served):
     assert generate(server, ids, [data_url(video)])["output_ids"] == want
 
 
-def test_chat_route_with_a_video_part_answers_as_hf(served):
-    model, path, server, root, _ = served
-    video = video_file(root, 3, 8, frame_size(model))
+def chat_about_video(server, model, path, video, question: str) -> tuple[int, int]:
+    """A chat message of the video and a question, twice through `server` (a server or a
+    router), each answer HF's; (the second's cached tokens, the prompt's length)."""
     tokenizer = hf.AutoTokenizer.from_pretrained(path)
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": tokenizer.decode(video_marker(model)) + "What happens?"}],
+        [{"role": "user", "content": tokenizer.decode(video_marker(model)) + question}],
         tokenize=False,
         add_generation_prompt=True,
     )
     want, prompt_len = hf_greedy_video(model, path, tokenizer.encode(rendered), video)
     content = [
         {"type": "video_url", "video_url": {"url": data_url(video)}},
-        {"type": "text", "text": "What happens?"},
+        {"type": "text", "text": question},
     ]
-    cached = chat_twice_as_hf(server, content, tokenizer, want, prompt_len)
+    return chat_twice_as_hf(server, content, tokenizer, want, prompt_len), prompt_len
+
+
+def test_chat_route_with_a_video_part_answers_as_hf(served):
+    model, path, server, root, _ = served
+    video = video_file(root, 3, 8, frame_size(model))
+    cached, prompt_len = chat_about_video(server, model, path, video, "What happens?")
     assert cached >= least_cached(model, prompt_len)
 
 
@@ -238,11 +282,12 @@ def test_bad_videos_are_400s_naming_the_part_and_the_server_answers_after(served
         assert r.status_code == 400, (name, r.text)
         assert "video_data[0]" in r.json()["error"]["message"], (name, r.text)
     if model.config.model_type not in TIMESTAMPED:  # Qwen3-VL's budget bounds all frames
-        wide = video_file(root, 7, 40, (224, 224), rate=1)  # 20 pairs of 64 tokens
+        wide = video_file(root, 7, 40, (224, 224), rate=1)  # 40 frames sampled (Gemma 4: 32)
         body = {"input_ids": ids, "video_data": [data_url(wide)], "sampling_params": GREEDY}
         r = client.post("/generate", json=body)
         assert r.status_code == 400
-        assert "video_data[0]: the video would be 1280 prompt tokens" in r.text
+        tokens = 2048 if model.config.model_type == "gemma4" else 1280  # 32 x 64, 20 x 64
+        assert f"video_data[0]: the video would be {tokens} prompt tokens" in r.text
     two = {"input_ids": ids, "video_data": [data_url(good)] * 2, "sampling_params": GREEDY}
     r = client.post("/generate", json=two)
     assert r.status_code == 400 and "at most 1 videos" in r.text

@@ -108,7 +108,7 @@ GEMMA_PRE = {
     "image_std": [0.5, 0.5, 0.5],
     "do_pan_and_scan": False,
 }
-GEMMA4_MARKERS = ["<|image|>", "<|image>", "<image|>"]  # image, start, end
+GEMMA4_MARKERS = ["<|image|>", "<|image>", "<image|>", "<|video|>"]  # image, start, end, video
 GEMMA4_TEXT = dict(
     TEXT,
     num_hidden_layers=6,
@@ -230,7 +230,7 @@ def build_gemma4_checkpoint(root, model_dir):
     inputs, a tower with clipped linears and standardized outputs."""
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": GEMMA4_MARKERS})
-    image, boi, eoi = tokenizer.convert_tokens_to_ids(GEMMA4_MARKERS)
+    image, boi, eoi, video = tokenizer.convert_tokens_to_ids(GEMMA4_MARKERS)
     ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = hf.Gemma4Config(
         text_config={**GEMMA4_TEXT, **ends},
@@ -239,7 +239,7 @@ def build_gemma4_checkpoint(root, model_dir):
         image_token_id=image,
         boi_token_id=boi,
         eoi_token_id=eoi,
-        video_token_id=image + 100,
+        video_token_id=video,
         **ends,
     )
     model_cls = hf.Gemma4ForConditionalGeneration

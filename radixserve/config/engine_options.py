@@ -88,7 +88,9 @@ class ScheduleOptions:
     max_total_tokens: int | None = option(None, "KV pool size in tokens (overrides --mem-fraction)")
     mem_fraction: float = option(0.3, "fraction of free memory for the KV pool")
     max_running_requests: int = option(64, "requests decoding at once")
-    max_context_len: int | None = option(None, "context length cap (default: the model's)")
+    context_length: int | None = option(
+        None, "the context length, at most the model's (default: the model's)"
+    )
     chunked_prefill_size: int = option(512, "longest prompt chunk per step")
     disable_hybrid_swa_memory: bool = option(
         False,

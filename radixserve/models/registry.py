@@ -302,7 +302,6 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
         return
     for name, on in (
         ("speculative_algorithm draft", args.speculative_algorithm == "draft"),
-        ("disaggregation_mode", args.disaggregation_mode != "null"),
         ("enable_torch_compile", args.enable_torch_compile),
     ):
         if on:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from .spec import VisionSpec
+from .spec import SECONDS, VisionSpec
 
 IMAGE_ID_BASE = 1 << 30  # above every vocabulary; below 2**31
 IMAGE_ID_SPAN = (1 << 31) - 1 - IMAGE_ID_BASE
@@ -228,12 +228,14 @@ def expand_media(
             placed.append((image, len(out)))
             out += image_span(image, spec) + list(spec.after)
         elif t == video_id and spec.video.timestamps:
-            if out and out[-1] == spec.start_token_id and ids[i + 1 : i + 2] == [spec.end_token_id]:
+            after = ids[i + 1 : i + 2] == [spec.end_token_id]
+            if spec.video.timestamps == SECONDS and out[-1:] == [spec.start_token_id] and after:
                 out.pop()  # the chat's start and end around the video: each part has its own
                 skip = i + 1
             video = next(next_video)
-            for part, seconds in zip(video.parts, video.timestamps):
-                out += words(f"<{seconds:.1f} seconds>") + [spec.start_token_id]
+            for k, (part, seconds) in enumerate(zip(video.parts, video.timestamps)):
+                out += words(part_time(k, seconds, spec.video.timestamps))
+                out.append(spec.start_token_id)
                 placed.append((part, len(out)))
                 out += [part.token_id] * part.tokens + [spec.end_token_id]
         elif t == video_id:
@@ -243,6 +245,15 @@ def expand_media(
         else:
             out.append(t)
     return out, placed
+
+
+def part_time(index: int, seconds: float, style: str) -> str:
+    """The text before a video's part: Qwen3-VL's `<1.5 seconds>`; Gemma 4's `00:01 ` (minutes
+    and seconds, after a space from the frame before)."""
+    if style == SECONDS:
+        return f"<{seconds:.1f} seconds>"
+    clock = f"{int(seconds // 60):02d}:{int(seconds % 60):02d} "
+    return clock if index == 0 else " " + clock
 
 
 # each family's Layout (multimodal.spec.FAMILIES names the families)

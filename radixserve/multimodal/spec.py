@@ -6,7 +6,7 @@ for the families that take them (`VideoSpec`, from `video_preprocessor_config.js
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # vision-language architectures -> family
@@ -24,7 +24,8 @@ FAMILIES = {
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC, BILINEAR = 3, 2  # PIL's resampling filter numbers
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma4")
+SECONDS, CLOCK = "seconds", "clock"  # how a video's parts are timed in the prompt
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,12 @@ class VideoSpec:
     max_frames: int = 768
     # Qwen2.5-VL: time positions a second of video (0: a time position a frame pair, Qwen2-VL)
     tokens_per_second: float = 0.0
-    # Qwen3-VL: each frame pair its own span, after the text of its time in seconds
-    timestamps: bool = False
+    # each part (frame pair, or frame) its own span after the text of its time: "" (none: one
+    # span, Qwen2-VL and Qwen2.5-VL), SECONDS (Qwen3-VL: `<1.5 seconds>`), CLOCK (Gemma 4:
+    # `00:01`, the frames apart by a space)
+    timestamps: str = ""
+    num_frames: int = 0  # frames sampled evenly from the whole video (Gemma 4), else at `fps`
+    max_soft_tokens: int = 0  # Gemma 4: a frame's most tokens
 
     @classmethod
     def of(cls, family: str, hf: dict, video: dict) -> VideoSpec | None:
@@ -52,6 +57,8 @@ class VideoSpec:
         default; Qwen3-VL's reads `size` only, a mean and std of 0.5 by default."""
         if family not in VIDEO_FAMILIES or "video_token_id" not in hf:
             return None
+        if family == "gemma4":
+            return cls._gemma4(hf, video)
         qwen3 = family == "qwen3_vl"
         side = 32 if qwen3 else 28
         size = video.get("size") or {}
@@ -70,7 +77,23 @@ class VideoSpec:
             min_frames=int(video.get("min_frames", 4)),
             max_frames=int(video.get("max_frames", 768)),
             tokens_per_second=float(hf["vision_config"].get("tokens_per_second", 0)),
-            timestamps=qwen3,
+            timestamps=SECONDS if qwen3 else "",
+        )
+
+    @classmethod
+    def _gemma4(cls, hf: dict, video: dict) -> VideoSpec:
+        """Gemma 4's video processor: `num_frames` (32) frames evenly, each resized as an image
+        within `max_soft_tokens` (70), pixels in [0, 1] unless a mean and std are given."""
+        normalize = video.get("do_normalize", True)
+        return cls(
+            token_id=int(hf["video_token_id"]),
+            min_pixels=0,
+            max_pixels=0,
+            mean=tuple(video.get("image_mean", (0.0,) * 3)) if normalize else (0.0,) * 3,
+            std=tuple(video.get("image_std", (1.0,) * 3)) if normalize else (1.0,) * 3,
+            timestamps=CLOCK,
+            num_frames=int(video.get("num_frames", 32)),
+            max_soft_tokens=int(video.get("max_soft_tokens", 70)),
         )
 
 
@@ -116,7 +139,8 @@ class VisionSpec:
         if family == "gemma3":
             return cls._gemma3(hf, vision, pre)
         if family == "gemma4":
-            return cls._gemma4(hf, vision, pre)
+            video = _json_file(folder, "video_preprocessor_config.json") or pre
+            return replace(cls._gemma4(hf, vision, pre), video=VideoSpec.of(family, hf, video))
         if family == "pixtral":
             return cls._pixtral(hf, vision, pre)
         size = pre.get("size") or {}
@@ -235,8 +259,11 @@ class VisionSpec:
         return [t for t in ids if t is not None]
 
     def video_marker_ids(self) -> list[int]:
-        """The token ids a chat turn holds for one video (Qwen-VL: start, video, end)."""
+        """The token ids a chat turn holds for one video (Qwen-VL: start, video, end; Gemma 4:
+        the video token)."""
         assert self.video is not None
+        if self.video.timestamps == CLOCK:
+            return [self.video.token_id]
         return [self.start_token_id, self.video.token_id, self.end_token_id]
 
 

@@ -1,12 +1,13 @@
-"""A video as the Qwen-VL towers take it: decoded with PyAV, its frames sampled as HF's video
-processors sample them, sized, normalized and cut into patches of frame pairs.
+"""A video as the Qwen-VL and Gemma 4 towers take it: decoded with PyAV, its frames sampled as
+HF's video processors sample them, sized, normalized and cut into patches (of frame pairs for
+Qwen-VL).
 
 Qwen2-VL and Qwen2.5-VL take a video as one span of `t x h x w / merge^2` tokens (its time
 positions `tokens_per_second x temporal_patch / sampled fps` apart on Qwen2.5-VL); Qwen3-VL
-takes each frame pair as its own span after the text of its time (`<1.5 seconds>`). The tower
-reads each frame pair on its own either way, so a Qwen3-VL video is a list of one-pair parts,
-each named by its own content hash: a video's frame pairs share cached KV with the same pairs
-of another request."""
+takes each frame pair as its own span after the text of its time (`<1.5 seconds>`), Gemma 4
+each frame, cut as an image, after its time (`00:01`). The towers read each frame pair (or
+frame) on its own, so a Qwen3-VL or Gemma 4 video is a list of parts, each named by its own
+content hash: a video's frames share cached KV with the same frames of another request."""
 
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ import numpy as np
 from PIL import Image
 
 from .media import MediaError, MediaPolicy, check_size
-from .processing import ProcessedImage, ProcessedVideo, content_digest, fitted_size
-from .spec import VisionSpec
+from .processing import (
+    ProcessedImage,
+    ProcessedVideo,
+    content_digest,
+    fitted_size,
+    gemma4_size,
+    pooled_patches,
+)
+from .spec import CLOCK, SECONDS, VisionSpec
 
 
 @dataclass(frozen=True)
@@ -100,13 +108,17 @@ def _count_frames(container, stream, policy: MediaPolicy, where: str) -> int:
 
 
 def sample_frames(total: int, fps: float, spec: VisionSpec) -> list[int]:
-    """The frames HF's video processor samples at `spec.video.fps` frames a second: Qwen2-VL's
-    and Qwen2.5-VL's (a multiple of the temporal patch, evenly strided), Qwen3-VL's (evenly
-    spaced from the first frame to the last)."""
+    """The frames HF's video processor samples: Gemma 4's `num_frames` evenly over the video
+    (all of a shorter one; HF refuses it); at `spec.video.fps` frames a second, Qwen2-VL's and
+    Qwen2.5-VL's (a multiple of the temporal patch, evenly strided), Qwen3-VL's (evenly spaced
+    from the first frame to the last)."""
     video, pair = spec.video, spec.temporal_patch_size
     assert video is not None
+    if video.num_frames:
+        count = min(video.num_frames, total)
+        return (np.arange(count) * total // count).tolist()
     wanted = total / fps * video.fps
-    if video.timestamps:
+    if video.timestamps == SECONDS:
         count = min(max(int(wanted), video.min_frames), video.max_frames, total)
         return np.linspace(0, total - 1, count).round().astype(int).tolist()
     most = math.floor(min(video.max_frames, total) / pair) * pair
@@ -125,9 +137,10 @@ def video_tokens(frames: int, height: int, width: int, spec: VisionSpec) -> int:
 
 
 def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
-    """The frames (resized as decoded, as an image is, PIL) normalized, the last repeated to
-    fill the last frame pair, and cut into patches of frame pairs (HF's video patch order:
-    frame pair, merge block, patch, then channel, frame, pixel)."""
+    """The frames (resized as decoded, as an image is, PIL) normalized; Gemma 4's each cut as
+    an image; Qwen-VL's, the last repeated to fill the last frame pair, cut into patches of
+    frame pairs (HF's video patch order: frame pair, merge block, patch, then channel, frame,
+    pixel)."""
     vs = spec.video
     assert vs is not None
     height, width = video.frames[0].shape[:2]
@@ -136,6 +149,9 @@ def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
     for frame in video.frames:
         scaled = (frame.astype(np.float64) * (1 / 255)).astype(np.float32)
         frames.append(((scaled - mean) / std).transpose(2, 0, 1))
+    if vs.timestamps == CLOCK:  # Gemma 4: each frame as an image, after its time
+        parts = [_part(*pooled_patches(frame, spec)) for frame in frames]
+        return ProcessedVideo(parts, [i / video.fps for i in video.indices])
     pair = spec.temporal_patch_size
     frames += frames[-1:] * (-len(frames) % pair)
     pixels = cut_frame_pairs(np.stack(frames), spec)
@@ -152,10 +168,13 @@ def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
 
 def frame_size(frames: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
     """HF's `smart_resize` for videos: Qwen2-VL's and Qwen2.5-VL's bound each frame; Qwen3-VL's
-    bound all frames together (and first scale a side under one merged patch up to it)."""
+    bound all frames together (and first scale a side under one merged patch up to it); Gemma 4
+    sizes each frame as an image within the video's `max_soft_tokens`."""
     vs = spec.video
     assert vs is not None
     factor = spec.factor
+    if vs.timestamps == CLOCK:
+        return gemma4_size(height, width, replace(spec, max_soft_tokens=vs.max_soft_tokens))
     if not vs.timestamps:
         bounds = replace(spec, min_pixels=vs.min_pixels, max_pixels=vs.max_pixels)
         return fitted_size(height, width, bounds)

@@ -19,7 +19,7 @@ def plan_for(args, memory_bytes: int, device_type: str) -> MemoryPlan:
     source = resolve_model(args.model)
     cfg = source.config
     dtype, _ = resolve_dtype(args.dtype, torch.device(device_type), cfg.checkpoint_dtype)
-    context = with_max_context(cfg, args.max_context_len)
+    context = with_max_context(cfg, args.context_length)
     tp = TPGroup(rank=0, size=args.tp_size)
     weights = planned_weight_bytes(source, dtype, context, args.quantization, tp)
     ranked = tp.shard_config(cfg)
@@ -51,7 +51,7 @@ def plan_report(plan: MemoryPlan, memory_bytes: int, args) -> str:
         lines.append(f"  {context:>8} x {plan.kv_tokens // context}")
         context *= 2
     lines.append(f"  {plan.max_context_len:>8} x {plan.full_context_requests}")
-    problem = context_problem(plan, args.max_context_len)
+    problem = context_problem(plan, args.context_length)
     if problem:
         lines.append(f"refused at start-up: {problem}")
     return "\n".join(lines)

@@ -81,7 +81,7 @@ class ModelRunner:
         self.max_context_len = (
             layout.max_context_len
             if layout is not None
-            else with_max_context(source.config, args.max_context_len)
+            else with_max_context(source.config, args.context_length)
         )
         self.tp = tp
         self.model = self._build_model(source)
@@ -137,7 +137,7 @@ class ModelRunner:
             getattr(self.model, "mrope_merge_size", None),
             getattr(self.model, "whole_images", False),
         )
-        asked = self.max_context_len if args.max_context_len is not None else None
+        asked = self.max_context_len if args.context_length is not None else None
         if (problem := context_problem(self.info.memory_plan(), asked)) is not None:
             raise ValueError(problem)
 

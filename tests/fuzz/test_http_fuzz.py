@@ -253,7 +253,7 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("fuzz"),
         "--max-total-tokens",
         "2048",
-        "--max-context-len",
+        "--context-length",
         "96",
         "--max-running-requests",
         "8",
