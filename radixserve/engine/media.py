@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..messages import ImageInput
-from ..multimodal.inputs import MediaInputs, MediaPart
+from ..multimodal.inputs import MediaInputs, MediaPart, data_fields
 from ..multimodal.media import MediaPolicy, is_remote, local_bytes
 from ..multimodal.spec import VisionSpec
 
@@ -32,15 +32,12 @@ class EngineMedia:
     ) -> tuple[list[int], list[ImageInput] | None]:
         """The prompt's ids with its images' and videos' markers expanded, and their inputs.
         ValueError (`MediaError`) naming the part."""
-        parts, blobs = [], []
-        for kind, value in (("image", image_data), ("video", video_data)):
-            items = value if isinstance(value, list) else [] if value is None else [value]
-            for i, item in enumerate(items):
-                part = MediaPart(
-                    item if isinstance(item, str) else "", f"{kind}_data[{i}]", kind=kind
-                )
-                parts.append(part)
-                blobs.append(item)
+        fields = data_fields(image_data, video_data)
+        blobs = [item for _, _, item in fields]
+        parts = [
+            MediaPart(item if isinstance(item, str) else "", where, kind=kind)
+            for kind, where, item in fields
+        ]
         self.inputs.check(parts)
         media = [
             self.inputs.process(self._bytes(blob, part), part) for blob, part in zip(blobs, parts)

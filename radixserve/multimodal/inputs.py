@@ -19,6 +19,16 @@ from .video import decode_video, preprocess_video
 KINDS = {"image": "image_url, input_image and image parts", "video": "video_url parts"}
 
 
+def data_fields(image_data: Any, video_data: Any) -> list[tuple[str, str, Any]]:
+    """/generate's (and the offline Engine's) `image_data` and `video_data`, each one item or
+    a list: (kind, the field it came from, the item) for each, images first."""
+    out = []
+    for kind, value in (("image", image_data), ("video", video_data)):
+        items = value if isinstance(value, list) else [] if value is None else [value]
+        out += [(kind, f"{kind}_data[{i}]", item) for i, item in enumerate(items)]
+    return out
+
+
 @dataclass(frozen=True)
 class MediaPart:
     url: str
@@ -38,10 +48,9 @@ class MediaInputs:
         cache_bytes: int = 0,
     ):
         """`limits`: each kind's count a prompt may carry (none for a kind left out);
-        `max_tokens`: the context length,
-        the most tokens a video may become; `cache_bytes`: the preprocessed images and videos
-        kept by the hash of their bytes (a chat that sends its picture or video again each turn
-        skips decoding and preprocessing it)."""
+        `max_tokens`: the context length, the most tokens a video may become; `cache_bytes`: the
+        preprocessed images and videos kept by the hash of their bytes (a chat that sends its
+        picture or video again each turn skips decoding and preprocessing it)."""
         if spec is not None:
             spec = with_tokenizer_ids(spec, tokenizer)
             load_image_plugins()
@@ -82,9 +91,9 @@ class MediaInputs:
                 video = decode_video(data, self.policy, self.spec, part.where, self.max_tokens)
                 return preprocess_video(video, self.spec)
             return preprocess(decode_image(data, self.policy, part.where), self.spec)
+        except MediaError:
+            raise
         except (ValueError, OSError) as exc:
-            if isinstance(exc, MediaError):
-                raise
             raise MediaError(
                 f"{part.where}: the {part.kind} cannot be preprocessed ({exc})"
             ) from None

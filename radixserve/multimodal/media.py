@@ -95,7 +95,7 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data))
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise MediaError(f"{where}: not an image Pillow can read ({_short(exc)})") from None
+        raise MediaError(f"{where}: not an image Pillow can read ({brief(exc)})") from None
     check_size(*image.size, policy, where, "image")
     if getattr(image, "n_frames", 1) > 1:
         raise MediaError(f"{where}: animated images are not accepted; send one frame")
@@ -108,7 +108,7 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
         return _on_white(image)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise MediaError(
-            f"{where}: the image data is truncated or corrupt ({_short(exc)})"
+            f"{where}: the image data is truncated or corrupt ({brief(exc)})"
         ) from None
 
 
@@ -188,7 +188,7 @@ async def fetch_bytes(url: str, policy: MediaPolicy, where: str, kind: str = "im
     except MediaError:
         raise
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-        raise MediaError(f"{where}: the {kind} could not be fetched ({_short(exc)})") from None
+        raise MediaError(f"{where}: the {kind} could not be fetched ({brief(exc)})") from None
     raise MediaError(f"{where}: more than {MAX_REDIRECTS} redirects")
 
 
@@ -236,5 +236,6 @@ def _limited(data: bytes, policy: MediaPolicy, where: str, kind: str) -> bytes:
     return data
 
 
-def _short(exc: BaseException) -> str:
+def brief(exc: BaseException) -> str:
+    """An exception's message, at most 200 characters, for an error naming a request part."""
     return (str(exc) or type(exc).__name__)[:200]

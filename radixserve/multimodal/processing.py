@@ -55,13 +55,17 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     layout = LAYOUTS[spec.family]
     height, width = layout.size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
-    scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.asarray(spec.mean, dtype=np.float32)
-    std = np.asarray(spec.std, dtype=np.float32)
-    normed = ((scaled - mean) / std).transpose(2, 0, 1)  # [C, H, W]
-    pixels, grid, tokens = layout.cut(normed, spec)
+    pixels, grid, tokens = layout.cut(normalized(resized, spec.mean, spec.std), spec)
     pixels = np.ascontiguousarray(pixels)
     return ProcessedImage(pixels, grid, tokens, content_digest(pixels, grid))
+
+
+def normalized(rgb: np.ndarray, mean, std) -> np.ndarray:
+    """uint8 [H, W, C] -> float32 [C, H, W]: x 1/255 in float64, then float32, minus the mean,
+    over the std (HF's PIL image processors' steps)."""
+    scaled = (rgb.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean, std = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
+    return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
 def content_digest(pixels: np.ndarray, grid: tuple[int, int, int], interval: float = 1.0) -> int:
@@ -191,8 +195,9 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int
 
 @dataclass(frozen=True)
 class ProcessedVideo:
-    parts: list[ProcessedImage]  # one (Qwen2-VL, Qwen2.5-VL), or one a frame pair (Qwen3-VL)
-    timestamps: list[float]  # each part's time in seconds (Qwen3-VL), else empty
+    # one (Qwen2-VL, Qwen2.5-VL), or one a frame pair (Qwen3-VL) or a frame (Gemma 4)
+    parts: list[ProcessedImage]
+    timestamps: list[float]  # each part's time in seconds (Qwen3-VL, Gemma 4), else empty
 
     @property
     def nbytes(self) -> int:

@@ -19,13 +19,14 @@ import av
 import numpy as np
 from PIL import Image
 
-from .media import MediaError, MediaPolicy, check_size
+from .media import MediaError, MediaPolicy, brief, check_size
 from .processing import (
     ProcessedImage,
     ProcessedVideo,
     content_digest,
     fitted_size,
     gemma4_size,
+    normalized,
     pooled_patches,
 )
 from .spec import CLOCK, SECONDS, VisionSpec
@@ -52,7 +53,7 @@ def decode_video(
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError, IndexError) as exc:
-        raise MediaError(f"{where}: not a video PyAV can read ({_short(exc)})") from None
+        raise MediaError(f"{where}: not a video PyAV can read ({brief(exc)})") from None
 
 
 def _sampled(
@@ -144,11 +145,7 @@ def preprocess_video(video: DecodedVideo, spec: VisionSpec) -> ProcessedVideo:
     vs = spec.video
     assert vs is not None
     height, width = video.frames[0].shape[:2]
-    mean, std = np.asarray(vs.mean, np.float32), np.asarray(vs.std, np.float32)
-    frames = []
-    for frame in video.frames:
-        scaled = (frame.astype(np.float64) * (1 / 255)).astype(np.float32)
-        frames.append(((scaled - mean) / std).transpose(2, 0, 1))
+    frames = [normalized(frame, vs.mean, vs.std) for frame in video.frames]
     if vs.timestamps == CLOCK:  # Gemma 4: each frame as an image, after its time
         parts = [_part(*pooled_patches(frame, spec)) for frame in frames]
         return ProcessedVideo(parts, [i / video.fps for i in video.indices])
@@ -216,7 +213,3 @@ def _part(pixels: np.ndarray, grid: tuple[int, int, int], tokens: int, interval:
     """A video's part; its hash covers its time spacing too (it sets the tokens' positions)."""
     pixels = np.ascontiguousarray(pixels)
     return ProcessedImage(pixels, grid, tokens, content_digest(pixels, grid, interval), interval)
-
-
-def _short(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__)[:200]

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from ..multimodal.inputs import data_fields
 from ..server.openai_protocol import ChatCompletionRequest
 from ..tokenizer import apply_chat_template, encode_prompt
 
@@ -122,11 +123,7 @@ def _adapter(path: str, data: dict) -> str | None:
 def _unsalted_key(path: str, data: dict) -> str:
     if path == "/generate":
         prompt = data["text"] if data.get("text") is not None else data.get("input_ids")
-        media = [
-            url
-            for value in (data.get("image_data"), data.get("video_data"))
-            for url in ([value] if isinstance(value, str) else value or [])
-        ]
+        media = [url for _, _, url in data_fields(data.get("image_data"), data.get("video_data"))]
         return _prompt_key(prompt, media or None)
     if path == "/v1/completions":
         return _prompt_key(data.get("prompt"))

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..config import ServerArgs
 from ..ipc import Heartbeat
 from ..messages import GenerateReq, ImageInput
-from ..multimodal.inputs import MediaPart
+from ..multimodal.inputs import MediaPart, data_fields
 from ..tokenizer import chat_roles
 from .anthropic_api import anthropic_routes
 from .embeddings_api import EmbeddingSetup, embeddings_routes
@@ -135,14 +135,11 @@ async def _generate_images(
 ) -> tuple[list[int], list[ImageInput] | None]:
     """A /generate prompt's `image_data` and `video_data`: one prompt's images and videos, each
     marked in its text (or by the image or video token among its input_ids)."""
-    parts = []
     for kind, value in (("image", body.image_data), ("video", body.video_data)):
-        if value is None:
-            continue
-        if not single:
+        if value is not None and not single:
             raise RequestError(f"{kind}_data goes with one prompt, not a batch")
-        urls = [value] if isinstance(value, str) else value
-        parts += [MediaPart(url, f"{kind}_data[{i}]", kind=kind) for i, url in enumerate(urls)]
+    fields = data_fields(body.image_data, body.video_data)
+    parts = [MediaPart(url, where, kind=kind) for kind, where, url in fields]
     return tm.images.attach(ids, await tm.images.prepare(parts))
 
 
