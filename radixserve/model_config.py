@@ -149,7 +149,9 @@ class ModelConfig:
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", False) or cfg.get("model_type") == "qwen2",
+            qkv_bias=cfg.get("attention_bias", False)
+            or cfg.get("model_type") == "qwen2"
+            or (cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,

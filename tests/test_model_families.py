@@ -64,6 +64,17 @@ FAMILIES = {
         hf.Qwen3MoeForCausalLM,
         dict(MOE, head_dim=16, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1]),
     ),
+    "qwen2_moe": (
+        hf.Qwen2MoeConfig,
+        hf.Qwen2MoeForCausalLM,
+        dict(
+            MOE,
+            num_experts=4,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            shared_expert_intermediate_size=48,
+        ),
+    ),  # fmt: skip
     "mixtral": (
         hf.MixtralConfig,
         hf.MixtralForCausalLM,
@@ -79,6 +90,28 @@ FAMILIES = {
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
     ),
+    "ministral": (
+        hf.MinistralConfig,
+        hf.MinistralForCausalLM,
+        dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
+    ),
+    "ministral3": (  # queries scaled up past an original context of 32 tokens
+        hf.Ministral3Config,
+        hf.Ministral3ForCausalLM,
+        dict(
+            head_dim=16,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_max_position_embeddings=32,
+                llama_4_scaling_beta=3.0,
+            ),
+        ),  # fmt: skip
+    ),
+    "apertus": (hf.ApertusConfig, hf.ApertusForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, dict(pad_token_id=0)),
     "deepseek_v3": (
         hf.DeepseekV3Config,
@@ -117,6 +150,20 @@ FAMILIES = {
         dict(head_dim=16, attention_bias=True, attention_out_bias=True, mlp_bias=True),
     ),
     "ernie4_5": (hf.Ernie4_5Config, hf.Ernie4_5ForCausalLM, dict(head_dim=16, use_bias=True)),
+    "ernie4_5_moe": (
+        hf.Ernie4_5_MoeConfig,
+        hf.Ernie4_5_MoeForCausalLM,
+        dict(
+            head_dim=16,
+            use_bias=True,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            pad_token_id=0,
+        ),
+    ),  # fmt: skip
     "olmo2": (hf.Olmo2Config, hf.Olmo2ForCausalLM, {}),
     "olmo3": (
         hf.Olmo3Config,

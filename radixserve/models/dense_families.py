@@ -3,7 +3,12 @@ its config, where its norms sit and what its layers add to Llama's."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from .decoder import layer_window
+from .layers import Linear
 from .llama import split_gate_up
 from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
 
@@ -133,3 +138,52 @@ class Cohere2ForCausalLM(RecipeCausalLM):
             **llama_biases(self.hf), pre_mlp=None, parallel=True, rope=window is not None,
             window=window,
         )  # fmt: skip
+
+
+class XIELU(nn.Module):
+    """xIELU, with its learned `alpha_p`, `alpha_n` and fixed `beta`, `eps` from the checkpoint:
+    `alpha_p x^2 + beta x` above zero, `alpha_n (expm1(min(x, eps)) - x) + beta x` below
+    (each alpha through a softplus, alpha_n above beta)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+        self.beta, self.eps = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32, beta = x.float(), self.beta.float()
+        alpha_p = F.softplus(self.alpha_p.float())
+        alpha_n = beta + F.softplus(self.alpha_n.float())
+        negative = (torch.expm1(torch.minimum(x32, self.eps.float())) - x32) * alpha_n
+        return torch.where(x32 > 0, alpha_p * x32 * x32, negative).add_(beta * x32).to(x.dtype)
+
+
+class ApertusMLP(nn.Module):
+    """`down(xielu(up(x)))`, no gate."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+        self.act_fn = XIELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class ApertusForCausalLM(RecipeCausalLM):
+    """Llama with q and k normed per head, its norms named for their sublayers, and an MLP
+    without a gate through xIELU."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(
+            **llama_biases(self.hf),
+            pre_attn="attention_layernorm",
+            pre_mlp="feedforward_layernorm",
+            qk_norm="head",
+        )
+
+    def make_mlp(self, i: int) -> nn.Module:
+        if self.hf.get("hidden_act", "xielu") != "xielu":
+            raise ValueError("Apertus runs its MLP through xIELU (hidden_act 'xielu')")
+        return ApertusMLP(self.cfg.hidden_size, self.cfg.intermediate_size)

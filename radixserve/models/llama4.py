@@ -13,6 +13,7 @@ from torch import nn
 
 from .decoder import swap_prefix
 from .layers import SwiGLU
+from .llama import QueryTemperature
 from .moe import Experts, unstack_experts
 from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
 
@@ -24,21 +25,6 @@ NOT_TEXT = (
 )
 # a multimodal checkpoint's language model, as transformers saves it (older and newer names)
 LANGUAGE_MODEL = (("language_model.", ""), ("model.language_model.", "model."))
-
-
-class TemperatureTable(nn.Module):
-    """The query scale of a no-rope layer at each position, `1 + attn_scale x log(1 +
-    floor((p + 1) / floor_scale))`, served beside the rotary tables."""
-
-    def __init__(self, floor_scale: float, attn_scale: float):
-        super().__init__()
-        self.floor_scale, self.attn_scale = floor_scale, attn_scale
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        if positions.dim() > 1:
-            positions = positions[0]
-        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
-        return (torch.log1p(steps) * self.attn_scale + 1.0).view(-1, 1, 1), None
 
 
 class Llama4Attention(RecipeAttention):
@@ -95,7 +81,7 @@ class Llama4ForCausalLM(RecipeCausalLM):
 
     def make_rotaries(self, max_positions: int):
         hf = self.hf
-        table = TemperatureTable(hf.get("floor_scale", 8192), hf.get("attn_scale", 0.1))
+        table = QueryTemperature(hf.get("floor_scale", 8192), hf.get("attn_scale", 0.1), 1.0)
         return super().make_rotaries(max_positions) + [table]
 
     def make_mlp(self, i: int) -> nn.Module:

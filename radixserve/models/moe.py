@@ -7,6 +7,7 @@ so each rank holds a slice of all experts and the routing is the same on every r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -26,8 +27,9 @@ class Routing:
     "topk_softmax" (top-k logits, softmax over them: gpt-oss), "grouped_sigmoid" (sigmoid
     scores, plus a correction bias for the choice only, top groups by their two best first:
     DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
-    best first: DeepSeek-V2), "sparsemixer" (PhiMoE's two experts, each weighted by a softmax
-    over the logits within `jitter` of its own)."""
+    best first: DeepSeek-V2; in one group with a correction bias: ERNIE 4.5), "sparsemixer"
+    (PhiMoE's two experts, each weighted by a softmax over the logits within `jitter` of its
+    own)."""
 
     kind: str
     top_k: int
@@ -47,7 +49,7 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     elif routing.kind == "sparsemixer":
         return _sparsemixer(logits.float(), routing.jitter)
     elif routing.kind == "grouped_softmax":
-        return _grouped(torch.softmax(logits.float(), dim=-1), None, routing, best_of=1)
+        return _grouped(torch.softmax(logits.float(), dim=-1), correction, routing, best_of=1)
     else:
         return _grouped(logits.float().sigmoid(), correction, routing, best_of=2)
     if routing.renormalize:
@@ -193,6 +195,14 @@ class GatedSharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x, self.gate.weight)) * self.mlp(x)
+
+
+SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
+
+
+def shared_expert_name(name: str) -> str:
+    """HF's `mlp.shared_expert.*` and `mlp.shared_expert_gate.*` as a `GatedSharedExpert`'s."""
+    return SHARED_EXPERT.sub(lambda m: ".mlp.shared_experts." + ("gate." if m[1] else "mlp."), name)
 
 
 def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:

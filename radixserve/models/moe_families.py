@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..distributed import TPGroup
+from ..model_config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .layers import SwiGLU
+from .dense_families import Ernie4_5ForCausalLM
+from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
 from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, rotary_fraction
@@ -124,3 +127,43 @@ class PhimoeForCausalLM(MoeRecipeLM):
 class Glm4MoeLiteForCausalLM(DeepseekV2ForCausalLM):
     """GLM-4.7-Flash: DeepSeek-V3's MLA and MoE block (corrected-sigmoid routing), its dense
     and sparse layers named by `mlp_layer_types`."""
+
+
+class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
+    """ERNIE 4.5's attention (an interleaved rotary, `use_bias`) over sparse blocks in the layers
+    from `moe_layer_start_index` to `moe_layer_end_index`, every `moe_layer_interval`-th: softmax
+    scores, experts chosen by score plus a correction bias, beside shared experts; the LM head
+    has a bias where `use_bias`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        super().__init__(cfg, max_positions, tp)
+        self.lm_head = Linear(
+            self.cfg.hidden_size, self.cfg.vocab_size, bias=self.hf.get("use_bias", False)
+        )
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        last = hf.get("moe_layer_end_index", -1)
+        last = hf["num_hidden_layers"] - 1 if last == -1 else last
+        start, every = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_interval", 1)
+        if not (start <= i <= last and (i + 1) % every == 0):
+            return super().make_mlp(i)
+        top_k = hf.get("moe_k", hf.get("num_experts_per_tok"))
+        routing = Routing("grouped_softmax", top_k, renormalize=True)
+        count = hf.get("moe_num_experts", hf.get("num_experts"))
+        experts = Experts(count, hidden, hf["moe_intermediate_size"], self.tp)
+        width = hf["moe_intermediate_size"] * hf.get("moe_num_shared_experts", 0)
+        shared = (
+            SwiGLU(hidden, width // self.tp.size, bias=hf.get("use_bias", False)) if width else None
+        )
+        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+
+    def rename(self, name: str) -> str | None:
+        """The router's correction bias, saved under `gate.moe_statics` or `moe_statics`."""
+        return name.replace(".gate.moe_statics.", ".").replace(".moe_statics.", ".")
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(
+            (n, t.reshape(-1) if n.endswith("e_score_correction_bias") else t)
+            for n, t in unstack_experts(weights)
+        )

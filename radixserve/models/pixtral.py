@@ -16,7 +16,7 @@ from torch import nn
 from ..distributed import TPGroup
 from .decoder import swap_prefix
 from .layers import RMSNorm, StepImages, apply_rotary
-from .llama import LlamaForCausalLM
+from .llama import Ministral3ForCausalLM
 from .qwen_vision import activation
 
 PREFIXES = (
@@ -122,7 +122,7 @@ class PixtralTower(nn.Module):
         return pr.linear_2(self.act(pr.linear_1(x)))
 
 
-class Mistral3ForConditionalGeneration(LlamaForCausalLM):
+class Mistral3ForConditionalGeneration(Ministral3ForCausalLM):
     def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
         super().__init__(cfg, max_positions, tp)
         self.vision = PixtralTower(self.hf, cfg.hidden_size)

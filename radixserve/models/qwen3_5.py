@@ -24,12 +24,18 @@ from ..model_config import ModelConfig
 from .decoder import Attention, DecoderLayer
 from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, fused
-from .moe import Experts, GatedSharedExpert, Routing, SparseMoE, unstack_experts
+from .moe import (
+    Experts,
+    GatedSharedExpert,
+    Routing,
+    SparseMoE,
+    shared_expert_name,
+    unstack_experts,
+)
 from .recurrent import RecurrentStates
 
 ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.")
-SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
 NOT_TEXT = ("mtp.",)  # the multi-token prediction head
 
 
@@ -135,9 +141,7 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
         if name.startswith(NOT_TEXT):
             return None
         name = name.replace("model.language_model.", "model.", 1)
-        name = SHARED_EXPERT.sub(
-            lambda m: ".mlp.shared_experts." + ("gate." if m[1] else "mlp."), name
-        )
+        name = shared_expert_name(name)
         return LINEAR_ATTENTION.sub(r"\1.self_attn.", name)
 
 

@@ -16,10 +16,13 @@ if TYPE_CHECKING:
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Ministral3ForCausalLM": ("llama", "Ministral3ForCausalLM"),
+    "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen3_moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
@@ -40,11 +43,13 @@ ARCHITECTURES = {
     "Exaone4ForCausalLM": ("dense_families", "Exaone4ForCausalLM"),
     "Glm4ForCausalLM": ("dense_families", "Glm4ForCausalLM"),
     "OlmoeForCausalLM": ("moe_families", "OlmoeForCausalLM"),
+    "Ernie4_5_MoeForCausalLM": ("moe_families", "Ernie4_5_MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("moe_families", "MiniMaxM2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("moe_families", "DeepseekV2ForCausalLM"),
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
+    "ApertusForCausalLM": ("dense_families", "ApertusForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
@@ -69,10 +74,13 @@ ARCHITECTURES = {
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "ministral": "MinistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -93,11 +101,13 @@ MODEL_TYPES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
@@ -213,6 +223,7 @@ def model_class(cfg: ModelConfig):
 
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh", "relu2"}
+OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}}  # learned ones, the family's own module
 
 
 def check_supported(hf: dict) -> None:
@@ -237,11 +248,12 @@ def check_supported(hf: dict) -> None:
         _check_nemotron_h(hf)
     if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         _check_gemma4(hf)
+    known = ACTIVATIONS | OWN_ACTIVATIONS.get(architecture_of(hf), set())
     for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
-        if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
+        if hf.get(key) is not None and hf[key] not in known:
             raise UnsupportedModel(
                 f"config.json: {key} {hf[key]!r} is not implemented; supported: "
-                f"{', '.join(sorted(ACTIVATIONS))}"
+                f"{', '.join(sorted(known))}"
             )
 
 
