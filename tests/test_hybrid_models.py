@@ -89,6 +89,19 @@ FAMILIES = {
         hf.Lfm2ForCausalLM,
         dict(layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3),
     ),
+    "lfm2_moe": (
+        hf.Lfm2MoeConfig,
+        hf.Lfm2MoeForCausalLM,
+        dict(
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            conv_L_cache=3,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.5,
+        ),
+    ),
 }
 
 

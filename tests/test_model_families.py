@@ -335,7 +335,7 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200
 NEW_TOKENS = 12
 
 
-UNSCALED = ("rotary", "embed_scale", "mup_vector")  # buffers computed from the config
+UNSCALED = ("rotary", "pos_emb", "embed_scale", "mup_vector")  # buffers computed from the config
 
 
 def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict = COMMON):

@@ -4,7 +4,8 @@ A short-conv layer projects its input to B, C and h, convolves B*h along the seq
 depthwise causal convolution of `conv_L_cache` taps) and gates the result by C. Its state per
 request is the convolution's last inputs (`recurrent.RecurrentStates`); attention layers keep
 KV per token in the pool (their own layer numbering there) and normalize q and k per head.
-The token mixer, convolution or attention, sits where a Llama layer has its attention."""
+The token mixer, convolution or attention, sits where a Llama layer has its attention. LFM2-MoE
+swaps the MLPs after its first dense layers for routed experts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from ..model_config import ModelConfig, is_attention_layer
 from .decoder import Attention
 from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, SwiGLU
+from .mixtral import mixtral_name
+from .moe import Experts, Routing, SparseMoE, unstack_experts
 from .recurrent import RecurrentStates
 
 # checkpoint names of an attention layer -> ours
@@ -29,6 +32,7 @@ LAYER_NAMES = {
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
+    "feed_forward": "mlp",  # LFM2-MoE's router (`gate`) and experts
 }
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -73,6 +77,8 @@ class Lfm2ForCausalLM(HybridCausalLM):
         if match is None:
             return name
         layer, rest = match.groups()
+        if rest == "feed_forward.expert_bias":
+            return f"model.layers.{layer}.mlp.e_score_correction_bias"
         module, _, kind = rest.rpartition(".")
         if is_attention_layer(self.hf["layer_types"][int(layer)]):
             head, _, leaf = module.partition(".")
@@ -82,6 +88,31 @@ class Lfm2ForCausalLM(HybridCausalLM):
                 module = ours + module[len(theirs) :]
                 break
         return f"model.layers.{layer}.{module}.{kind}"
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE: LFM2's layers with sparse MLPs after the first `num_dense_layers`: sigmoid
+    scores, experts chosen by score plus `expert_bias`, weights renormalized and scaled."""
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        if i < hf.get("num_dense_layers", 2):
+            return SwiGLU(hidden, hf["intermediate_size"], "silu")
+        routing = Routing(
+            "grouped_sigmoid",
+            hf["num_experts_per_tok"],
+            renormalize=hf.get("norm_topk_prob", True),
+            scaling=hf.get("routed_scaling_factor", 1.0),
+        )
+        experts = Experts(hf["num_experts"], hidden, hf["moe_intermediate_size"], self.tp)
+        return SparseMoE(hidden, experts, routing, correction_bias=hf.get("use_expert_bias", True))
+
+    def rename(self, name: str) -> str | None:
+        """Experts' `w1`/`w3`/`w2` (as saved per expert) are their gate, up and down."""
+        return mixtral_name(super().rename(name))
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))
 
 
 def feed_forward_size(hf: dict) -> int:
