@@ -55,6 +55,9 @@ GEMMA4 = dict(
     final_logit_softcapping=30.0,
     pad_token_id=0,
 )
+GRANITE_MUP = dict(
+    embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.0
+)
 FAMILIES = {
     "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
@@ -144,6 +147,33 @@ FAMILIES = {
             attention_bias=True,
         ),
     ),
+    "granitemoe": (
+        hf.GraniteMoeConfig,
+        hf.GraniteMoeForCausalLM,
+        dict(GRANITE_MUP, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    "granitemoeshared": (
+        hf.GraniteMoeSharedConfig,
+        hf.GraniteMoeSharedForCausalLM,
+        dict(
+            GRANITE_MUP,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+        ),
+    ),  # fmt: skip
+    "granite4_dense": (  # Granite 4.0's dense models: attention only, no experts
+        hf.GraniteMoeHybridConfig,
+        hf.GraniteMoeHybridForCausalLM,
+        dict(
+            GRANITE_MUP,
+            layer_types=["attention"] * 3,
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            position_embedding_type="rope",
+        ),
+    ),  # fmt: skip
     "seed_oss": (
         hf.SeedOssConfig,
         hf.SeedOssForCausalLM,

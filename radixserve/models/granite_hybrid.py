@@ -1,4 +1,5 @@
-"""Granite 4.0 (`GraniteMoeHybridForCausalLM`, IBM): Mamba2 layers (a grouped gated norm)
+"""Granite 4.0 (`GraniteMoeHybridForCausalLM`, IBM; and Granite 3's MoE models, attention only,
+with or without a shared MLP): Mamba2 layers (a grouped gated norm)
 beside attention layers (a rotary only where `position_embedding_type` is "rope"), Granite's
 µP multipliers (the embedding, attention scores, each residual branch, the logits divided by
 `logits_scaling`), and in every layer a shared gated MLP plus, where `num_local_experts` > 0,
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..attention import LayerAttention
 from ..distributed import TPGroup
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, layer_types_of
 from .decoder import Attention, DecoderLayer
 from .falcon_h1 import mamba2_shape
 from .hybrid import HybridCausalLM
@@ -35,15 +36,15 @@ RENAMES = [
 
 
 class SharedAndRoutedMLP(nn.Module):
-    """The shared MLP every token runs, plus the routed experts where the model has them."""
+    """The shared MLP every token runs and the routed experts, where the model has each."""
 
-    def __init__(self, shared: SwiGLU, moe: SparseMoE | None):
+    def __init__(self, shared: SwiGLU | None, moe: SparseMoE | None):
         super().__init__()
         self.shared, self.moe = shared, moe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.shared(x)
-        return out if self.moe is None else out + self.moe(x)
+        parts = [part(x) for part in (self.shared, self.moe) if part is not None]
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 class ScaledResidualLayer(DecoderLayer):
@@ -63,8 +64,14 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         hf = cfg.hf_config
         self.embed_scale = hf.get("embedding_multiplier", 1.0)
-        self.rope = hf.get("position_embedding_type") == "rope"
+        hybrid = hf.get("model_type") == "granitemoehybrid"  # Granite 3's MoE always rotates
+        self.rope = hf.get("position_embedding_type", None if hybrid else "rope") == "rope"
         super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        if layer_types_of(self.hf) is None:  # Granite 3's MoE models: attention everywhere
+            return self.make_decoder_layer(i, self.make_attention(i))
+        return super().make_layer(i)
 
     def make_attention(self, kv_index: int) -> nn.Module:
         how = LayerAttention(scale=self.hf.get("attention_multiplier", 1.0))
@@ -81,7 +88,8 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size
         act = hf.get("hidden_act", "silu")
-        shared = SwiGLU(hidden, hf["shared_intermediate_size"] // self.tp.size, act)
+        width = hf.get("shared_intermediate_size") or 0
+        shared = SwiGLU(hidden, width // self.tp.size, act) if width else None
         if not hf.get("num_local_experts"):
             return SharedAndRoutedMLP(shared, None)
         routing = Routing("topk_softmax", hf["num_experts_per_tok"])
