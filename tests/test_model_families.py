@@ -115,6 +115,19 @@ FAMILIES = {
         ),  # fmt: skip
     ),
     "apertus": (hf.ApertusConfig, hf.ApertusForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
+    "hunyuan_v1_dense": (
+        hf.HunYuanDenseV1Config,
+        hf.HunYuanDenseV1ForCausalLM,
+        dict(
+            head_dim=16,
+            rope_parameters=dict(rope_type="dynamic", alpha=50.0, factor=1.0, rope_theta=1e4),
+        ),
+    ),
+    "hunyuan_v1_moe": (
+        hf.HunYuanMoEV1Config,
+        hf.HunYuanMoEV1ForCausalLM,
+        dict(head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
+    ),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, dict(pad_token_id=0)),
     "deepseek_v3": (
         hf.DeepseekV3Config,
@@ -588,6 +601,21 @@ def test_a_gemma4_config_that_cannot_run_is_refused_naming_the_field(tmp_path, c
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named):
         read_config(tmp_path)
+
+
+def test_hunyuan_ntk_alpha_rotary_is_hfs():
+    """HunYuan's `dynamic` rope with a fixed `alpha` (its base stretched once) gives HF's
+    frequencies; the tiny model's greedy tokens hardly depend on them, so they are compared."""
+    from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hunyuan
+
+    from radixserve.model_config import ModelConfig
+    from radixserve.models.layers import rope_inv_freq
+
+    config = hf.HunYuanDenseV1Config(**{**COMMON, **FAMILIES["hunyuan_v1_dense"][2]})
+    want = hunyuan.HunYuanDenseV1RotaryEmbedding(config).inv_freq
+    ours = ModelConfig.from_hf_dict(config.to_dict())
+    got, _ = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling_dict)
+    torch.testing.assert_close(got.float(), want.float())
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

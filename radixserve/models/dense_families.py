@@ -187,3 +187,14 @@ class ApertusForCausalLM(RecipeCausalLM):
         if self.hf.get("hidden_act", "xielu") != "xielu":
             raise ValueError("Apertus runs its MLP through xIELU (hidden_act 'xielu')")
         return ApertusMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
+
+
+class HunYuanDenseV1ForCausalLM(RecipeCausalLM):
+    """Llama with q and k normed per head after the rotary (`query_layernorm`,
+    `key_layernorm`); its rotary may stretch the base by a fixed NTK `alpha`."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf), qk_norm="head", qk_norm_after_rope=True)
+
+    def rename(self, name: str) -> str | None:
+        return name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm.")

@@ -79,6 +79,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         return _llama3_scaled(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn_scaled(inv_freq, head_dim, theta, scaling)
+    if kind == "dynamic" and scaling.get("alpha"):  # HunYuan: a fixed NTK alpha stretches the base
+        base = theta * scaling["alpha"] ** (head_dim / (head_dim - 2))
+        return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
     if kind == "proportional":  # Gemma 4: the first angles turn, the rest of each head stays
         turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
         inv_freq[turned:] = 0.0

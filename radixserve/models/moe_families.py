@@ -9,7 +9,7 @@ from torch import nn
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .dense_families import Ernie4_5ForCausalLM
+from .dense_families import Ernie4_5ForCausalLM, HunYuanDenseV1ForCausalLM
 from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
@@ -167,3 +167,25 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
             (n, t.reshape(-1) if n.endswith("e_score_correction_bias") else t)
             for n, t in unstack_experts(weights)
         )
+
+
+class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
+    """HunYuan's attention over a sparse block in every layer: softmax top-k, renormalized,
+    beside a shared MLP (`shared_mlp`); expert counts and top-k may be given per layer."""
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        count, top_k = (
+            v if isinstance(v, int) else v[i] for v in (hf["num_experts"], hf["moe_topk"])
+        )
+        routing = Routing("softmax_topk", top_k, renormalize=True)
+        experts = Experts(count, hidden, hf["intermediate_size"], self.tp)
+        shared = SwiGLU(hidden, hf["intermediate_size"] // self.tp.size)
+        return SparseMoE(hidden, experts, routing, shared=shared)
+
+    def rename(self, name: str) -> str | None:
+        name = super().rename(name).replace(".mlp.gate.wg.", ".mlp.gate.")
+        return name.replace(".mlp.shared_mlp.", ".mlp.shared_experts.")
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))

@@ -54,6 +54,8 @@ ARCHITECTURES = {
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
     "Cohere2ForCausalLM": ("dense_families", "Cohere2ForCausalLM"),
     "ApertusForCausalLM": ("dense_families", "ApertusForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("dense_families", "HunYuanDenseV1ForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("moe_families", "HunYuanMoEV1ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
@@ -116,6 +118,8 @@ MODEL_TYPES = {
     "phimoe": "PhimoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
@@ -229,7 +233,7 @@ def model_class(cfg: ModelConfig):
     return getattr(importlib.import_module(f"radixserve.models.{module}"), cls)
 
 
-ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
+ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh", "relu2"}
 OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}}  # learned ones, the family's own module
 
@@ -248,6 +252,11 @@ def check_supported(hf: dict) -> None:
             raise UnsupportedModel(
                 f"config.json: rope type {kind!r} is not implemented; supported: "
                 f"{', '.join(sorted(ROPE_TYPES))}"
+            )
+        if kind == "dynamic" and not rope.get("alpha"):
+            raise UnsupportedModel(
+                "config.json: rope type 'dynamic' is implemented with a fixed 'alpha' only "
+                "(HunYuan's), not rescaled by the sequence length"
             )
         partial = rope.get("partial_rotary_factor", 1.0) != 1.0
         if partial and architecture_of(hf) not in PARTIAL_ROTARY:
