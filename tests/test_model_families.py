@@ -245,6 +245,35 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "solar_open": (  # GLM-4.5's MoE block in every layer under plain GQA
+        hf.SolarOpenConfig,
+        hf.SolarOpenForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            attention_bias=True,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+        ),
+    ),  # fmt: skip
+    "exaone_moe": (
+        hf.ExaoneMoeConfig,
+        hf.ExaoneMoeForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),  # fmt: skip
     "minimax_m2": (
         hf.MiniMaxM2Config,
         hf.MiniMaxM2ForCausalLM,

@@ -20,7 +20,8 @@ POST_NORMS = dict(
 )
 
 
-def _window(hf: dict, i: int) -> int | None:
+def layer_window_of(hf: dict, i: int) -> int | None:
+    """Layer i's window where the config lists `layer_types` beside a `sliding_window`."""
     types = hf.get("layer_types")
     if types and hf.get("sliding_window"):
         return hf["sliding_window"] if types[i] == "sliding_attention" else None
@@ -89,7 +90,7 @@ class Olmo2ForCausalLM(RecipeCausalLM):
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         return LayerRecipe(
-            **POST_NORMS, **llama_biases(self.hf), qk_norm="all", window=_window(self.hf, i)
+            **POST_NORMS, **llama_biases(self.hf), qk_norm="all", window=layer_window_of(self.hf, i)
         )
 
 
@@ -98,7 +99,7 @@ class Exaone4ForCausalLM(RecipeCausalLM):
     window layers rotate (the global ones have no position embedding)."""
 
     def layer_recipe(self, i: int) -> LayerRecipe:
-        window = _window(self.hf, i)
+        window = layer_window_of(self.hf, i)
         rope = window is not None or not self.hf.get("sliding_window")
         return LayerRecipe(**POST_NORMS, qk_norm="head", rope=rope, window=window)
 
@@ -133,7 +134,7 @@ class Cohere2ForCausalLM(RecipeCausalLM):
         )
 
     def layer_recipe(self, i: int) -> LayerRecipe:
-        window = _window(self.hf, i)
+        window = layer_window_of(self.hf, i)
         return LayerRecipe(
             **llama_biases(self.hf), pre_mlp=None, parallel=True, rope=window is not None,
             window=window,

@@ -9,7 +9,7 @@ from torch import nn
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .dense_families import Ernie4_5ForCausalLM, HunYuanDenseV1ForCausalLM
+from .dense_families import Ernie4_5ForCausalLM, HunYuanDenseV1ForCausalLM, layer_window_of
 from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
@@ -47,7 +47,7 @@ class OlmoeForCausalLM(MoeRecipeLM):
 class Glm4MoeForCausalLM(MoeRecipeLM):
     """GQA with a q/k/v bias, q/k norms per head where `use_qk_norm`, a rotary over part of
     each head; dense MLPs in the first `first_k_dense_replace` layers, DeepSeek's MoE block
-    after."""
+    after. Also Solar Open (`SolarOpenForCausalLM`): the MoE block in every layer."""
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
@@ -189,3 +189,26 @@ class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))
+
+
+class ExaoneMoeForCausalLM(MoeRecipeLM):
+    """K-EXAONE: EXAONE 4's attention (q and k normed per head; with sliding windows only the
+    window layers rotate) under Llama's norms, DeepSeek's MoE block where `mlp_layer_types`
+    says "sparse"."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = layer_window_of(self.hf, i)
+        rope = window is not None or not self.hf.get("sliding_window")
+        return LayerRecipe(qk_norm="head", rope=rope, window=window)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        if hf["mlp_layer_types"][i] != "sparse":
+            return super().make_mlp(i)
+        names = dict(
+            n_routed_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts")
+        )
+        return deepseek_moe({**hf, **names}, self.cfg.hidden_size, self.tp)
+
+    def rename(self, name: str) -> str | None:
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
