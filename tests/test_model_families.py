@@ -274,6 +274,22 @@ FAMILIES = {
             topk_group=1,
         ),
     ),  # fmt: skip
+    "afmoe": (
+        hf.AfmoeConfig,
+        hf.AfmoeForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            route_scale=1.5,
+            mup_enabled=True,
+        ),
+    ),  # fmt: skip
     "minimax_m2": (
         hf.MiniMaxM2Config,
         hf.MiniMaxM2ForCausalLM,

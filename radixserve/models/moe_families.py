@@ -4,6 +4,7 @@ and DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing) and GLM-4.7-Flash (its MLA 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..distributed import TPGroup
@@ -13,7 +14,7 @@ from .dense_families import Ernie4_5ForCausalLM, HunYuanDenseV1ForCausalLM, laye
 from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
-from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, rotary_fraction
+from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM, rotary_fraction
 
 
 class MoeRecipeLM(RecipeCausalLM):
@@ -212,3 +213,64 @@ class ExaoneMoeForCausalLM(MoeRecipeLM):
 
     def rename(self, name: str) -> str | None:
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+class OutputGatedAttention(RecipeAttention):
+    """Attention whose output is gated per channel by the sigmoid of its own projection of the
+    layer's input (`gate_proj`), before o_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe):
+        super().__init__(cfg, layer, tp, recipe)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.q_size)
+
+    def forward(self, x, ropes, backend):
+        out = self.attend(x, ropes, backend)[1]
+        gate = torch.sigmoid(self.gate_proj(x).float()).to(out.dtype)
+        return self.tp.all_reduce(self.o_proj(out * gate.view(out.shape)))
+
+
+class AfmoeForCausalLM(MoeRecipeLM):
+    """Arcee's AFMoE (Trinity): norms before and after each sublayer, q and k normed per head,
+    the rotary on the sliding-window layers only, attention gated by its own projection; after
+    `num_dense_layers` dense layers, sigmoid-routed experts (chosen by score plus
+    `expert_bias`, renormalized, times `route_scale`) beside shared experts; µP scales the
+    embedding by sqrt(hidden) where `mup_enabled`."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else None)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = layer_window_of(self.hf, i)
+        return LayerRecipe(
+            post_attn="post_attention_layernorm",
+            pre_mlp="pre_mlp_layernorm",
+            post_mlp="post_mlp_layernorm",
+            qk_norm="head",
+            rope=window is not None,
+            window=window,
+        )
+
+    def make_layer(self, i: int) -> nn.Module:
+        layer = super().make_layer(i)
+        layer.self_attn = OutputGatedAttention(self.cfg, i, self.tp, self.layer_recipe(i))
+        return layer
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        if i < hf.get("num_dense_layers", 1):
+            return super().make_mlp(i)
+        routing = Routing(
+            "grouped_sigmoid",
+            hf["num_experts_per_tok"],
+            renormalize=True,
+            scaling=hf.get("route_scale", 1.0),
+        )
+        width = hf["moe_intermediate_size"] * hf.get("num_shared_experts", 0)
+        shared = SwiGLU(hidden, width // self.tp.size) if width else None
+        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
+        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+
+    def rename(self, name: str) -> str | None:
+        name = name.replace(".mlp.router.gate.", ".mlp.gate.")
+        return name.replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
