@@ -512,6 +512,14 @@ def test_family_matches_hf(tmp_path, family):
         "glm4_moe_lite",
         "deepseek_v32",
         "glm_moe_dsa",
+        "ministral3",
+        "apertus",
+        "qwen2_moe",
+        "ernie4_5_moe",
+        "hunyuan_v1_moe",
+        "exaone_moe",
+        "afmoe",
+        "granitemoeshared",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

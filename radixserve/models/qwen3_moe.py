@@ -55,7 +55,8 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
         mlp, hf = super().make_mlp(i), self.hf
         if isinstance(mlp, SparseMoE) and hf.get("shared_expert_intermediate_size"):
             inter, act = hf["shared_expert_intermediate_size"], hf.get("hidden_act", "silu")
-            mlp.shared_experts = GatedSharedExpert(self.cfg.hidden_size, inter, act)
+            shared = GatedSharedExpert(self.cfg.hidden_size, inter // self.tp.size, act)
+            mlp.shared_experts = shared
         return mlp
 
     def rename(self, name: str) -> str | None:
