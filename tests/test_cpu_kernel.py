@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.models.layers import apply_rotary
+from radixserve.models.rotary import apply_rotary
 from radixserve_kernels.cpu_ops import build_dir, load
 
 kernel = load()

@@ -662,7 +662,7 @@ def test_hunyuan_ntk_alpha_rotary_is_hfs():
     from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hunyuan
 
     from radixserve.model_config import ModelConfig
-    from radixserve.models.layers import rope_inv_freq
+    from radixserve.models.rotary import rope_inv_freq
 
     config = hf.HunYuanDenseV1Config(**{**COMMON, **FAMILIES["hunyuan_v1_dense"][2]})
     want = hunyuan.HunYuanDenseV1RotaryEmbedding(config).inv_freq

@@ -16,7 +16,8 @@ from torch import nn
 from ..attention import PLAIN, AttentionBackend, LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
-from .layers import Linear, RMSNorm, RotaryEmbedding, StepImages, SwiGLU, apply_rotary
+from .layers import Linear, RMSNorm, StepImages, SwiGLU
+from .rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint leaf -> (our fused module, shard index)
 FUSED_SHARDS = {

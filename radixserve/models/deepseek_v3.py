@@ -23,8 +23,9 @@ from ..attention import AttentionBackend, LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from .layers import Linear, RMSNorm, SwiGLU
 from .moe import deepseek_moe
+from .rotary import RotaryEmbedding, apply_rotary
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

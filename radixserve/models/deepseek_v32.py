@@ -24,9 +24,10 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import DecoderLayer, Rope
 from .deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention, pairs_first
-from .layers import Linear, apply_rotary, fused
+from .layers import Linear, fused
 from .moe import unstack_experts
 from .recipe import LayerNorm
+from .rotary import apply_rotary
 
 
 class Indexer(nn.Module):

@@ -14,7 +14,8 @@ from ..attention import LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig, rope_scaling_of
 from .decoder import Attention, CausalLM
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import RMSNorm, SwiGLU
+from .rotary import RotaryEmbedding
 
 GemmaNorm = partial(RMSNorm, weight_offset=1.0)
 

@@ -30,9 +30,10 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig, layer_attention_dims, rope_scaling_of
 from .decoder import Attention, CausalLM, Rope
 from .gemma import attend_whole_images
-from .layers import Linear, RMSNorm, RotaryEmbedding, StepImages, SwiGLU, activation, apply_rotary
+from .layers import Linear, RMSNorm, StepImages, SwiGLU, activation
 from .moe import Experts, unstack_experts
 from .recipe import UnweightedNorm
+from .rotary import RotaryEmbedding, apply_rotary
 
 SLIDING, FULL = 0, 1  # the rotary table of each kind of layer
 NOT_TEXT = (

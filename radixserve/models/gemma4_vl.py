@@ -19,8 +19,9 @@ from torch import nn
 from ..distributed import TPGroup
 from .decoder import swap_prefix
 from .gemma4 import Gemma4ForCausalLM
-from .layers import RMSNorm, StepImages, activation, apply_rotary
+from .layers import RMSNorm, StepImages, activation
 from .recipe import UnweightedNorm
+from .rotary import apply_rotary
 
 # the checkpoint's names for its parts -> ours (its audio tower's: Gemma4ForCausalLM.rename)
 PREFIXES = (
@@ -60,7 +61,7 @@ def axial_rotary(positions: torch.Tensor, head_dim: int, theta: float):
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Each half of each head rotated (`layers.apply_rotary`) by its own half of the tables."""
+    """Each half of each head rotated (`rotary.apply_rotary`) by its own half of the tables."""
     parts = zip(x.chunk(2, -1), cos.chunk(2, -1), sin.chunk(2, -1))
     return torch.cat([apply_rotary(part, c, s) for part, c, s in parts], dim=-1)
 

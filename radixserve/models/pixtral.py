@@ -15,9 +15,10 @@ from torch import nn
 
 from ..distributed import TPGroup
 from .decoder import swap_prefix
-from .layers import RMSNorm, StepImages, apply_rotary
+from .layers import RMSNorm, StepImages
 from .llama import Ministral3ForCausalLM
 from .qwen_vision import activation
+from .rotary import apply_rotary
 
 PREFIXES = (
     ("model.vision_tower.", "vision."),
@@ -31,7 +32,7 @@ PREFIXES = (
 
 
 def axial_rotary(rows: int, columns: int, head_dim: int, theta: float):
-    """cos and sin `[patches, 1, head_dim / 2]` (`layers.apply_rotary`'s tables) of Pixtral's
+    """cos and sin `[patches, 1, head_dim / 2]` (`rotary.apply_rotary`'s tables) of Pixtral's
     2-D rotary: alternate frequencies turn by the patch's row and by its column, the two sets
     side by side."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)

@@ -23,7 +23,7 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import Attention, DecoderLayer
 from .hybrid import HybridCausalLM
-from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, fused
+from .layers import Linear, RMSNorm, fused
 from .moe import (
     Experts,
     GatedSharedExpert,
@@ -33,6 +33,7 @@ from .moe import (
     unstack_experts,
 )
 from .recurrent import RecurrentStates
+from .rotary import RotaryEmbedding, apply_rotary
 
 ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.")

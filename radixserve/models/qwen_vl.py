@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from ..distributed import TPGroup
-from .layers import RotaryEmbedding
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
 from .moe import unstack_experts
 from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 from .qwen_vision import Qwen2VisionTower, Qwen3VisionTower, Qwen25VisionTower
+from .rotary import RotaryEmbedding
 
 
 class MRotaryEmbedding(RotaryEmbedding):

@@ -23,7 +23,8 @@ from ..attention import LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from .layers import RMSNorm, SwiGLU
+from .rotary import RotaryEmbedding, apply_rotary
 
 NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
 
