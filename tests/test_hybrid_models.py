@@ -63,6 +63,27 @@ FAMILIES = {
             chunk_size=16,
         ),
     ),
+    "nemotron_h_moe": (  # Nemotron 3: routed squared-ReLU experts in a latent space
+        hf.NemotronHConfig,
+        hf.NemotronHForCausalLM,
+        dict(
+            layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention"],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=32,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+        ),
+    ),
     "falcon_h1": (
         hf.FalconH1Config,
         hf.FalconH1ForCausalLM,
@@ -343,8 +364,8 @@ def test_experts_stacked_in_the_checkpoint_load_like_per_expert_ones(tmp_path):
 
 def test_nemotron_h_layer_patterns_and_refusals_from_config_json(tmp_path):
     """A Nemotron-H config.json names its layers by `hybrid_override_pattern` (M: Mamba2, *:
-    attention, -: MLP) as released checkpoints do; its MoE blocks (E) are refused in one line
-    naming them."""
+    attention, -: MLP, E: experts) as released checkpoints do; a Mamba activation other than
+    SiLU is refused in one line naming it."""
     from radixserve.model_config import ModelConfig
     from radixserve.models.registry import UnsupportedModel, check_supported
 
@@ -352,5 +373,8 @@ def test_nemotron_h_layer_patterns_and_refusals_from_config_json(tmp_path):
     config.pop("layers_block_type", None)
     cfg = ModelConfig.from_hf_dict(dict(config, hybrid_override_pattern="M-*M"))
     assert (cfg.num_layers, cfg.num_kv_layers, cfg.state_layers) == (4, 1, 2)
-    with pytest.raises(UnsupportedModel, match="'moe' layers"):
-        check_supported(dict(config, hybrid_override_pattern="ME*M"))
+    cfg = ModelConfig.from_hf_dict(dict(config, hybrid_override_pattern="ME*M"))
+    assert (cfg.num_layers, cfg.num_kv_layers, cfg.state_layers) == (4, 1, 2)
+    check_supported(dict(config, hybrid_override_pattern="ME*M"))
+    with pytest.raises(UnsupportedModel, match="mamba_hidden_act"):
+        check_supported(dict(config, mamba_hidden_act="gelu"))

@@ -258,14 +258,27 @@ def gemma4_init(name: str, tensor: torch.Tensor) -> None:
         tensor.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
 
 
+MINISTRAL3_ROPE = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+    original_max_position_embeddings=32, llama_4_scaling_beta=3.0,
+)  # fmt: skip
+
+
 def build_pixtral_checkpoint(root, model_dir):
-    """Mistral 3: the Pixtral tower, 2x2 patch merging, a Mistral language model."""
+    """Mistral 3: the Pixtral tower, 2x2 patch merging, a Ministral 3 language model (queries
+    scaled up past an original context of 32 tokens, as Ministral 3's releases configure it
+    at 16k)."""
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": PIXTRAL_MARKERS})
     image = tokenizer.convert_tokens_to_ids(PIXTRAL_MARKERS[0])
     ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = hf.Mistral3Config(
-        text_config={**TEXT, **ends, "model_type": "mistral", "sliding_window": None},
+        text_config={
+            **TEXT,
+            **ends,
+            "model_type": "ministral3",
+            "rope_parameters": MINISTRAL3_ROPE,
+        },
         vision_config=PIXTRAL_VISION,
         image_token_index=image,
         spatial_merge_size=2,

@@ -283,13 +283,13 @@ class SwiGLU(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """`down(act(up(x)))`, without a gate (Nemotron-H's squared-ReLU MLP)."""
+    """`down(act(up(x)))`, without a gate (Nemotron-H's squared-ReLU MLP and experts)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act_name, self.act = act, activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))

@@ -230,12 +230,13 @@ def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:
 
 def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]], inputs_first: bool = False):
     """Experts stacked as HF's own expert modules hold them (`experts.gate_up_proj [E, 2 *
-    inter, hidden]`, gate rows then up rows; `experts.down_proj [E, hidden, inter]`; with
+    inter, hidden]`, gate rows then up rows, or a gateless expert's `up_proj [E, inter,
+    hidden]`; `experts.down_proj [E, hidden, inter]`; with
     `inputs_first`, Llama 4's, each expert's matrix transposed) as each expert's tensors, named
     like a per-expert checkpoint's; other tensors pass through."""
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "up_proj", "down_proj"):
             yield name, tensor
             continue
         for e, one in enumerate(tensor.transpose(1, 2) if inputs_first else tensor):
@@ -243,5 +244,5 @@ def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]], inputs_first: b
                 gate, up = one.chunk(2, dim=0)
                 yield f"{prefix}.{e}.gate_proj.weight", gate
                 yield f"{prefix}.{e}.up_proj.weight", up
-            else:
-                yield f"{prefix}.{e}.down_proj.weight", one
+            else:  # down_proj, or a gateless expert's up_proj (Nemotron-H)
+                yield f"{prefix}.{e}.{leaf}.weight", one

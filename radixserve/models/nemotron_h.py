@@ -1,5 +1,6 @@
-"""Nemotron-H (NVIDIA): each layer is one block, Mamba2, attention (no rotary embedding) or a
-squared-ReLU MLP, as `layers_block_type` (or `hybrid_override_pattern`: M, *, -) lists them,
+"""Nemotron-H (NVIDIA; Nemotron 3): each layer is one block, Mamba2, attention (no rotary
+embedding), a squared-ReLU MLP or routed squared-ReLU experts beside a shared one, as
+`layers_block_type` (or `hybrid_override_pattern`: M, *, -, E) lists them,
 each a pre-norm residual `x + block(norm(x))`. Mamba2 layers keep their convolution's and
 scan's state per request (`mamba2.Mamba2Mixer`); attention layers keep KV per token in the pool
 (their own numbering there). Checkpoints name the model `backbone` (HF's own save: `model`),
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
@@ -17,8 +19,9 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import Attention
 from .hybrid import HybridCausalLM
-from .layers import PlainMLP, RMSNorm
+from .layers import Linear, PlainMLP, RMSNorm
 from .mamba2 import Mamba2Mixer, Mamba2Shape, time_step_limit
+from .moe import Experts, Routing, SparseMoE, route, unstack_experts
 
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(norm|mixer)\.(.+)")
 MODEL_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight"}
@@ -64,6 +67,22 @@ class Block(nn.Module):
         return next_norm.add_and_norm(x, self.self_attn(normed, ropes, backend))
 
 
+class LatentSparseMoE(SparseMoE):
+    """Routed experts (in `latent` dims between `fc1_latent_proj` and `fc2_latent_proj` where
+    set) plus the shared expert, both read the full hidden state's router choice."""
+
+    def __init__(self, hidden: int, experts, routing, shared, latent: int | None, bias: bool):
+        super().__init__(hidden, experts, routing, correction_bias=True, shared=shared)
+        self.fc1_latent_proj = Linear(hidden, latent, bias=bias) if latent else nn.Identity()
+        self.fc2_latent_proj = Linear(latent, hidden, bias=bias) if latent else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        weights, chosen = route(logits, self.routing, self.e_score_correction_bias)
+        routed = self.experts(self.fc1_latent_proj(x), weights, chosen)
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
+
+
 class NemotronHForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         self.types = layer_types_of(cfg.hf_config)
@@ -76,6 +95,8 @@ class NemotronHForCausalLM(HybridCausalLM):
             mixer = Attention(self.cfg, kv_index, self.tp, rope=None)
         elif kind in ("mamba", "linear_attention"):
             mixer = Mamba2Mixer(mamba2_shape(self.hf), i, self.states)
+        elif kind == "moe":
+            mixer = FeedForward(self.make_moe())
         else:
             mlp = PlainMLP(
                 self.cfg.hidden_size,
@@ -85,6 +106,30 @@ class NemotronHForCausalLM(HybridCausalLM):
             )
             mixer = FeedForward(mlp)
         return Block(self.cfg, mixer)
+
+    def make_moe(self) -> nn.Module:
+        """DeepSeek-V3's routing over gateless squared-ReLU experts, beside a shared expert;
+        the experts run in a latent space where `moe_latent_size` is set."""
+        hf, hidden = self.hf, self.cfg.hidden_size
+        act, bias = hf.get("mlp_hidden_act", "relu2"), hf.get("mlp_bias", False)
+        routing = Routing(
+            "grouped_sigmoid",
+            hf["num_experts_per_tok"],
+            renormalize=hf.get("norm_topk_prob", True),
+            num_groups=hf.get("n_group") or 1,
+            top_groups=hf.get("topk_group") or 1,
+            scaling=hf.get("routed_scaling_factor", 1.0),
+        )
+        latent = hf.get("moe_latent_size")
+        experts = Experts(
+            hf["n_routed_experts"], latent or hidden, hf["moe_intermediate_size"], self.tp, act,
+            bias, expert=PlainMLP,
+        )  # fmt: skip
+        shared = PlainMLP(hidden, hf["moe_shared_expert_intermediate_size"], act, bias)
+        return LatentSparseMoE(hidden, experts, routing, shared, latent, bias)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))
 
     def make_rotaries(self, max_positions: int) -> list:
         return []
@@ -101,6 +146,9 @@ class NemotronHForCausalLM(HybridCausalLM):
         layer, part, rest = match.groups()
         if part == "norm":
             return f"model.layers.{layer}.input_layernorm.{rest}"
+        if self.types[int(layer)] == "moe":
+            rest = rest.replace("gate.e_score_correction_bias", "e_score_correction_bias")
+            return f"model.layers.{layer}.self_attn.mlp.{rest}"
         if not is_attention_layer(self.types[int(layer)]) and rest.startswith(("up_", "down_")):
             return f"model.layers.{layer}.self_attn.mlp.{rest}"
         return f"model.layers.{layer}.self_attn.{rest}"

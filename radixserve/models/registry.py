@@ -304,9 +304,6 @@ def _check_gemma4(hf: dict) -> None:
 
 
 def _check_nemotron_h(hf: dict) -> None:
-    types = hf.get("layers_block_type") or hf.get("layer_types") or []
-    if "moe" in types or "E" in (hf.get("hybrid_override_pattern") or ""):
-        raise UnsupportedModel("config.json: Nemotron-H 'moe' layers are not implemented")
     if hf.get("mamba_hidden_act", "silu") != "silu":
         raise UnsupportedModel(
             f"config.json: mamba_hidden_act {hf['mamba_hidden_act']!r} is not implemented"
