@@ -200,7 +200,11 @@ def own_attention_dims(cfg: dict[str, Any]) -> tuple[int, int]:
 
 
 def kv_layer_dims_of(cfg: dict[str, Any], types: list[str] | None):
-    """(KV heads, head dim) of each KV layer where layers differ in them (Gemma 4), else None."""
+    """(KV heads, head dim) of each KV layer where layers differ in them (Gemma 4; MiMo-V2-Flash,
+    whose window layers keep twice the KV heads), else None."""
+    if cfg.get("model_type") == "mimo_v2_flash":
+        heads, dim = own_attention_dims(cfg)
+        return tuple((2 * heads if t == "sliding_attention" else heads, dim) for t in types or [])
     if "per_layer_config" not in cfg and "global_head_dim" not in cfg:
         return None
     layers = kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0) or len(types or [])

@@ -55,6 +55,10 @@ GEMMA4 = dict(
     final_logit_softcapping=30.0,
     pad_token_id=0,
 )
+MIMO_ROPE = {  # a rotary base per layer kind, over a third of each head
+    kind: dict(rope_type="default", rope_theta=theta, partial_rotary_factor=0.334)
+    for kind, theta in (("full_attention", 5e5), ("sliding_attention", 1e4))
+}
 GRANITE_MUP = dict(
     embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.0
 )
@@ -288,6 +292,24 @@ FAMILIES = {
             num_shared_experts=1,
             route_scale=1.5,
             mup_enabled=True,
+        ),
+    ),  # fmt: skip
+    "mimo_v2_flash": (  # window layers: twice the KV heads, sinks; values narrower than keys
+        hf.MiMoV2FlashConfig,
+        hf.MiMoV2FlashForCausalLM,
+        dict(
+            MOE,
+            head_dim=24,
+            v_head_dim=16,
+            num_key_value_heads=1,
+            sliding_window=WINDOW,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            attention_value_scale=0.7,
+            rope_parameters=MIMO_ROPE,
         ),
     ),  # fmt: skip
     "minimax_m2": (
@@ -598,7 +620,7 @@ def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_pat
         (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"]), "enable_lora"),
         (dict(disaggregation_mode="prefill"), "disaggregation_mode"),
     ):
-        with pytest.raises(ValueError, match=f"{name}.*two head dims"):
+        with pytest.raises(ValueError, match=f"{name}.*two KV shapes"):
             Engine(model=str(path), dtype="float32", max_total_tokens=256, **option)
 
 

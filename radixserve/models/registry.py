@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "SolarOpenForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
     "ExaoneMoeForCausalLM": ("moe_families", "ExaoneMoeForCausalLM"),
     "AfmoeForCausalLM": ("moe_families", "AfmoeForCausalLM"),
+    "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniMaxM2ForCausalLM": ("moe_families", "MiniMaxM2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("moe_families", "DeepseekV2ForCausalLM"),
     "PhimoeForCausalLM": ("moe_families", "PhimoeForCausalLM"),
@@ -119,6 +120,7 @@ MODEL_TYPES = {
     "solar_open": "SolarOpenForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
     "afmoe": "AfmoeForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "phimoe": "PhimoeForCausalLM",
@@ -178,6 +180,7 @@ PARTIAL_ROTARY = {
     "Glm4ForCausalLM",
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "MiMoV2FlashForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
 }
@@ -318,7 +321,8 @@ def model_problems(cfg: ModelConfig, args: EngineArgs):
 
 
 def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):
-    """What a model whose layers differ in head dim (Gemma 4) does not run with yet."""
+    """What a model whose layers differ in KV heads or head dim (Gemma 4, MiMo-V2-Flash) does
+    not run with yet."""
     if cfg.kv_layer_dims is None:
         return
     for name, on in (
@@ -326,7 +330,7 @@ def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):
         ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
     ):
         if on:
-            yield f"{name} with {cfg.architecture}'s layers of two head dims is not supported yet"
+            yield f"{name} with {cfg.architecture}'s layers of two KV shapes is not supported yet"
 
 
 def _vision_problems(cfg: ModelConfig, args: EngineArgs):
