@@ -38,6 +38,10 @@ EXPERTS = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
 )
+NEMOTRON_H_MAMBA = dict(
+    head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16
+)
+ATTENTION_MAMBA = ["full_attention", "linear_attention"]
 FAMILIES = {
     "qwen3_5_text": (hf.Qwen3_5TextConfig, hf.Qwen3_5ForCausalLM, GATED_DELTA_NET),
     "qwen3_5_moe_text": (
@@ -53,27 +57,14 @@ FAMILIES = {
     "nemotron_h": (
         hf.NemotronHConfig,
         hf.NemotronHForCausalLM,
-        dict(
-            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
-            head_dim=16,
-            mamba_num_heads=4,
-            mamba_head_dim=16,
-            n_groups=2,
-            ssm_state_size=16,
-            chunk_size=16,
-        ),
+        dict(NEMOTRON_H_MAMBA, layers_block_type=["linear_attention", "mlp", *ATTENTION_MAMBA]),
     ),
     "nemotron_h_moe": (  # Nemotron 3: routed squared-ReLU experts in a latent space
         hf.NemotronHConfig,
         hf.NemotronHForCausalLM,
         dict(
-            layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention"],
-            head_dim=16,
-            mamba_num_heads=4,
-            mamba_head_dim=16,
-            n_groups=2,
-            ssm_state_size=16,
-            chunk_size=16,
+            NEMOTRON_H_MAMBA,
+            layers_block_type=["linear_attention", "moe", *ATTENTION_MAMBA],
             n_routed_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
