@@ -37,8 +37,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class Attention(nn.Module):
     """`cfg` is this rank's shard (its heads); o_proj's partial sums are all-reduced (its bias,
     if any, is added by rank 0 alone). `qk_norm`: a norm over each head's q and k before the
-    rotary embedding (Qwen3, Gemma 3). `rope`: which of the model's rotary tables it uses
-    (None: no rotary embedding, Nemotron-H)."""
+    rotary embedding (Qwen3, Gemma 3), or after it with `norm_after_rope` (HunYuan). `rope`:
+    which of the model's rotary tables it uses (None: no rotary embedding, Nemotron-H).
+    `temperature`: which of the model's tables scales each query by its position after the
+    rotary (`rotary.QueryTemperature`: Llama 4's no-rope layers, Ministral 3), if any."""
 
     def __init__(
         self,
@@ -50,9 +52,12 @@ class Attention(nn.Module):
         o_bias: bool = False,
         qk_norm: type[RMSNorm] | None = None,
         rope: int | None = 0,
+        norm_after_rope: bool = False,
+        temperature: int | None = None,
     ):
         super().__init__()
         self.layer, self.cfg, self.tp, self.how, self.rope = layer, cfg, tp, how, rope
+        self.norm_after_rope, self.temperature = norm_after_rope, temperature
         self.qkv_proj = Linear(
             cfg.hidden_size,
             cfg.q_size + 2 * cfg.kv_size,
@@ -70,17 +75,22 @@ class Attention(nn.Module):
     def attend(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         """(queries after the rotary embedding, attention output before o_proj)."""
         q, k, v = self.project(x, ropes)
+        if self.temperature is not None:
+            q = (q.float() * ropes[self.temperature][0]).to(q.dtype)
         return q, backend.forward(self.layer, q, k, v, self.how)
 
     def project(self, x: torch.Tensor, ropes: list[Rope]):
         """q, k and v `[T, heads, head_dim]`, q and k normed and rotated as the layer does."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, k = self.norm_qk(q, k)
+        if not self.norm_after_rope:
+            q, k = self.norm_qk(q, k)
         if self.rope is not None:
             cos, sin = ropes[self.rope]
-            q = apply_rotary(q, cos, sin, self.cpu_ops)
-            k = apply_rotary(k, cos, sin, self.cpu_ops)
+            q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin, self.cpu_ops)
+            k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin, self.cpu_ops)
+        if self.norm_after_rope:
+            q, k = self.norm_qk(q, k)
         return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

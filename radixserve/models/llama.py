@@ -14,6 +14,7 @@ from ..distributed import TPGroup
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
 from .layers import Linear, RMSNorm, StepImages, fused
 from .registry import num_labels
+from .rotary import QueryTemperature
 
 NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter rows
 
@@ -172,31 +173,6 @@ class Qwen3ForSequenceClassification(ScoreHead, Qwen3ForCausalLM):
     pass
 
 
-class QueryTemperature(nn.Module):
-    """The scale of each query at its position, `1 + beta x log(1 + floor((p + offset) /
-    span))`, served beside the rotary tables: Llama 4's no-rope layers (offset 1) and
-    Ministral 3 (`llama_4_scaling_beta` over the original context, offset 0)."""
-
-    def __init__(self, span: float, beta: float, offset: float = 0.0):
-        super().__init__()
-        self.span, self.beta, self.offset = span, beta, offset
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        if positions.dim() > 1:
-            positions = positions[0]
-        steps = torch.floor((positions.float() + self.offset) / self.span)
-        return (torch.log1p(steps) * self.beta + 1.0).view(-1, 1, 1), None
-
-
-class TemperedAttention(Attention):
-    """Queries scaled, after the rotary, by the model's `QueryTemperature` table (`ropes[1]`)."""
-
-    def attend(self, x, ropes, backend):
-        q, k, v = self.project(x, ropes)
-        q = (q.float() * ropes[1][0]).to(q.dtype)
-        return q, backend.forward(self.layer, q, k, v, self.how)
-
-
 class Ministral3ForCausalLM(LlamaForCausalLM):
     """Ministral 3 (and Mistral 3 language models): Mistral whose queries grow with the position
     past the original context (`rope_parameters.llama_4_scaling_beta`). Within the original
@@ -216,7 +192,7 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
             return super().make_layer(i)
         cfg = self.cfg
         how = LayerAttention(window=layer_window(self.hf, i))
-        attention = TemperedAttention(cfg, i, self.tp, how, qkv_bias=cfg.qkv_bias)
+        attention = Attention(cfg, i, self.tp, how, qkv_bias=cfg.qkv_bias, temperature=1)
         return DecoderLayer(cfg, i, self.tp, attention, self.make_mlp(i))
 
     def make_rotaries(self, max_positions: int):

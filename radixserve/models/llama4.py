@@ -13,9 +13,9 @@ from torch import nn
 
 from .decoder import swap_prefix
 from .layers import SwiGLU
-from .llama import QueryTemperature
 from .moe import Experts, unstack_experts
-from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM
+from .rotary import QueryTemperature
 
 NOT_TEXT = (
     "vision_model.",
@@ -25,18 +25,6 @@ NOT_TEXT = (
 )
 # a multimodal checkpoint's language model, as transformers saves it (older and newer names)
 LANGUAGE_MODEL = (("language_model.", ""), ("model.language_model.", "model."))
-
-
-class Llama4Attention(RecipeAttention):
-    def __init__(self, *args, tuned: bool):
-        super().__init__(*args)
-        self.tuned = tuned
-
-    def attend(self, x, ropes, backend):
-        q, k, v = self.project(x, ropes)
-        if self.tuned:
-            q = (q.float() * ropes[1][0]).to(q.dtype)
-        return q, backend.forward(self.layer, q, k, v, self.how)
 
 
 class Llama4Moe(nn.Module):
@@ -70,14 +58,8 @@ class Llama4ForCausalLM(RecipeCausalLM):
             o_bias=bias,
             rope=rope,
             chunk=hf.get("attention_chunk_size") if chunked else None,
+            query_temperature=not rope and bool(hf.get("attn_temperature_tuning", False)),
         )
-
-    def make_layer(self, i: int) -> nn.Module:
-        layer = super().make_layer(i)
-        recipe = self.layer_recipe(i)
-        tuned = not recipe.rope and self.hf.get("attn_temperature_tuning", False)
-        layer.self_attn = Llama4Attention(self.cfg, i, self.tp, recipe, tuned=tuned)
-        return layer
 
     def make_rotaries(self, max_positions: int):
         hf = self.hf

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
 from ..distributed import TPGroup
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, rope_scaling_of
 from .decoder import CausalLM, DecoderLayer
 from .layers import Linear, SwiGLU
 from .moe import deepseek_moe, unstack_experts
@@ -82,10 +82,9 @@ class MiMoV2FlashForCausalLM(CausalLM):
         for kind in KINDS:
             rope = ropes.get(kind, ropes)
             width = int(head_dim * rope.get("partial_rotary_factor", 0.334))
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-            if scaling.get("rope_type", "default") == "default":
-                scaling = None
-            tables.append(RotaryEmbedding(width, max_positions, rope["rope_theta"], scaling))
+            tables.append(
+                RotaryEmbedding(width, max_positions, rope["rope_theta"], rope_scaling_of(rope))
+            )
         return tables
 
     def rename(self, name: str) -> str | None:

@@ -205,20 +205,28 @@ def shared_expert_name(name: str) -> str:
     return SHARED_EXPERT.sub(lambda m: ".mlp.shared_experts." + ("gate." if m[1] else "mlp."), name)
 
 
+def deepseek_routing(hf: dict) -> Routing:
+    """DeepSeek's router from its config: V2's softmax scores (`topk_method` "greedy" or
+    "group_limited_greedy"), else corrected sigmoid scores (V3, and Nemotron 3's), in groups."""
+    v2 = hf.get("topk_method") in ("greedy", "group_limited_greedy")
+    grouped = hf.get("topk_method") != "greedy"
+    return Routing(
+        "grouped_softmax" if v2 else "grouped_sigmoid",
+        hf["num_experts_per_tok"],
+        renormalize=hf.get("norm_topk_prob", not v2),
+        num_groups=(hf.get("n_group") or 1) if grouped else 1,
+        top_groups=(hf.get("topk_group") or 1) if grouped else 1,
+        scaling=hf.get("routed_scaling_factor", 1.0),
+    )
+
+
 def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:
     """DeepSeek's MoE block (V2, V3, and GLM-4.5's): `n_routed_experts` experts of width
     `moe_intermediate_size` routed in groups (softmax scores for V2's `greedy` and
     `group_limited_greedy`, corrected sigmoid scores otherwise), beside `n_shared_experts`
     every token runs (one MLP of their joint width)."""
     v2 = hf.get("topk_method") in ("greedy", "group_limited_greedy")
-    routing = Routing(
-        "grouped_softmax" if v2 else "grouped_sigmoid",
-        hf["num_experts_per_tok"],
-        renormalize=hf.get("norm_topk_prob", not v2),
-        num_groups=(hf.get("n_group") or 1) if hf.get("topk_method") != "greedy" else 1,
-        top_groups=(hf.get("topk_group") or 1) if hf.get("topk_method") != "greedy" else 1,
-        scaling=hf.get("routed_scaling_factor", 1.0),
-    )
+    routing = deepseek_routing(hf)
     inter = hf["moe_intermediate_size"]
     experts = Experts(hf["n_routed_experts"], hidden, inter, tp, hf.get("hidden_act", "silu"))
     shared_inter = inter * (hf.get("n_shared_experts") or 0)

@@ -21,7 +21,7 @@ from .decoder import Attention
 from .hybrid import HybridCausalLM
 from .layers import Linear, PlainMLP, RMSNorm
 from .mamba2 import Mamba2Mixer, Mamba2Shape, time_step_limit
-from .moe import Experts, Routing, SparseMoE, route, unstack_experts
+from .moe import Experts, SparseMoE, deepseek_routing, route, unstack_experts
 
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(norm|mixer)\.(.+)")
 MODEL_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight"}
@@ -112,14 +112,7 @@ class NemotronHForCausalLM(HybridCausalLM):
         the experts run in a latent space where `moe_latent_size` is set."""
         hf, hidden = self.hf, self.cfg.hidden_size
         act, bias = hf.get("mlp_hidden_act", "relu2"), hf.get("mlp_bias", False)
-        routing = Routing(
-            "grouped_sigmoid",
-            hf["num_experts_per_tok"],
-            renormalize=hf.get("norm_topk_prob", True),
-            num_groups=hf.get("n_group") or 1,
-            top_groups=hf.get("topk_group") or 1,
-            scaling=hf.get("routed_scaling_factor", 1.0),
-        )
+        routing = deepseek_routing(hf)
         latent = hf.get("moe_latent_size")
         experts = Experts(
             hf["n_routed_experts"], latent or hidden, hf["moe_intermediate_size"], self.tp, act,

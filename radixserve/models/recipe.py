@@ -24,7 +24,7 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM
 from .layers import RMSNorm, SwiGLU
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import RotaryEmbedding
 
 NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
 
@@ -39,6 +39,7 @@ class LayerRecipe:
     # without a weight (Llama 4)
     qk_norm: str | None = None
     qk_norm_after_rope: bool = False  # q and k normed after the rotary (HunYuan), not before
+    query_temperature: bool = False  # queries scaled by the model's second table (Llama 4)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -131,24 +132,13 @@ class RecipeAttention(Attention):
             o_bias=recipe.o_bias,
             qk_norm=per_head.get(recipe.qk_norm),
             rope=0 if recipe.rope else None,
+            norm_after_rope=recipe.qk_norm_after_rope,
+            temperature=1 if recipe.query_temperature else None,
         )
-        self.norm_after_rope = recipe.qk_norm_after_rope
         self.all_heads = recipe.qk_norm == "all"
         if self.all_heads:
             self.q_norm = AllHeadsNorm(cfg.q_size, cfg.rms_norm_eps, tp)
             self.k_norm = AllHeadsNorm(cfg.kv_size, cfg.rms_norm_eps, tp)
-
-    def project(self, x, ropes):
-        if not self.norm_after_rope:
-            return super().project(x, ropes)
-        cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = ropes[self.rope]
-        q, k = apply_rotary(q, cos, sin, self.cpu_ops), apply_rotary(k, cos, sin, self.cpu_ops)
-        q = self.q_norm(q.reshape(-1, cfg.head_dim)).view(-1, cfg.num_heads, cfg.head_dim)
-        k = self.k_norm(k.reshape(-1, cfg.head_dim)).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def norm_qk(self, q, k):
         if not self.all_heads:

@@ -1,6 +1,7 @@
 """Rotary position embeddings: the frequencies of each rope type HF names (default, linear,
 llama3, yarn, Gemma 4's proportional, HunYuan's fixed NTK alpha), the precomputed cos/sin
-table, and the rotation (the fused CPU kernel where it is loaded)."""
+table, and the rotation (the fused CPU kernel where it is loaded); and the position-dependent
+query scale some families serve beside them (`QueryTemperature`)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,19 @@ def apply_rotary(
         return ops.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class QueryTemperature(nn.Module):
+    """The scale of each query at its position, `1 + beta x log(1 + floor((p + offset) /
+    span))`, served beside the rotary tables: Llama 4's no-rope layers (offset 1) and
+    Ministral 3 (`llama_4_scaling_beta` over the original context, offset 0)."""
+
+    def __init__(self, span: float, beta: float, offset: float = 0.0):
+        super().__init__()
+        self.span, self.beta, self.offset = span, beta, offset
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if positions.dim() > 1:
+            positions = positions[0]
+        steps = torch.floor((positions.float() + self.offset) / self.span)
+        return (torch.log1p(steps) * self.beta + 1.0).view(-1, 1, 1), None
