@@ -116,12 +116,13 @@ def test_a_window_pool_too_small_for_the_traffic_retracts_and_stays_exact(gemma3
     assert runs[1][1] == 0
 
 
-@pytest.mark.parametrize("family", ["llama4_text", "gemma4_text"])
+@pytest.mark.parametrize("family", ["llama4_text", "gemma4_text", "mimo_v2_flash"])
 def test_chunk_and_window_layers_of_newer_families_free_kv_behind_them(tmp_path, family):
     """Llama 4's chunked-attention layers keep their KV apart like window layers (a chunk reads
     at most `attention_chunk_size` tokens back), and so do Gemma 4's window layers, whose
     window pool holds layers of another head dim than the full pool's and is read by the
-    layers that share its KV: prompts past the window, greedy tokens equal HF's fresh and from
+    layers that share its KV, and MiMo-V2-Flash's, with twice the full layers' KV heads and
+    sinks: prompts past the window, greedy tokens equal HF's fresh and from
     the cache (tokens more than a window behind freed from the window pool), no leak."""
     model, path = families.build_checkpoint(tmp_path, family)
     want = [families.hf_greedy(model, ids, NEW_TOKENS) for ids in families.PROMPTS]

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import LayerAttention
 from ..attention.windowed import WindowedBackend
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
-from ..models.decoder import Attention
 from ..worker_info import WindowKVInfo
 from .build import attention_backend, kv_pool
 
@@ -35,9 +35,9 @@ def window_layers(model, args: EngineArgs, device: torch.device) -> WindowLayers
     """The window layers to keep apart, or None (with a start-up line saying why, where the
     model has them)."""
     windows = {  # a chunk layer reads at most its chunk's tokens back: a window that long
-        m.layer: m.how.window or m.how.chunk
-        for m in model.modules()
-        if isinstance(m, Attention) and (m.how.window or m.how.chunk)
+        m.layer: how.window or how.chunk
+        for m in model.modules()  # every attention layer says how it attends (`how`)
+        if isinstance(how := getattr(m, "how", None), LayerAttention) and (how.window or how.chunk)
     }
     num_layers = model.cfg.num_kv_layers
     if not windows or len(windows) == num_layers:
