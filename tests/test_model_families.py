@@ -323,6 +323,30 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
         ),
     ),
+    "mistral4": (  # softmax groups ranked by their best two; queries scaled past 32 tokens
+        hf.Mistral4Config,
+        hf.Mistral4ForCausalLM,
+        dict(
+            MLA_MOE,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale_all_dim=1.0,
+                mscale=1.0,
+                llama_4_scaling_beta=3.0,
+            ),
+        ),
+    ),
     "deepseek_v2": (
         hf.DeepseekV2Config,
         hf.DeepseekV2ForCausalLM,
@@ -511,6 +535,26 @@ def test_family_matches_hf(tmp_path, family):
     assert cached == want
 
 
+@pytest.mark.parametrize("family", ["mistral4"])
+def test_prompt_logprobs_match_hf(tmp_path, family):
+    """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
+    model's greedy tokens hardly see (Mistral 4's query scaling past its 32-token original
+    context)."""
+    model, path = build_checkpoint(tmp_path, family)
+    ids = PROMPTS[1]
+    with Engine(
+        model=str(path), max_total_tokens=1024, chunked_prefill_size=32, dtype="float32"
+    ) as eng:
+        out = eng.generate(
+            input_ids=ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
+        )
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "family",
     [
@@ -524,6 +568,7 @@ def test_family_matches_hf(tmp_path, family):
         "glm4_moe",
         "minimax_m2",
         "deepseek_v2",
+        "mistral4",
         "olmo2",
         "glm4",
         "phimoe",

@@ -24,8 +24,8 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
 from .layers import Linear, RMSNorm, SwiGLU
-from .moe import deepseek_moe
-from .rotary import RotaryEmbedding, apply_rotary
+from .moe import Routing, deepseek_moe, unstack_experts
+from .rotary import QueryTemperature, RotaryEmbedding, apply_rotary
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -53,10 +53,14 @@ class KVUpProjection(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup):
+    """`temperature`: which of the model's tables scales each query by its position
+    (`rotary.QueryTemperature`: Mistral 4), if any."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, temperature: int | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.layer, self.tp, self.heads = layer, tp, cfg.num_heads
+        self.temperature = temperature
         self.nope, self.rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
         self.v_dim, self.rank = hf["v_head_dim"], hf["kv_lora_rank"]
         self.interleaved = hf.get("rope_interleave", True)
@@ -104,6 +108,8 @@ class LatentAttention(nn.Module):
         key = torch.cat([self.kv_a_layernorm(latent.contiguous()).unsqueeze(1), k_pe], dim=-1)
         w_uk = self.kv_b_proj.weight[:, : self.nope]
         query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
+        if self.temperature is not None:
+            query = (query.float() * ropes[self.temperature][0]).to(query.dtype)
         return query, key, q_resid
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
@@ -158,3 +164,45 @@ class DeepseekV3ForCausalLM(CausalLM):
         if layer and int(layer.group(1)) >= self.cfg.num_layers:
             return None
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral Small 4: DeepSeek-V3's MLA whose queries grow with the position past the
+    original context (Ministral 3's `llama_4_scaling_beta`), over experts chosen by softmax
+    scores among the groups with the best two (no correction bias)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        rope = cfg.hf_config.get("rope_parameters") or cfg.hf_config.get("rope_scaling") or {}
+        self.beta = rope.get("llama_4_scaling_beta")
+        self.span = rope.get("original_max_position_embeddings")
+        if self.beta is not None and not self.span:
+            raise ValueError("rope_parameters.llama_4_scaling_beta needs its "
+                             "original_max_position_embeddings")  # fmt: skip
+        super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        temperature = None if self.beta is None else 1
+        attention = LatentAttention(self.cfg, i, self.tp, temperature)
+        return DecoderLayer(self.cfg, i, self.tp, attention, self.make_mlp(i))
+
+    def make_rotaries(self, max_positions: int):
+        rotaries = super().make_rotaries(max_positions)
+        return rotaries if self.beta is None else [*rotaries, QueryTemperature(self.span, self.beta)]
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, cfg = self.hf, self.cfg
+        if i < hf.get("first_k_dense_replace", 0):
+            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        routing = Routing(
+            "grouped_softmax",
+            hf["num_experts_per_tok"],
+            renormalize=hf.get("norm_topk_prob", True),
+            num_groups=hf.get("n_group") or 1,
+            top_groups=hf.get("topk_group") or 1,
+            scaling=hf.get("routed_scaling_factor", 1.0),
+            group_best_of=2,
+        )
+        return deepseek_moe(hf, cfg.hidden_size, self.tp, routing)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(unstack_experts(weights))

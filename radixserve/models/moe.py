@@ -29,7 +29,8 @@ class Routing:
     DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
     best first: DeepSeek-V2; in one group with a correction bias: ERNIE 4.5), "sparsemixer"
     (PhiMoE's two experts, each weighted by a softmax over the logits within `jitter` of its
-    own)."""
+    own). `group_best_of`: how many of a group's best experts score it, where not the kind's
+    own (Mistral 4's softmax groups by their two best)."""
 
     kind: str
     top_k: int
@@ -38,6 +39,7 @@ class Routing:
     top_groups: int = 1
     scaling: float = 1.0
     jitter: float = 0.0
+    group_best_of: int | None = None
 
 
 def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | None = None):
@@ -49,9 +51,11 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     elif routing.kind == "sparsemixer":
         return _sparsemixer(logits.float(), routing.jitter)
     elif routing.kind == "grouped_softmax":
-        return _grouped(torch.softmax(logits.float(), dim=-1), correction, routing, best_of=1)
+        scores = torch.softmax(logits.float(), dim=-1)
+        return _grouped(scores, correction, routing, best_of=routing.group_best_of or 1)
     else:
-        return _grouped(logits.float().sigmoid(), correction, routing, best_of=2)
+        scores = logits.float().sigmoid()
+        return _grouped(scores, correction, routing, best_of=routing.group_best_of or 2)
     if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
@@ -220,20 +224,20 @@ def deepseek_routing(hf: dict) -> Routing:
     )
 
 
-def deepseek_moe(hf: dict, hidden: int, tp: TPGroup) -> SparseMoE:
+def deepseek_moe(hf: dict, hidden: int, tp: TPGroup, routing: Routing | None = None) -> SparseMoE:
     """DeepSeek's MoE block (V2, V3, and GLM-4.5's): `n_routed_experts` experts of width
-    `moe_intermediate_size` routed in groups (softmax scores for V2's `greedy` and
-    `group_limited_greedy`, corrected sigmoid scores otherwise), beside `n_shared_experts`
-    every token runs (one MLP of their joint width)."""
-    v2 = hf.get("topk_method") in ("greedy", "group_limited_greedy")
-    routing = deepseek_routing(hf)
+    `moe_intermediate_size` routed in groups (`routing`, by default `deepseek_routing`'s; a
+    correction bias with sigmoid scores), beside `n_shared_experts` every token runs (one MLP of
+    their joint width)."""
+    routing = routing or deepseek_routing(hf)
     inter = hf["moe_intermediate_size"]
     experts = Experts(hf["n_routed_experts"], hidden, inter, tp, hf.get("hidden_act", "silu"))
     shared_inter = inter * (hf.get("n_shared_experts") or 0)
     if shared_inter % tp.size:
         raise ValueError(f"tp_size {tp.size} does not divide the shared experts' width")
     shared = SwiGLU(hidden, shared_inter // tp.size) if shared_inter else None
-    return SparseMoE(hidden, experts, routing, correction_bias=not v2, shared=shared)
+    correction = routing.kind == "grouped_sigmoid"
+    return SparseMoE(hidden, experts, routing, correction_bias=correction, shared=shared)
 
 
 def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]], inputs_first: bool = False):

@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Mistral4ForCausalLM": ("deepseek_v3", "Mistral4ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
@@ -96,6 +97,7 @@ MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
@@ -183,6 +185,7 @@ PARTIAL_ROTARY = {
     "MiMoV2FlashForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "Mistral4ForCausalLM",  # MLA: the factor names the share its `qk_rope_head_dim` turns
 }
 
 
