@@ -1,5 +1,5 @@
 """Vision-language models against HF transformers in float32: tiny random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4 and Mistral 3 checkpoints built
+Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4, Mistral 3 and Mistral Small 4 checkpoints built
 with HF's classes, served, fed images through /generate and the OpenAI chat route, greedy tokens
 compared with HF's model fed by HF's image processor class, fresh and from the radix cache, with
 prefill chunks (16 tokens) that split each image's tokens (Gemma 3's and Gemma 4's images,
@@ -35,6 +35,7 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
         "qwen3_5",
         "gemma4",
         "pixtral",
+        "pixtral_mistral4",
     ],
 )
 def served(request, tmp_path_factory, model_dir):

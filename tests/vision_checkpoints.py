@@ -157,8 +157,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_gemma3_checkpoint(root, model_dir)
     if family == "gemma4":
         return build_gemma4_checkpoint(root, model_dir)
-    if family == "pixtral":
-        return build_pixtral_checkpoint(root, model_dir)
+    if family.startswith("pixtral"):
+        return build_pixtral_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -264,10 +264,31 @@ MINISTRAL3_ROPE = dict(
 )  # fmt: skip
 
 
-def build_pixtral_checkpoint(root, model_dir):
+MISTRAL4_TEXT = dict(  # Mistral Small 4's language model: latent attention, grouped experts
+    model_type="mistral4",
+    rope_parameters=dict(MINISTRAL3_ROPE),
+    head_dim=24,  # qk_nope_head_dim + qk_rope_head_dim
+    num_key_value_heads=4,  # as many as query heads (MLA)
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+)
+
+
+def build_pixtral_checkpoint(root, model_dir, name: str = "pixtral"):
     """Mistral 3: the Pixtral tower, 2x2 patch merging, a Ministral 3 language model (queries
     scaled up past an original context of 32 tokens, as Ministral 3's releases configure it
-    at 16k)."""
+    at 16k); as `pixtral_mistral4`, Mistral Small 4's (Mistral 4's, scaled alike)."""
+    text = MISTRAL4_TEXT if name == "pixtral_mistral4" else {"model_type": "ministral3"}
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": PIXTRAL_MARKERS})
     image = tokenizer.convert_tokens_to_ids(PIXTRAL_MARKERS[0])
@@ -276,8 +297,8 @@ def build_pixtral_checkpoint(root, model_dir):
         text_config={
             **TEXT,
             **ends,
-            "model_type": "ministral3",
             "rope_parameters": MINISTRAL3_ROPE,
+            **text,
         },
         vision_config=PIXTRAL_VISION,
         image_token_index=image,
@@ -285,7 +306,7 @@ def build_pixtral_checkpoint(root, model_dir):
         **ends,
     )
     model_cls = hf.Mistral3ForConditionalGeneration
-    return built(root, "pixtral", model_cls, config, tokenizer, PIXTRAL_PRE, norm_around_one)
+    return built(root, name, model_cls, config, tokenizer, PIXTRAL_PRE, norm_around_one)
 
 
 def norm_around_one(name: str, tensor: torch.Tensor) -> None:

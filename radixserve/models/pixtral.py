@@ -1,7 +1,8 @@
 """Mistral 3 (Mistral Small 3.1 and later) with images: the Pixtral tower (each image at its own
 size, patches embedded by a convolution, RMS-normed, bidirectional layers over one image with a
 2-D rotary over the patch's row and column) and the projector (normed, each merge x merge patch
-block concatenated and merged, two linears around an activation) over a Mistral language model.
+block concatenated and merged, two linears around an activation) over a Mistral, Ministral 3 or
+Mistral 4 language model.
 
 An image spans rows of tokens, each row its features then a row-break token, the last break an
 image-end token (`multimodal.processing.image_span`). The break and end tokens stay text: a
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..distributed import TPGroup
 from .decoder import swap_prefix
+from .deepseek_v3 import Mistral4ForCausalLM
 from .layers import RMSNorm, StepImages
 from .llama import Ministral3ForCausalLM
 from .qwen_vision import activation
@@ -123,7 +125,9 @@ class PixtralTower(nn.Module):
         return pr.linear_2(self.act(pr.linear_1(x)))
 
 
-class Mistral3ForConditionalGeneration(Ministral3ForCausalLM):
+class PixtralImages:
+    """The Pixtral tower and projector in front of the language model class it is mixed into."""
+
     def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
         super().__init__(cfg, max_positions, tp)
         self.vision = PixtralTower(self.hf, cfg.hidden_size)
@@ -151,3 +155,12 @@ class Mistral3ForConditionalGeneration(Ministral3ForCausalLM):
             rows = features.view(-1, per_row, features.shape[-1])
             spans.append(F.pad(rows, (0, 0, 0, 1)).reshape(-1, features.shape[-1]))
         return torch.cat(spans), []
+
+
+class Mistral3ForConditionalGeneration(PixtralImages, Ministral3ForCausalLM):
+    """Mistral 3 and Ministral 3 with images: a Mistral or Ministral 3 language model."""
+
+
+class Mistral4VisionForConditionalGeneration(PixtralImages, Mistral4ForCausalLM):
+    """Mistral Small 4 with images (`Mistral3ForConditionalGeneration` over a `mistral4` text
+    config): Mistral 4's latent attention and experts."""

@@ -172,7 +172,12 @@ VISION_KEYS = (
     "projector_hidden_act",
     "multimodal_projector_bias",
 )
-# architectures that rotate part of each head
+# vision-language checkpoints whose language model's family picks another class of the
+# architecture's module: (architecture, text model_type) -> class
+BY_TEXT_MODEL = {
+    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4VisionForConditionalGeneration",
+}
+# architectures (or the classes BY_TEXT_MODEL names) that rotate part of each head
 PARTIAL_ROTARY = {
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
@@ -186,6 +191,7 @@ PARTIAL_ROTARY = {
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
     "Mistral4ForCausalLM",  # MLA: the factor names the share its `qk_rope_head_dim` turns
+    "Mistral4VisionForConditionalGeneration",
 }
 
 
@@ -237,11 +243,16 @@ def num_labels(hf: dict) -> int:
     return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
 
 
+def class_name_of(hf: dict) -> tuple[str, str]:
+    """(module under radixserve.models, class) serving a config.json."""
+    architecture = architecture_of(hf)
+    module, cls = ARCHITECTURES[architecture]
+    return module, BY_TEXT_MODEL.get((architecture, hf.get("model_type")), cls)
+
+
 def model_class(cfg: ModelConfig):
     """The class serving `cfg` (a dummy shape, with no config.json, is a Llama)."""
-    module, cls = ARCHITECTURES[
-        architecture_of(cfg.hf_config) if cfg.hf_config else cfg.architecture
-    ]
+    module, cls = class_name_of(cfg.hf_config) if cfg.hf_config else ARCHITECTURES[cfg.architecture]
     return getattr(importlib.import_module(f"radixserve.models.{module}"), cls)
 
 
@@ -271,7 +282,7 @@ def check_supported(hf: dict) -> None:
                 "(HunYuan's), not rescaled by the sequence length"
             )
         partial = rope.get("partial_rotary_factor", 1.0) != 1.0
-        if partial and architecture_of(hf) not in PARTIAL_ROTARY:
+        if partial and not {architecture_of(hf), class_name_of(hf)[1]} & PARTIAL_ROTARY:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     if architecture_of(hf) == "NemotronHForCausalLM":
         _check_nemotron_h(hf)
