@@ -1,9 +1,10 @@
 """Vision-language models against HF transformers in float32: tiny random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4, Mistral 3 and Mistral Small 4 checkpoints built
-with HF's classes, served, fed images through /generate and the OpenAI chat route, greedy tokens
-compared with HF's model fed by HF's image processor class, fresh and from the radix cache, with
-prefill chunks (16 tokens) that split each image's tokens (Gemma 3's and Gemma 4's images,
-attended both ways, are computed whole: their chunks end before them instead)."""
+Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4, Mistral 3 and Mistral Small 4
+checkpoints built with HF's classes, served, fed images through /generate and the OpenAI chat
+route, greedy tokens compared with HF's model fed by HF's image processor class, fresh and from
+the radix cache, with prefill chunks (16 tokens) that split each image's tokens (Gemma 3's and
+Gemma 4's images, attended both ways, are computed whole: their chunks end before them
+instead)."""
 
 import pytest
 import transformers as hf

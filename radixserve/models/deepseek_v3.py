@@ -25,7 +25,7 @@ from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
 from .layers import Linear, RMSNorm, SwiGLU
 from .moe import Routing, deepseek_moe, unstack_experts
-from .rotary import QueryTemperature, RotaryEmbedding, apply_rotary
+from .rotary import QueryTemperature, RotaryEmbedding, apply_rotary, beta_query_scaling
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -172,22 +172,17 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     scores among the groups with the best two (no correction bias)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
-        rope = cfg.hf_config.get("rope_parameters") or cfg.hf_config.get("rope_scaling") or {}
-        self.beta = rope.get("llama_4_scaling_beta")
-        self.span = rope.get("original_max_position_embeddings")
-        if self.beta is not None and not self.span:
-            raise ValueError("rope_parameters.llama_4_scaling_beta needs its "
-                             "original_max_position_embeddings")  # fmt: skip
+        self.scaling = beta_query_scaling(cfg.hf_config)
         super().__init__(cfg, max_positions, tp)
 
     def make_layer(self, i: int) -> nn.Module:
-        temperature = None if self.beta is None else 1
+        temperature = None if self.scaling is None else 1
         attention = LatentAttention(self.cfg, i, self.tp, temperature)
         return DecoderLayer(self.cfg, i, self.tp, attention, self.make_mlp(i))
 
     def make_rotaries(self, max_positions: int):
         rotaries = super().make_rotaries(max_positions)
-        return rotaries if self.beta is None else [*rotaries, QueryTemperature(self.span, self.beta)]
+        return rotaries if self.scaling is None else [*rotaries, QueryTemperature(*self.scaling)]
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, cfg = self.hf, self.cfg

@@ -14,7 +14,7 @@ from ..distributed import TPGroup
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
 from .layers import Linear, RMSNorm, StepImages, fused
 from .registry import num_labels
-from .rotary import QueryTemperature
+from .rotary import QueryTemperature, beta_query_scaling
 
 NO_LORA_RUNS = torch.empty(0, 3, dtype=torch.long)  # a step without adapter rows
 
@@ -179,16 +179,11 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
     context the scale is 1, so such steps still run the fused CPU decoder."""
 
     def __init__(self, cfg, max_positions: int, tp: TPGroup = TPGroup()):
-        rope = cfg.hf_config.get("rope_parameters") or cfg.hf_config.get("rope_scaling") or {}
-        self.beta = rope.get("llama_4_scaling_beta")
-        self.span = rope.get("original_max_position_embeddings")
-        if self.beta is not None and not self.span:
-            raise ValueError("rope_parameters.llama_4_scaling_beta needs its "
-                             "original_max_position_embeddings")  # fmt: skip
+        self.scaling = beta_query_scaling(cfg.hf_config)
         super().__init__(cfg, max_positions, tp)
 
     def make_layer(self, i: int) -> nn.Module:
-        if self.beta is None:
+        if self.scaling is None:
             return super().make_layer(i)
         cfg = self.cfg
         how = LayerAttention(window=layer_window(self.hf, i))
@@ -197,11 +192,10 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
 
     def make_rotaries(self, max_positions: int):
         rotaries = super().make_rotaries(max_positions)
-        return (
-            rotaries if self.beta is None else rotaries + [QueryTemperature(self.span, self.beta)]
-        )
+        return rotaries if self.scaling is None else [*rotaries, QueryTemperature(*self.scaling)]
 
     def forward(self, input_ids, positions, backend, images=None):
-        if self.beta is not None and positions.numel() and int(positions.max()) >= self.span:
+        scaled = self.scaling is not None and positions.numel()
+        if scaled and int(positions.max()) >= self.scaling[0]:
             return CausalLM.forward(self, input_ids, positions, backend, images)
         return super().forward(input_ids, positions, backend, images)

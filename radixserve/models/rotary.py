@@ -125,3 +125,17 @@ class QueryTemperature(nn.Module):
             positions = positions[0]
         steps = torch.floor((positions.float() + self.offset) / self.span)
         return (torch.log1p(steps) * self.beta + 1.0).view(-1, 1, 1), None
+
+
+def beta_query_scaling(hf: dict) -> tuple[float, float] | None:
+    """(span, beta) of the queries' scale past the original context that `rope_parameters` sets
+    with `llama_4_scaling_beta` (Ministral 3, Mistral 4: `QueryTemperature(span, beta)`), or
+    None."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    beta, span = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None:
+        return None
+    if not span:
+        raise ValueError("rope_parameters.llama_4_scaling_beta needs its "
+                         "original_max_position_embeddings")  # fmt: skip
+    return span, beta
