@@ -122,7 +122,8 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        theta = 10000.0 if theta is None else theta  # none: a model without rotary (OLMo Hybrid)
         scaling = rope_scaling_of(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

@@ -96,6 +96,20 @@ FAMILIES = {
             mlp_multipliers=[1.2, 0.7],
         ),
     ),
+    "olmo_hybrid": (  # the released checkpoints' attention: no rotary (no rope_theta)
+        hf.OlmoHybridConfig,
+        hf.OlmoHybridForCausalLM,
+        dict(
+            GATED_DELTA_NET,
+            rope_parameters={"rope_type": "default", "rope_theta": None},
+            pad_token_id=0,
+        ),
+    ),
+    "olmo_hybrid_rope": (
+        hf.OlmoHybridConfig,
+        hf.OlmoHybridForCausalLM,
+        dict(GATED_DELTA_NET, linear_allow_neg_eigval=False, pad_token_id=0),
+    ),
     "lfm2": (
         hf.Lfm2Config,
         hf.Lfm2ForCausalLM,

@@ -41,6 +41,11 @@ NOT_TEXT = ("mtp.",)  # the multi-token prediction head
 
 
 class GatedDeltaNet(nn.Module):
+    """`write_scale` multiplies each write strength sigmoid(b) (OLMo Hybrid's 2: negative
+    eigenvalues allowed)."""
+
+    write_scale = 1.0
+
     def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
         super().__init__()
         hf = cfg.hf_config
@@ -71,19 +76,24 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
         inputs, tokens = backend.inputs, x.shape[0]
         mixed = self.states.convolve(
-            self.index, self.in_proj_qkv(x), self.conv1d.weight[:, 0], None, inputs
+            self.index, self.project_qkv(x), self.conv1d.weight[:, 0], None, inputs
         )
         q, k, v = F.silu(mixed).split(self.widths, dim=-1)
         q = q.reshape(tokens, self.key_heads, self.key_dim)
         k = k.reshape(tokens, self.key_heads, self.key_dim)
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         beta = self.in_proj_b(x).sigmoid()
+        if self.write_scale != 1.0:
+            beta = beta * self.write_scale
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         kernels = fused(self.cpu_ops)
         out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs, kernels)
         gate = self.in_proj_z(x).reshape(-1, self.value_dim)
         out = self.norm(out.reshape(-1, self.value_dim)) * F.silu(gate.float())
         return self.out_proj(out.to(x.dtype).reshape(tokens, -1))
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj_qkv(x)
 
 
 class GatedAttention(Attention):
