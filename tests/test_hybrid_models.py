@@ -3,6 +3,8 @@ float32: a tiny random checkpoint built with HF's own classes, served, greedy to
 fresh and resumed from state snapshots in the radix tree, with prompts split across prefill
 chunks and batched with other requests' decode steps."""
 
+import json
+
 import pytest
 import test_model_families as families
 import torch
@@ -109,6 +111,32 @@ FAMILIES = {
         hf.OlmoHybridConfig,
         hf.OlmoHybridForCausalLM,
         dict(GATED_DELTA_NET, linear_allow_neg_eigval=False, pad_token_id=0),
+    ),
+    "kimi_linear": (  # KDA beside MLA without rotary, DeepSeek-V3's experts
+        hf.KimiLinearConfig,
+        hf.KimiLinearForCausalLM,
+        dict(
+            GATED_DELTA_NET,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
     ),
     "lfm2": (
         hf.Lfm2Config,
@@ -383,3 +411,25 @@ def test_nemotron_h_layer_patterns_and_refusals_from_config_json(tmp_path):
     check_supported(dict(config, hybrid_override_pattern="ME*M"))
     with pytest.raises(UnsupportedModel, match="mamba_hidden_act"):
         check_supported(dict(config, mamba_hidden_act="gelu"))
+
+
+def test_kimi_linear_loads_its_releases_config_json(tmp_path):
+    """Kimi Linear's releases name their layers in `linear_attn_config` (1-based `kda_layers`,
+    the KDA head sizes) and their dense layers by `first_k_dense_replace`, as transformers reads
+    them: served from such a config.json, the tokens are HF's."""
+    model, path = build_checkpoint(tmp_path, "kimi_linear")
+    config = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads"):
+        config.pop(key)
+    config["linear_attn_config"] = {
+        "kda_layers": [1, 3, 4],
+        "full_attn_layers": [2],
+        "head_dim": 16,
+        "num_heads": 4,
+        "short_conv_kernel_size": config.pop("linear_conv_kernel_dim"),
+    }
+    config["first_k_dense_replace"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
+        got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    assert got == hf_greedy(model, PROMPTS[1])

@@ -1,6 +1,7 @@
 """The recurrent layers' sequence ops against HF transformers' torch references (Qwen3.5's
-gated delta rule and causal convolution), whole and split at arbitrary points with the state
-carried across: a prompt resumed from a kept state must equal the prompt run at once."""
+gated delta rule and causal convolution, Kimi Linear's per-channel rule), whole and split at
+arbitrary points with the state carried across: a prompt resumed from a kept state must equal
+the prompt run at once."""
 
 import pytest
 import torch
@@ -70,6 +71,29 @@ def test_decode_steps_continue_a_prompt_like_hf():
             want, want_state = hf_delta(*prompts[i])
             torch.testing.assert_close(got[i], want[-1], **TOL)
             torch.testing.assert_close(states[i], want_state, **TOL)
+
+
+def test_kimi_delta_attention_decays_each_key_channel_like_hf():
+    """Kimi Linear's rule (a decay per key channel), chunked whole and split, then stepped,
+    against HF's recurrent reference and its chunked form."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    q, k, v, _, beta = delta_inputs(150, 2, 2)
+    g = -F.softplus(torch.randn(150, 2, 32, generator=torch.Generator().manual_seed(7)))
+    batched = [x.unsqueeze(0) for x in (q, k, v, g, beta)]
+    want, want_state = kimi.recurrent_kimi_delta_attention(
+        *batched, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    chunked, _ = kimi.chunk_kimi_delta_attention(*batched, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(chunked[0], want[0], **TOL)
+    parts, state = [], None
+    for start, end in ((0, 37), (37, 101), (101, 149)):
+        out, state = gated_delta_rule(*(x[start:end] for x in (q, k, v, g, beta)), state)
+        parts.append(out)
+    states = state.unsqueeze(0)
+    parts.append(gated_delta_rule_step(*(x[149:] for x in (q, k, v, g, beta)), states))
+    torch.testing.assert_close(torch.cat(parts), want[0], **TOL)
+    torch.testing.assert_close(states[0], want_state[0], **TOL)
 
 
 def test_the_causal_convolution_resumes_from_its_state():

@@ -54,21 +54,26 @@ class KVUpProjection(nn.Module):
 
 class LatentAttention(nn.Module):
     """`temperature`: which of the model's tables scales each query by its position
-    (`rotary.QueryTemperature`: Mistral 4), if any."""
+    (`rotary.QueryTemperature`: Mistral 4), if any; `rotate`: False where the rotary part of
+    each key is kept unrotated (Kimi Linear's NoPE).
+    The latent norms keep eps 1e-6 whatever `rms_norm_eps` says, as DeepSeek's do."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, temperature: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        tp: TPGroup,
+        temperature: int | None = None,
+        rotate: bool = True,
+    ):
         super().__init__()
         hf = cfg.hf_config
         self.layer, self.tp, self.heads = layer, tp, cfg.num_heads
-        self.temperature = temperature
+        self.temperature, self.rotate = temperature, rotate
         self.nope, self.rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
         self.v_dim, self.rank = hf["v_head_dim"], hf["kv_lora_rank"]
         self.interleaved = hf.get("rope_interleave", True)
-        q_dim, eps, hidden = (
-            self.heads * (self.nope + self.rope_dim),
-            cfg.rms_norm_eps,
-            cfg.hidden_size,
-        )
+        q_dim, eps, hidden = self.heads * (self.nope + self.rope_dim), 1e-6, cfg.hidden_size
         self.q_lora = hf.get("q_lora_rank")
         bias = hf.get("attention_bias", False)
         if self.q_lora is None:
@@ -102,9 +107,11 @@ class LatentAttention(nn.Module):
             [self.nope, self.rope_dim], dim=-1
         )
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        cos, sin = ropes[0]
-        q_pe = apply_rotary(self._pairs_first(q_pe), cos, sin)
-        k_pe = apply_rotary(self._pairs_first(k_pe.unsqueeze(1)), cos, sin)
+        k_pe = k_pe.unsqueeze(1)
+        if self.rotate:
+            cos, sin = ropes[0]
+            q_pe = apply_rotary(self._pairs_first(q_pe), cos, sin)
+            k_pe = apply_rotary(self._pairs_first(k_pe), cos, sin)
         key = torch.cat([self.kv_a_layernorm(latent.contiguous()).unsqueeze(1), k_pe], dim=-1)
         w_uk = self.kv_b_proj.weight[:, : self.nope]
         query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
@@ -140,18 +147,24 @@ def mla_scale(hf: dict) -> float:
     return scale
 
 
+def deepseek_mlp(cfg: ModelConfig, i: int, tp: TPGroup) -> nn.Module:
+    """Layer i's MLP: dense in the first `first_k_dense_replace` layers (or where
+    `mlp_layer_types` says "dense": GLM-4.7-Flash, Kimi Linear), else DeepSeek's MoE block."""
+    hf = cfg.hf_config
+    types = hf.get("mlp_layer_types")
+    dense = types[i] == "dense" if types else i < hf.get("first_k_dense_replace", 0)
+    if dense or not hf.get("n_routed_experts"):
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+    return deepseek_moe(hf, cfg.hidden_size, tp)
+
+
 class DeepseekV3ForCausalLM(CausalLM):
     def make_layer(self, i: int) -> nn.Module:
         cfg = self.cfg
         return DecoderLayer(cfg, i, self.tp, LatentAttention(cfg, i, self.tp), self.make_mlp(i))
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, cfg = self.hf, self.cfg
-        types = hf.get("mlp_layer_types")  # GLM-4.7-Flash's "dense" / "sparse" per layer
-        dense = types[i] == "dense" if types else i < hf.get("first_k_dense_replace", 0)
-        if dense or not hf.get("n_routed_experts"):
-            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        return deepseek_moe(hf, cfg.hidden_size, self.tp)
+        return deepseek_mlp(self.cfg, i, self.tp)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         cfg = self.cfg

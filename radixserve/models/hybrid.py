@@ -5,6 +5,9 @@ request (`recurrent.RecurrentStates`, shared by the model's layers), chosen by t
 
 from __future__ import annotations
 
+import re
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -12,6 +15,8 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import CausalLM, DecoderLayer
 from .recurrent import RecurrentStates
+
+SPLIT_CONVOLUTION = re.compile(r"(.*)\.([qkv])_conv1d\.weight")
 
 
 class HybridCausalLM(CausalLM):
@@ -44,3 +49,21 @@ class HybridCausalLM(CausalLM):
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
         return DecoderLayer(self.cfg, i, self.tp, mixer, self.make_mlp(i))
+
+
+def joined_convolutions(weights: Iterable[tuple[str, torch.Tensor]]):
+    """Checkpoints' separate q, k and v convolutions (`q_conv1d`...: OLMo Hybrid's and Kimi
+    Linear's releases) as the one over all three that the layer runs (`conv1d`, q's channels
+    first)."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = SPLIT_CONVOLUTION.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, part = match.groups()
+        parts = waiting.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            yield f"{prefix}.conv1d.weight", torch.cat([parts[p] for p in "qkv"])
+            del waiting[prefix]

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
-from .hybrid import HybridCausalLM
+from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm
 from .qwen3_5 import GatedDeltaNet
 from .recipe import LayerRecipe, RecipeAttention, RecipeLayer
@@ -30,7 +30,6 @@ POST_NORMS = LayerRecipe(
     post_mlp="post_feedforward_layernorm",
 )
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.(\w+)")
-SPLIT_CONVOLUTION = re.compile(r"(.*\.linear_attn)\.([qkv])_conv1d\.weight")
 RELEASED_NORMS = (
     (".attention_layer_norm.", ".input_layernorm."),
     (".feedforward_layer_norm.", ".post_attention_layernorm."),
@@ -91,20 +90,3 @@ class OlmoHybridForCausalLM(HybridCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(joined_convolutions(weights))
-
-
-def joined_convolutions(weights: Iterable[tuple[str, torch.Tensor]]):
-    """The released checkpoints' q, k and v convolutions (`q_conv1d`...) as the one over all
-    three that the layer runs (`conv1d`, q's channels first)."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        match = SPLIT_CONVOLUTION.fullmatch(name)
-        if match is None:
-            yield name, tensor
-            continue
-        prefix, part = match.groups()
-        parts = waiting.setdefault(prefix, {})
-        parts[part] = tensor
-        if len(parts) == 3:
-            yield f"{prefix}.conv1d.weight", torch.cat([parts[p] for p in "qkv"])
-            del waiting[prefix]

@@ -11,7 +11,11 @@ The gated delta rule, per value head, with the state S of shape [key dim, value 
 with q and k L2-normalized and q scaled by 1/sqrt(key dim). Within a chunk, with gamma the
 running sum of g from the chunk's start, the updates u solve the unit lower-triangular system
 (I + A) u = beta (v - exp(gamma) K S0), A[i, j] = beta_i exp(gamma_i - gamma_j) k_i.k_j for
-j < i."""
+j < i.
+
+Kimi Delta Attention (Kimi Linear) decays each key channel on its own: `g` [.., heads, key dim]
+scales S's rows, S <- diag(exp(g_t)) S, and A[i, j] = beta_i k_i.(exp(gamma_i - gamma_j) * k_j)
+with the running sums per channel."""
 
 from __future__ import annotations
 
@@ -78,9 +82,10 @@ def gated_delta_rule(
     state: torch.Tensor | None,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, chunked: `q`, `k` [T, Hk, Dk], `v` [T, Hv, Dv], `g` (log decay, <= 0) and
-    `beta` [T, Hv], `state` [Hv, Dk, Dv] before the sequence (None: zeros). Returns the output
-    [T, Hv, Dv] in v's dtype and the float32 state after the sequence."""
+    """One sequence, chunked: `q`, `k` [T, Hk, Dk], `v` [T, Hv, Dv], `g` (log decay, <= 0:
+    [T, Hv], or [T, Hv, Dk] per key channel) and `beta` [T, Hv], `state` [Hv, Dk, Dv] before
+    the sequence (None: zeros). Returns the output [T, Hv, Dv] in v's dtype and the float32
+    state after the sequence."""
     length, num_heads, value_dim = v.shape
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, num_heads)
@@ -88,8 +93,9 @@ def gated_delta_rule(
     out = q.new_empty(length, num_heads, value_dim)
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
-        o, s = _chunk(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], s)
-        out[start:end] = o
+        one_chunk = _chunk if g.dim() == 2 else _chunk_per_channel
+        part = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end])
+        out[start:end], s = one_chunk(*part, s)
     return out.to(dtype), s
 
 
@@ -115,6 +121,27 @@ def _chunk(q, k, v, g, beta, s):
     return out.transpose(0, 1), s
 
 
+def _chunk_per_channel(q, k, v, g, beta, s):
+    """`_chunk` with a decay per key channel (`g` [n, H, Dk])."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, D]
+    gamma = g.transpose(0, 1).cumsum(1)  # [H, n, Dk]
+    beta = beta.t().unsqueeze(-1)  # [H, n, 1]
+    n = gamma.shape[1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    pairs = gamma.unsqueeze(2) - gamma.unsqueeze(1)  # [H, i, j, Dk]: gamma_i - gamma_j
+    decay = pairs.masked_fill(~lower[..., None], float("-inf")).exp()
+    eye = torch.eye(n, device=q.device)
+    keys = torch.einsum("hic,hjc,hijc->hij", k, k, decay) * (1 - eye)
+    system = eye + beta * keys  # unit lower triangular
+    rhs = beta * (v - (gamma.exp() * k) @ s)
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    scores = torch.einsum("hic,hjc,hijc->hij", q, k, decay)
+    out = (gamma.exp() * q) @ s + scores @ u
+    last = gamma[:, -1:]  # [H, 1, Dk]
+    s = last.transpose(1, 2).exp() * s + ((last - gamma).exp() * k).transpose(-1, -2) @ u
+    return out.transpose(0, 1), s
+
+
 def gated_delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,10 +150,11 @@ def gated_delta_rule_step(
     beta: torch.Tensor,
     states: torch.Tensor,
 ) -> torch.Tensor:
-    """One new token per sequence: `q`, `k` [B, Hk, Dk], `v` [B, Hv, Dv], `g`, `beta` [B, Hv],
-    `states` [B, Hv, Dk, Dv] float32, updated in place. Returns the output [B, Hv, Dv]."""
+    """One new token per sequence: `q`, `k` [B, Hk, Dk], `v` [B, Hv, Dv], `g` [B, Hv] (or
+    [B, Hv, Dk] per key channel), `beta` [B, Hv], `states` [B, Hv, Dk, Dv] float32, updated in
+    place. Returns the output [B, Hv, Dv]."""
     q, k, v32, g, beta = _prepare(q, k, v, g, beta, v.shape[-2])
-    states.mul_(g.exp()[..., None, None])
+    states.mul_(g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None])
     remembered = (states * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, H, Dv]
     update = (v32 - remembered) * beta.unsqueeze(-1)
     states.add_(k.unsqueeze(-1) * update.unsqueeze(-2))
@@ -211,9 +239,10 @@ class RecurrentStates:
         kernels=None,
     ) -> torch.Tensor:
         """The gated delta rule over the step's segments (`q`, `k` [tokens, key heads, key
-        dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]), each
-        continued from its request's state, which it then keeps (stored as `ssm_dtype`,
-        computed in float32)."""
+        dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]; `g`
+        [tokens, value heads, key dim] decays each key channel on its own), each continued
+        from its request's state, which it then keeps (stored as `ssm_dtype`, computed in
+        float32). The CPU kernel steps decode where the decay is per head."""
         shape = (v.shape[1], k.shape[2], v.shape[2])
         return self.resume(
             "delta",
@@ -228,7 +257,9 @@ class RecurrentStates:
             v,
             g,
             beta,
-            in_place=None if kernels is None else partial(delta_step_in_place, kernels),
+            in_place=None
+            if kernels is None or g.dim() == 3
+            else partial(delta_step_in_place, kernels),
         )
 
 

@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
+    "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
     "GraniteMoeForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
@@ -107,6 +108,7 @@ MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
@@ -197,6 +199,42 @@ PARTIAL_ROTARY = {
 }
 
 
+# configs that name transformers' fields their own way: model_type -> {their key: HF's}
+CONFIG_ALIASES = {
+    "kimi_linear": {
+        "num_experts": "n_routed_experts",
+        "num_local_experts": "n_routed_experts",
+        "num_experts_per_token": "num_experts_per_tok",
+        "moe_renormalize": "norm_topk_prob",
+        "num_expert_group": "n_group",
+        "num_shared_experts": "n_shared_experts",
+        "model_max_length": "max_position_embeddings",
+    },
+}
+
+
+def with_hf_names(hf: dict) -> dict:
+    """`hf` with the fields `CONFIG_ALIASES` renames under transformers' names; Kimi Linear's
+    `linear_attn_config` (1-based layer lists, its head sizes) as `layer_types` and
+    `linear_*` fields."""
+    aliases = CONFIG_ALIASES.get(hf.get("model_type"))
+    if aliases is None:
+        return hf
+    out = {aliases.get(key, key): value for key, value in hf.items()}
+    linear = hf.get("linear_attn_config") or {}
+    for ours, theirs in (("head_dim", "head_dim"), ("num_heads", "num_heads"),
+                         ("conv_kernel_dim", "short_conv_kernel_size")):  # fmt: skip
+        if theirs in linear:
+            out.setdefault(f"linear_{ours}", linear[theirs])
+    if "layer_types" not in out and "kda_layers" in linear:
+        kda = set(linear["kda_layers"])
+        out["layer_types"] = [
+            "linear_attention" if i + 1 in kda else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    return out
+
+
 class UnsupportedModel(ValueError):
     """A checkpoint no family here can run; the message is the one-line start-up error."""
 
@@ -213,7 +251,7 @@ def language_model_config(hf: dict) -> dict:
         text = dict(hf["text_config"], architectures=[named], **VISION_LANGUAGE[named])
         kept = VISION_KEYS
     else:
-        return hf
+        return with_hf_names(hf)
     for key in kept + ("eos_token_id", "bos_token_id"):
         if key in hf and key not in text:
             text[key] = hf[key]
