@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..model_config import ModelConfig
-from .registry import check_supported, language_model_config
+from .checkpoint_config import language_model_config
+from .registry import check_supported
 
 log = logging.getLogger(__name__)
 
