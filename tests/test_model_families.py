@@ -44,6 +44,15 @@ MLA_MOE = dict(  # DeepSeek's latent attention over routed experts, tiny
     v_head_dim=16,
     n_routed_experts=8,
 )
+BETA_SCALED_YARN = dict(  # queries scaled up past an original context of 32 tokens
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    original_max_position_embeddings=32,
+    llama_4_scaling_beta=3.0,
+)
 SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "full_attention"]
 GEMMA4 = dict(
     head_dim=16,
@@ -105,18 +114,7 @@ FAMILIES = {
     "ministral3": (  # queries scaled up past an original context of 32 tokens
         hf.Ministral3Config,
         hf.Ministral3ForCausalLM,
-        dict(
-            head_dim=16,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                original_max_position_embeddings=32,
-                llama_4_scaling_beta=3.0,
-            ),
-        ),  # fmt: skip
+        dict(head_dim=16, rope_parameters=dict(BETA_SCALED_YARN)),
     ),
     "apertus": (hf.ApertusConfig, hf.ApertusForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
     "hunyuan_v1_dense": (
@@ -334,17 +332,7 @@ FAMILIES = {
             topk_group=2,
             routed_scaling_factor=1.5,
             pad_token_id=0,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=32,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                mscale_all_dim=1.0,
-                mscale=1.0,
-                llama_4_scaling_beta=3.0,
-            ),
+            rope_parameters=dict(BETA_SCALED_YARN, mscale_all_dim=1.0, mscale=1.0),
         ),
     ),
     "deepseek_v2": (

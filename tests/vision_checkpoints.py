@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import transformers as hf
 from PIL import Image
+from test_model_families import BETA_SCALED_YARN, MLA_MOE
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
@@ -258,25 +259,11 @@ def gemma4_init(name: str, tensor: torch.Tensor) -> None:
         tensor.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
 
 
-MINISTRAL3_ROPE = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
-    original_max_position_embeddings=32, llama_4_scaling_beta=3.0,
-)  # fmt: skip
-
-
 MISTRAL4_TEXT = dict(  # Mistral Small 4's language model: latent attention, grouped experts
+    MLA_MOE,
     model_type="mistral4",
-    rope_parameters=dict(MINISTRAL3_ROPE),
+    rope_parameters=dict(BETA_SCALED_YARN),
     head_dim=24,  # qk_nope_head_dim + qk_rope_head_dim
-    num_key_value_heads=4,  # as many as query heads (MLA)
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
     n_shared_experts=1,
     first_k_dense_replace=1,
     n_group=4,
@@ -297,7 +284,7 @@ def build_pixtral_checkpoint(root, model_dir, name: str = "pixtral"):
         text_config={
             **TEXT,
             **ends,
-            "rope_parameters": MINISTRAL3_ROPE,
+            "rope_parameters": dict(BETA_SCALED_YARN),
             **text,
         },
         vision_config=PIXTRAL_VISION,
