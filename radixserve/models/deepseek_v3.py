@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
 from .layers import Linear, RMSNorm, SwiGLU
-from .moe import Routing, deepseek_moe, unstack_experts
+from .moe import Routing, deepseek_moe, deepseek_routing, unstack_experts
 from .rotary import QueryTemperature, RotaryEmbedding, apply_rotary, beta_query_scaling
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -147,29 +148,36 @@ def mla_scale(hf: dict) -> float:
     return scale
 
 
-def deepseek_mlp(cfg: ModelConfig, i: int, tp: TPGroup) -> nn.Module:
+def deepseek_mlp(cfg: ModelConfig, i: int, tp: TPGroup, routing: Routing | None = None):
     """Layer i's MLP: dense in the first `first_k_dense_replace` layers (or where
-    `mlp_layer_types` says "dense": GLM-4.7-Flash, Kimi Linear), else DeepSeek's MoE block."""
+    `mlp_layer_types` says "dense": GLM-4.7-Flash, Kimi Linear), else DeepSeek's MoE block
+    (routed by `routing` where the family's differs from `deepseek_routing`'s)."""
     hf = cfg.hf_config
     types = hf.get("mlp_layer_types")
     dense = types[i] == "dense" if types else i < hf.get("first_k_dense_replace", 0)
     if dense or not hf.get("n_routed_experts"):
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-    return deepseek_moe(hf, cfg.hidden_size, tp)
+    return deepseek_moe(hf, cfg.hidden_size, tp, routing)
+
+
+def latent_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    """The rotary table over each head's `qk_rope_head_dim` rotated channels."""
+    dim = cfg.hf_config["qk_rope_head_dim"]
+    return RotaryEmbedding(dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     def make_layer(self, i: int) -> nn.Module:
-        cfg = self.cfg
-        return DecoderLayer(cfg, i, self.tp, LatentAttention(cfg, i, self.tp), self.make_mlp(i))
+        return DecoderLayer(self.cfg, i, self.tp, self.make_attention(i), self.make_mlp(i))
+
+    def make_attention(self, i: int) -> nn.Module:
+        return LatentAttention(self.cfg, i, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         return deepseek_mlp(self.cfg, i, self.tp)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
-        cfg = self.cfg
-        dim = self.hf["qk_rope_head_dim"]
-        return [RotaryEmbedding(dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+        return [latent_rotary(self.cfg, max_positions)]
 
     def rename(self, name: str) -> str | None:
         """The multi-token-prediction layers after the last one are not served."""
@@ -188,29 +196,17 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
         self.scaling = beta_query_scaling(cfg.hf_config)
         super().__init__(cfg, max_positions, tp)
 
-    def make_layer(self, i: int) -> nn.Module:
+    def make_attention(self, i: int) -> nn.Module:
         temperature = None if self.scaling is None else 1
-        attention = LatentAttention(self.cfg, i, self.tp, temperature)
-        return DecoderLayer(self.cfg, i, self.tp, attention, self.make_mlp(i))
+        return LatentAttention(self.cfg, i, self.tp, temperature)
 
     def make_rotaries(self, max_positions: int):
         rotaries = super().make_rotaries(max_positions)
         return rotaries if self.scaling is None else [*rotaries, QueryTemperature(*self.scaling)]
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, cfg = self.hf, self.cfg
-        if i < hf.get("first_k_dense_replace", 0):
-            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        routing = Routing(
-            "grouped_softmax",
-            hf["num_experts_per_tok"],
-            renormalize=hf.get("norm_topk_prob", True),
-            num_groups=hf.get("n_group") or 1,
-            top_groups=hf.get("topk_group") or 1,
-            scaling=hf.get("routed_scaling_factor", 1.0),
-            group_best_of=2,
-        )
-        return deepseek_moe(hf, cfg.hidden_size, self.tp, routing)
+        routing = replace(deepseek_routing(self.hf), kind="grouped_softmax", group_best_of=2)
+        return deepseek_mlp(self.cfg, i, self.tp, routing)
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))

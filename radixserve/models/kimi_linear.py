@@ -20,7 +20,7 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..model_config import ModelConfig
-from .deepseek_v3 import LatentAttention, deepseek_mlp
+from .deepseek_v3 import LatentAttention, deepseek_mlp, latent_rotary
 from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm, fused
 from .mixtral import mixtral_name
@@ -84,11 +84,7 @@ class KimiLinearForCausalLM(HybridCausalLM):
         return deepseek_mlp(self.cfg, i, self.tp)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
-        if self.hf.get("mla_use_nope", True):
-            return []
-        cfg = self.cfg
-        dim = self.hf["qk_rope_head_dim"]
-        return [RotaryEmbedding(dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+        return [] if self.hf.get("mla_use_nope", True) else [latent_rotary(self.cfg, max_positions)]
 
     def rename(self, name: str) -> str | None:
         """Mixtral's expert names; the decay's tensors sit on the layer, as the release keeps

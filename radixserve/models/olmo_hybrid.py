@@ -16,6 +16,7 @@ from torch import nn
 
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
+from .dense_families import POST_NORMS
 from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm
 from .qwen3_5 import GatedDeltaNet
@@ -23,12 +24,6 @@ from .recipe import LayerRecipe, RecipeAttention, RecipeLayer
 from .recurrent import RecurrentStates
 from .rotary import RotaryEmbedding
 
-POST_NORMS = LayerRecipe(
-    pre_attn=None,
-    post_attn="post_attention_layernorm",
-    pre_mlp=None,
-    post_mlp="post_feedforward_layernorm",
-)
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.(\w+)")
 RELEASED_NORMS = (
     (".attention_layer_norm.", ".input_layernorm."),
@@ -60,17 +55,17 @@ class OlmoHybridForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         rope = cfg.hf_config.get("rope_parameters") or {}
         self.rope = bool(rope.get("rope_theta") or cfg.hf_config.get("rope_theta"))
+        self.attention_recipe = LayerRecipe(**POST_NORMS, qk_norm="all", rope=self.rope)
         super().__init__(cfg, max_positions, tp)
 
     def make_attention(self, kv_index: int) -> nn.Module:
-        recipe = LayerRecipe(qk_norm="all", rope=self.rope)
-        return RecipeAttention(self.cfg, kv_index, self.tp, recipe)
+        return RecipeAttention(self.cfg, kv_index, self.tp, self.attention_recipe)
 
     def make_mixer(self, i: int) -> nn.Module:
         return SeparateGatedDeltaNet(self.cfg, i, self.states)
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
-        recipe = POST_NORMS if isinstance(mixer, RecipeAttention) else LayerRecipe()
+        recipe = self.attention_recipe if isinstance(mixer, RecipeAttention) else LayerRecipe()
         return RecipeLayer(self.cfg, self.tp, recipe, mixer, self.make_mlp(i))
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:

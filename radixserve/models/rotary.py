@@ -113,8 +113,8 @@ def apply_rotary(
 
 class QueryTemperature(nn.Module):
     """The scale of each query at its position, `1 + beta x log(1 + floor((p + offset) /
-    span))`, served beside the rotary tables: Llama 4's no-rope layers (offset 1) and
-    Ministral 3 (`llama_4_scaling_beta` over the original context, offset 0)."""
+    span))`, served beside the rotary tables: Llama 4's no-rope layers (offset 1), Ministral 3
+    and Mistral 4 (`llama_4_scaling_beta` over the original context, offset 0)."""
 
     def __init__(self, span: float, beta: float, offset: float = 0.0):
         super().__init__()
