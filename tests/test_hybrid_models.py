@@ -4,6 +4,8 @@ fresh and resumed from state snapshots in the radix tree, with prompts split acr
 chunks and batched with other requests' decode steps."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import test_model_families as families
@@ -433,3 +435,22 @@ def test_kimi_linear_loads_its_releases_config_json(tmp_path):
     with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
         got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
     assert got == hf_greedy(model, PROMPTS[1])
+
+
+def test_a_config_json_without_a_field_the_family_reads_is_one_line(tmp_path):
+    """A field the family's layers read (Kimi Delta Attention's head count) missing from
+    config.json ends start-up with one line naming it, not the child's traceback."""
+    _, path = build_checkpoint(tmp_path, "kimi_linear")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("linear_num_heads")
+    (path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "radixserve: config.json: the field 'linear_num_heads' is missing"
+    ], proc.stderr

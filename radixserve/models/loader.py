@@ -64,9 +64,13 @@ def build_model(
     quantization: str | None = None,
     tp: TPGroup = TPGroup(),
 ):
-    """This rank's shard of the model (the whole model on one rank)."""
+    """This rank's shard of the model (the whole model on one rank). A field the family reads
+    that config.json lacks is a ValueError naming it."""
     with torch.device(device):
-        model = model_class(source.config)(source.config, max_positions, tp)
+        try:
+            model = model_class(source.config)(source.config, max_positions, tp)
+        except KeyError as exc:
+            raise ValueError(f"config.json: the field {exc.args[0]!r} is missing") from None
     if source.weights_dir is None:
         _init_dummy(model, seed)
     else:
