@@ -292,6 +292,35 @@ FAMILIES = {
             mup_enabled=True,
         ),
     ),  # fmt: skip
+    "hy_v3": (
+        hf.HYV3Config,
+        hf.HYV3ForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            num_experts=8,
+            num_shared_experts=1,
+            router_scaling_factor=1.7,
+        ),
+    ),  # fmt: skip
+    "dots1": (
+        hf.Dots1Config,
+        hf.Dots1ForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+        ),
+    ),  # fmt: skip
     "mimo_v2_flash": (  # window layers: twice the KV heads, sinks; values narrower than keys
         hf.MiMoV2FlashConfig,
         hf.MiMoV2FlashForCausalLM,

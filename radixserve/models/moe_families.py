@@ -274,3 +274,45 @@ class AfmoeForCausalLM(MoeRecipeLM):
     def rename(self, name: str) -> str | None:
         name = name.replace(".mlp.router.gate.", ".mlp.gate.")
         return name.replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
+
+
+class HYV3ForCausalLM(MoeRecipeLM):
+    """Tencent's Hunyuan 3: q and k normed per head, DeepSeek's MoE block (corrected sigmoid
+    scores in one group, renormalized, times `router_scaling_factor`) where `mlp_layer_types`
+    says "sparse"; the release's router names (`router.gate`, `expert_bias`, `shared_mlp`)."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", False)
+        return LayerRecipe(qkv_bias=bias, o_bias=bias, qk_norm="head")
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        if hf["mlp_layer_types"][i] != "sparse":
+            return super().make_mlp(i)
+        names = dict(
+            n_routed_experts=hf["num_experts"],
+            n_shared_experts=hf.get("num_shared_experts"),
+            routed_scaling_factor=hf.get("router_scaling_factor", 1.0),
+            norm_topk_prob=True,
+        )
+        return deepseek_moe({**hf, **names}, self.cfg.hidden_size, self.tp)
+
+    def rename(self, name: str) -> str | None:
+        name = name.replace(".mlp.router.gate.", ".mlp.gate.")
+        name = name.replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
+        return name.replace(".mlp.shared_mlp.", ".mlp.shared_experts.")
+
+
+class Dots1ForCausalLM(Glm4MoeForCausalLM):
+    """rednote's dots.llm1: Qwen 3's attention (q and k normed per head, biases where
+    `attention_bias`, windows where `layer_types` says so) over DeepSeek-V3's MoE block after
+    `first_k_dense_replace` dense layers."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe()
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", False)
+        window = layer_window_of(self.hf, i)
+        return LayerRecipe(qkv_bias=bias, o_bias=bias, qk_norm="head", window=window)

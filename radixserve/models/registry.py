@@ -67,6 +67,8 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
+    "HYV3ForCausalLM": ("moe_families", "HYV3ForCausalLM"),
+    "Dots1ForCausalLM": ("moe_families", "Dots1ForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     # vision-language: the language model and its vision tower
@@ -138,6 +140,8 @@ MODEL_TYPES = {
     "llama4_text": "Llama4ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "hy_v3": "HYV3ForCausalLM",
+    "dots1": "Dots1ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
