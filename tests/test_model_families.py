@@ -321,6 +321,38 @@ FAMILIES = {
             routed_scaling_factor=1.5,
         ),
     ),  # fmt: skip
+    "laguna": (  # a query-head count per layer, a softplus gate per head, capped router logits
+        hf.LagunaConfig,
+        hf.LagunaForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            num_attention_heads_per_layer=[4, 2, 6],
+            rope_parameters={
+                "full_attention": dict(
+                    rope_type="default", rope_theta=5e5, partial_rotary_factor=0.5
+                ),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+            num_experts=8,
+            shared_expert_intermediate_size=48,
+            moe_routed_scaling_factor=1.5,
+            moe_router_logit_softcapping=2.0,
+        ),
+    ),  # fmt: skip
+    "laguna_per_element": (  # a gate per channel
+        hf.LagunaConfig,
+        hf.LagunaForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            num_experts=8,
+            shared_expert_intermediate_size=48,
+            gating="per-element",
+        ),
+    ),  # fmt: skip
     "mimo_v2_flash": (  # window layers: twice the KV heads, sinks; values narrower than keys
         hf.MiMoV2FlashConfig,
         hf.MiMoV2FlashForCausalLM,
@@ -552,11 +584,11 @@ def test_family_matches_hf(tmp_path, family):
     assert cached == want
 
 
-@pytest.mark.parametrize("family", ["mistral4"])
+@pytest.mark.parametrize("family", ["mistral4", "laguna"])
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
     model's greedy tokens hardly see (Mistral 4's query scaling past its 32-token original
-    context)."""
+    context; Laguna's capped router logits and rotary per layer kind)."""
     model, path = build_checkpoint(tmp_path, family)
     ids = PROMPTS[1]
     with Engine(
@@ -604,6 +636,8 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "exaone_moe",
         "afmoe",
         "granitemoeshared",
+        "laguna",
+        "hy_v3",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):

@@ -13,13 +13,13 @@ _REGISTRY = {
 }
 # the LayerAttention features each backend implements (known before importing it); "fp8_kv": it
 # reads an FP8 KV pool; "deterministic": it runs batch-invariant (--enable-deterministic-inference);
-# "head_dims": its layers may differ in head dim (Gemma 4)
+# "head_dims": its layers may differ in head dim (Gemma 4); "head_counts": in query heads (Laguna)
 FEATURES = {
     "torch_native": frozenset(
         {"scale", "window", "chunk", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
-        | {"head_dims"}
+        | {"head_dims", "head_counts"}
     ),
-    "triton": frozenset({"scale"}),
+    "triton": frozenset({"scale", "head_counts"}),
     "flashinfer": frozenset(),
 }
 

@@ -17,13 +17,11 @@ from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
 from ..distributed import TPGroup
-from ..model_config import ModelConfig, rope_scaling_of
+from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer
 from .layers import Linear, SwiGLU
 from .moe import deepseek_moe, unstack_experts
-from .rotary import RotaryEmbedding, apply_rotary
-
-KINDS = ("full_attention", "sliding_attention")  # the rotary tables, in this order
+from .rotary import RotaryEmbedding, apply_rotary, rotaries_by_kind
 
 
 class NarrowValueAttention(nn.Module):
@@ -78,14 +76,7 @@ class MiMoV2FlashForCausalLM(CausalLM):
         return deepseek_moe({**hf, "n_shared_experts": 0}, cfg.hidden_size, self.tp)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
-        ropes, head_dim, tables = self.hf["rope_parameters"], self.cfg.head_dim, []
-        for kind in KINDS:
-            rope = ropes.get(kind, ropes)
-            width = int(head_dim * rope.get("partial_rotary_factor", 0.334))
-            tables.append(
-                RotaryEmbedding(width, max_positions, rope["rope_theta"], rope_scaling_of(rope))
-            )
-        return tables
+        return rotaries_by_kind(self.hf, self.cfg.head_dim, max_positions, 0.334)
 
     def rename(self, name: str) -> str | None:
         name = name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")

@@ -30,7 +30,8 @@ class Routing:
     best first: DeepSeek-V2; in one group with a correction bias: ERNIE 4.5), "sparsemixer"
     (PhiMoE's two experts, each weighted by a softmax over the logits within `jitter` of its
     own). `group_best_of`: how many of a group's best experts score it, where not the kind's
-    own (Mistral 4's softmax groups by their two best)."""
+    own (Mistral 4's softmax groups by their two best). `softcap`: logits soft-capped to
+    (-softcap, softcap) by tanh before scoring, where > 0 (Laguna)."""
 
     kind: str
     top_k: int
@@ -40,9 +41,12 @@ class Routing:
     scaling: float = 1.0
     jitter: float = 0.0
     group_best_of: int | None = None
+    softcap: float = 0.0
 
 
 def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | None = None):
+    if routing.softcap > 0:
+        logits = torch.tanh(logits.float() / routing.softcap) * routing.softcap
     if routing.kind == "softmax_topk":
         weights, experts = torch.softmax(logits.float(), dim=-1).topk(routing.top_k, dim=-1)
     elif routing.kind == "topk_softmax":

@@ -44,6 +44,7 @@ class LayerRecipe:
     o_bias: bool = False
     mlp_bias: bool = False
     rope: bool = True  # False: a no-rope layer
+    rope_table: int = 0  # which of the model's rotary tables (one per layer kind: Laguna)
     window: int | None = None
     chunk: int | None = None  # attention within chunks of this many tokens (Llama 4)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
@@ -131,7 +132,7 @@ class RecipeAttention(Attention):
             qkv_bias=recipe.qkv_bias,
             o_bias=recipe.o_bias,
             qk_norm=per_head.get(recipe.qk_norm),
-            rope=0 if recipe.rope else None,
+            rope=recipe.rope_table if recipe.rope else None,
             norm_after_rope=recipe.qk_norm_after_rope,
             temperature=1 if recipe.query_temperature else None,
         )

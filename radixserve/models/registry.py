@@ -69,6 +69,7 @@ ARCHITECTURES = {
     "Glm4MoeLiteForCausalLM": ("moe_families", "Glm4MoeLiteForCausalLM"),
     "HYV3ForCausalLM": ("moe_families", "HYV3ForCausalLM"),
     "Dots1ForCausalLM": ("moe_families", "Dots1ForCausalLM"),
+    "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     # vision-language: the language model and its vision tower
@@ -142,6 +143,7 @@ MODEL_TYPES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "hy_v3": "HYV3ForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "laguna": "LagunaForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
@@ -163,6 +165,7 @@ PARTIAL_ROTARY = {
     "MiMoV2FlashForCausalLM",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "LagunaForCausalLM",
     "Mistral4ForCausalLM",  # MLA: the factor names the share its `qk_rope_head_dim` turns
     "Mistral4VisionForConditionalGeneration",
 }

@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from ..model_config import rope_scaling_of
 from .layers import fused
 
 
@@ -139,3 +140,20 @@ def beta_query_scaling(hf: dict) -> tuple[float, float] | None:
         raise ValueError("rope_parameters.llama_4_scaling_beta needs its "
                          "original_max_position_embeddings")  # fmt: skip
     return span, beta
+
+
+LAYER_KINDS = ("full_attention", "sliding_attention")  # per-kind rotary tables, in this order
+
+
+def rotaries_by_kind(
+    hf: dict, head_dim: int, max_positions: int, default_fraction: float = 1.0
+) -> list[RotaryEmbedding]:
+    """One rotary table per layer kind (`LAYER_KINDS`) where `rope_parameters` is keyed by
+    kind (MiMo-V2-Flash, Laguna), each over its own share of each head's dims."""
+    ropes, tables = hf["rope_parameters"], []
+    for kind in LAYER_KINDS:
+        rope = ropes.get(kind, ropes)
+        width = int(head_dim * rope.get("partial_rotary_factor", default_fraction))
+        scaling = rope_scaling_of(rope)
+        tables.append(RotaryEmbedding(width, max_positions, rope["rope_theta"], scaling))
+    return tables
