@@ -15,6 +15,7 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
+EPS_FIELDS = ("rms_norm_eps", "norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 ATTENTION_LAYER_TYPES = frozenset(
     {"full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "attention"}
 )
@@ -142,9 +143,8 @@ class ModelConfig:
                 if latent
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),
-            rms_norm_eps=cfg.get(
-                "rms_norm_eps",
-                cfg.get("norm_eps", cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps", 1e-5))),
+            rms_norm_eps=next(  # the first one set (Command A MoE's rms_norm_eps may be null)
+                (cfg[k] for k in EPS_FIELDS if cfg.get(k) is not None), 1e-5
             ),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,

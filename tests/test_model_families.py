@@ -178,6 +178,30 @@ FAMILIES = {
             shared_intermediate_size=48,
         ),
     ),  # fmt: skip
+    "granite_swa": (  # windows, a sink logit per head, a rotary base per layer (0: none)
+        hf.GraniteSWAConfig,
+        hf.GraniteSWAForCausalLM,
+        dict(
+            GRANITE_MUP,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            layer_rope_theta=[1e4, 5e5, 0],
+        ),
+    ),  # fmt: skip
+    "granitemoe_swa": (
+        hf.GraniteMoeSWAConfig,
+        hf.GraniteMoeSWAForCausalLM,
+        dict(
+            GRANITE_MUP,
+            sliding_window=WINDOW,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            layer_rope_theta=[0, 1e4, 1e4],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+        ),
+    ),  # fmt: skip
     "granite4_dense": (  # Granite 4.0's dense models: attention only, no experts
         hf.GraniteMoeHybridConfig,
         hf.GraniteMoeHybridForCausalLM,
@@ -224,6 +248,76 @@ FAMILIES = {
         hf.Glm4Config,
         hf.Glm4ForCausalLM,
         dict(head_dim=16, attention_bias=True, pad_token_id=0),
+    ),
+    "gemma": (hf.GemmaConfig, hf.GemmaForCausalLM, dict(head_dim=32, pad_token_id=0)),
+    "glm": (hf.GlmConfig, hf.GlmForCausalLM, dict(head_dim=16, pad_token_id=0)),
+    "helium": (hf.HeliumConfig, hf.HeliumForCausalLM, dict(head_dim=16, attention_bias=True)),
+    "arcee": (hf.ArceeConfig, hf.ArceeForCausalLM, dict(rope_scaling=LLAMA3_ROPE)),
+    "cwm": (  # Meta's Code World Model: Llama with windows by layer_types
+        hf.CwmConfig,
+        hf.CwmForCausalLM,
+        dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, eos_token_id=2),
+    ),
+    "phi": (hf.PhiConfig, hf.PhiForCausalLM, dict(partial_rotary_factor=0.5)),
+    "starcoder2": (
+        hf.Starcoder2Config,
+        hf.Starcoder2ForCausalLM,
+        dict(sliding_window=WINDOW, bos_token_id=1, eos_token_id=2),
+    ),
+    "nemotron": (
+        hf.NemotronConfig,
+        hf.NemotronForCausalLM,
+        dict(head_dim=16, bos_token_id=1, eos_token_id=2),
+    ),
+    "flex_olmo": (
+        hf.FlexOlmoConfig,
+        hf.FlexOlmoForCausalLM,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            norm_topk_prob=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "stablelm": (hf.StableLmConfig, hf.StableLmForCausalLM, dict(use_qkv_bias=True)),
+    "stablelm_parallel": (
+        hf.StableLmConfig,
+        hf.StableLmForCausalLM,
+        dict(use_parallel_residual=True, partial_rotary_factor=0.5),
+    ),
+    "jais2": (hf.Jais2Config, hf.Jais2ForCausalLM, dict(bos_token_id=1, eos_token_id=2)),
+    "youtu": (  # DeepSeek-V3's MLA over dense MLPs
+        hf.YoutuConfig,
+        hf.YoutuForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "mellum": (  # Qwen3-MoE's layers with windows and a rotary per layer kind, dense or sparse
+        hf.MellumConfig,
+        hf.MellumForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            num_experts=8,
+            rope_parameters={
+                "full_attention": dict(rope_type="default", rope_theta=5e5),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+        ),
     ),
     "olmoe": (
         hf.OlmoeConfig,
@@ -429,6 +523,45 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    "cohere2_moe": (  # a dense prefix rotated in every layer, sigmoid experts, averaged shared
+        hf.Cohere2MoeConfig,
+        hf.Cohere2MoeForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            prefix_dense_intermediate_size=96,
+            intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            expert_selection_fn="sigmoid",
+            logit_scale=0.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "cohere2_moe_rms": (  # an RMS norm, softmax experts, shared ones summed
+        hf.Cohere2MoeConfig,
+        hf.Cohere2MoeForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            mlp_layer_types=["sparse"] * 3,
+            intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            shared_expert_combination_strategy="sum",
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     "llama4_text": (
         hf.Llama4TextConfig,
         hf.Llama4ForCausalLM,
@@ -531,6 +664,8 @@ def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict 
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 tensor.uniform_(0, 0.1)
+            elif "norm" in name and name.endswith("weight"):  # scores and logits far from flat
+                tensor.normal_(1.0, 0.2)
             elif tensor.is_floating_point() and not any(k in name for k in UNSCALED):
                 tensor.normal_(0, 0.1 if "norm" in name else 0.2)
     model.eval()
@@ -539,15 +674,13 @@ def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict 
 
 
 def hf_greedy(model, ids, n):
+    """HF's greedy tokens, each from a whole forward over the sequence so far: the model as
+    defined, not its cached decode path (LFM2's drifts from its own forward)."""
+    seq = list(ids)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
 
 
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -584,7 +717,9 @@ def test_family_matches_hf(tmp_path, family):
     assert cached == want
 
 
-@pytest.mark.parametrize("family", ["mistral4", "laguna"])
+@pytest.mark.parametrize(
+    "family", ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum"]
+)
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
     model's greedy tokens hardly see (Mistral 4's query scaling past its 32-token original
@@ -638,6 +773,8 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "granitemoeshared",
         "laguna",
         "hy_v3",
+        "granite_swa",
+        "cohere2_moe",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):
@@ -772,6 +909,17 @@ def test_a_gemma4_config_that_cannot_run_is_refused_naming_the_field(tmp_path, c
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named):
         read_config(tmp_path)
+
+
+def test_gemma_releases_gelu_is_the_tanh_approximation(tmp_path):
+    """Gemma's releases say `hidden_act` "gelu" for the tanh GELU they run (as transformers reads
+    it): such a config.json serves HF's tokens rather than being refused."""
+    model, path = build_checkpoint(tmp_path, "gemma")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, hidden_act="gelu")))
+    with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
+        got = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    assert got == hf_greedy(model, PROMPTS[1], NEW_TOKENS)
 
 
 def test_hunyuan_ntk_alpha_rotary_is_hfs():

@@ -54,14 +54,18 @@ CONFIG_ALIASES = {
 
 
 def with_hf_names(hf: dict) -> dict:
-    """`hf` with the fields `CONFIG_ALIASES` renames under transformers' names; Kimi Linear's
-    `linear_attn_config` (1-based layer lists, its head sizes) as `layer_types` and
-    `linear_*` fields."""
-    aliases = CONFIG_ALIASES.get(hf.get("model_type"))
-    if aliases is None:
-        return hf
+    """`hf` with the fields `CONFIG_ALIASES` renames under transformers' names, and the fields
+    transformers derives for a family (`DERIVED`) where config.json lacks them."""
+    aliases = CONFIG_ALIASES.get(hf.get("model_type"), {})
     out = {aliases.get(key, key): value for key, value in hf.items()}
-    linear = hf.get("linear_attn_config") or {}
+    derive = DERIVED.get(hf.get("model_type"))
+    return derive(out) if derive else out
+
+
+def _kimi_linear_fields(hf: dict) -> dict:
+    """Kimi Linear's `linear_attn_config` (1-based layer lists, its head sizes) as
+    `layer_types` and `linear_*` fields."""
+    out, linear = dict(hf), hf.get("linear_attn_config") or {}
     for ours, theirs in (("head_dim", "head_dim"), ("num_heads", "num_heads"),
                          ("conv_kernel_dim", "short_conv_kernel_size")):  # fmt: skip
         if theirs in linear:
@@ -73,6 +77,26 @@ def with_hf_names(hf: dict) -> dict:
             for i in range(hf["num_hidden_layers"])
         ]
     return out
+
+
+def _bamba_fields(hf: dict) -> dict:
+    """Bamba's attention layers by `attn_layer_indices` (the rest Mamba2) as `layer_types`; its
+    rotary turns half of each head whatever the config says, as transformers has it."""
+    attention = set(hf.get("attn_layer_indices") or ())
+    types = [
+        "full_attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])
+    ]
+    return {**hf, "layer_types": hf.get("layer_types") or types, "partial_rotary_factor": 0.5}
+
+
+def _gemma_fields(hf: dict) -> dict:
+    """Gemma's releases say `hidden_act` "gelu" for the tanh approximation it runs, as
+    transformers reads it."""
+    act = "gelu_pytorch_tanh" if hf.get("hidden_act") == "gelu" else hf.get("hidden_act")
+    return {**hf, "hidden_act": act} if "hidden_act" in hf else hf
+
+
+DERIVED = {"kimi_linear": _kimi_linear_fields, "bamba": _bamba_fields, "gemma": _gemma_fields}
 
 
 def language_model_config(hf: dict) -> dict:

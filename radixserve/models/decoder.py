@@ -29,6 +29,7 @@ FUSED_SHARDS = {
 }
 # tensor parallelism: weights split by output rows (heads, MLP columns) or by input columns
 SPLIT_BY_OUTPUT = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"}
+SPLIT_BY_OUTPUT |= {"g_proj"}  # an attention output's gates (recipe.GatedOutputAttention)
 SPLIT_BY_INPUT = {"o_proj", "down_proj"}
 
 Rope = tuple[torch.Tensor, torch.Tensor]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .decoder import layer_window
-from .layers import Linear
+from .layers import Linear, PlainMLP
 from .llama import split_gate_up
 from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
 
@@ -26,6 +26,18 @@ def layer_window_of(hf: dict, i: int) -> int | None:
     if types and hf.get("sliding_window"):
         return hf["sliding_window"] if types[i] == "sliding_attention" else None
     return None
+
+
+class GemmaForCausalLM(RecipeCausalLM):
+    """Gemma (1): Llama's layer with `(1 + w)` norm weights, tanh-GELU gates, embeddings scaled
+    by sqrt(hidden)."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(embed_scale=hf["hidden_size"] ** 0.5, norm="gemma")
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf))
 
 
 class SmolLM3ForCausalLM(RecipeCausalLM):
@@ -121,6 +133,40 @@ class Glm4ForCausalLM(RecipeCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(split_gate_up(weights))
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """GLM-4 (`glm`, before GLM-4-0414): GLM-4's attention and fused MLP under Llama's norms."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(qkv_bias=self.hf.get("attention_bias", True))
+
+
+class HeliumForCausalLM(RecipeCausalLM):
+    """Kyutai's Helium: Llama with an interleaved rotary and a q/k/v bias (`attention_bias`)
+    but none on o_proj."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(interleaved_rope=True)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf = self.hf
+        return LayerRecipe(
+            qkv_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False)
+        )
+
+
+class ArceeForCausalLM(RecipeCausalLM):
+    """Arcee's AFM: Llama with an MLP without a gate (`up_proj`, squared ReLU, `down_proj`)."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg, hf = self.cfg, self.hf
+        act, bias = hf.get("hidden_act", "relu2"), hf.get("mlp_bias", False)
+        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, act, bias=bias)
 
 
 class Cohere2ForCausalLM(RecipeCausalLM):

@@ -23,6 +23,7 @@ from .layers import SwiGLU
 from .llama import split_gate_up
 from .mamba2 import Mamba2Mixer
 from .moe import Experts, Routing, SparseMoE, unstack_experts
+from .rotary import RotaryEmbedding
 
 # checkpoint name -> ours, applied in order
 RENAMES = [
@@ -32,6 +33,9 @@ RENAMES = [
     (re.compile(r"\.block_sparse_moe\.router\.layer\."), ".mlp.moe.gate."),
     (re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".mlp.moe.experts.gate_up_proj"),
     (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".mlp.moe.experts.down_proj"),
+    # transformers' own names, as saved where it has no conversion for the family (Granite SWA)
+    (re.compile(r"\.block_sparse_moe\.router\.weight$"), ".mlp.moe.gate.weight"),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\w+_proj)$"), r".mlp.moe.experts.\1"),
 ]
 
 
@@ -115,3 +119,34 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
             for pattern, replacement in RENAMES:
                 name = pattern.sub(replacement, name)
             yield name, tensor
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    """Bamba (IBM): Granite 4.0-H's Mamba2 layers beside attention layers with a rotary over half
+    of each head and the usual score scale, one plain MLP per layer, no multipliers."""
+
+    NAMES = (
+        (".feed_forward.", ".mlp."),
+        (".pre_ff_layernorm.", ".post_attention_layernorm."),
+    )
+
+    def make_attention(self, kv_index: int) -> nn.Module:
+        bias = self.hf.get("attention_bias", False)
+        return Attention(self.cfg, kv_index, self.tp, LayerAttention(), bias, bias, rope=0)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        return SwiGLU(
+            self.cfg.hidden_size, self.cfg.intermediate_size, self.hf.get("hidden_act", "silu")
+        )
+
+    def make_rotaries(self, max_positions: int) -> list:
+        cfg = self.cfg
+        width = int(cfg.head_dim * self.hf.get("partial_rotary_factor", 0.5))
+        return [RotaryEmbedding(width, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def rename(self, name: str) -> str | None:
+        if name == "model.final_layernorm.weight":
+            return "model.norm.weight"
+        for theirs, ours in self.NAMES:
+            name = name.replace(theirs, ours)
+        return name

@@ -28,12 +28,15 @@ class HybridCausalLM(CausalLM):
         super().__init__(cfg, max_positions, tp)
 
     def make_layer(self, i: int) -> nn.Module:
-        types = layer_types_of(self.hf)
-        if is_attention_layer(types[i]):
-            mixer = self.make_attention(sum(is_attention_layer(t) for t in types[:i]))
+        if is_attention_layer(layer_types_of(self.hf)[i]):
+            mixer = self.make_attention(self.kv_index_of(i))
         else:
             mixer = self.make_mixer(i)
         return self.make_decoder_layer(i, mixer)
+
+    def kv_index_of(self, i: int) -> int:
+        """Attention layer i's place in the KV pool (among the attention layers)."""
+        return sum(is_attention_layer(t) for t in layer_types_of(self.hf)[:i])
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """The bytes of one request's state over all its layers (convolutions in `dtype`,

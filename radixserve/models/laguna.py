@@ -10,37 +10,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import TPGroup
-from ..model_config import ModelConfig
 from .dense_families import layer_window_of
-from .layers import Linear, SwiGLU
+from .layers import SwiGLU
 from .moe import Routing, SparseMoE
 from .moe_families import MoeRecipeLM
-from .recipe import LayerRecipe, RecipeAttention, RecipeLayer
+from .recipe import GatedOutputAttention, LayerRecipe, RecipeLayer
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
-
-
-class SoftplusGatedAttention(RecipeAttention):
-    """Attention whose output is scaled by softplus(g_proj(x)) before o_proj: per head
-    (broadcast over its dims) or per channel."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe, per_head):
-        super().__init__(cfg, layer, tp, recipe)
-        self.per_head = per_head
-        self.g_proj = Linear(cfg.hidden_size, cfg.num_heads if per_head else cfg.q_size)
-
-    def forward(self, x, ropes, backend):
-        out = self.attend(x, ropes, backend)[1]
-        gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
-        if self.per_head:
-            heads = out.view(-1, self.cfg.num_heads, self.cfg.head_dim)
-            out = (heads * gate.unsqueeze(-1)).view(out.shape)
-        else:
-            out = out * gate.view(out.shape)
-        return self.tp.all_reduce(self.o_proj(out))
 
 
 class LagunaForCausalLM(MoeRecipeLM):
@@ -60,7 +37,7 @@ class LagunaForCausalLM(MoeRecipeLM):
     def make_layer(self, i: int) -> nn.Module:
         cfg, recipe = replace(self.cfg, num_heads=self.heads_of(i)), self.layer_recipe(i)
         per_head = self.hf.get("gating", True) in (True, "per-head")
-        attention = SoftplusGatedAttention(cfg, i, self.tp, recipe, per_head)
+        attention = GatedOutputAttention(cfg, i, self.tp, recipe, "softplus", per_head)
         return RecipeLayer(cfg, self.tp, recipe, attention, self.make_mlp(i), self.norm_class)
 
     def make_mlp(self, i: int) -> nn.Module:
@@ -85,11 +62,6 @@ class LagunaForCausalLM(MoeRecipeLM):
     def attention_features(self) -> frozenset[str]:
         counts = {self.heads_of(i) for i in range(self.cfg.num_layers)}
         return super().attention_features() | ({"head_counts"} if len(counts) > 1 else set())
-
-    def tp_slice(self, module_name, kind, tensor):
-        if module_name.endswith(".g_proj"):
-            return self.tp.shard(tensor, 0)
-        return super().tp_slice(module_name, kind, tensor)
 
     def rename(self, name: str) -> str | None:
         name = name.replace(".mlp.experts.e_score_correction_bias", ".mlp.e_score_correction_bias")

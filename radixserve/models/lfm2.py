@@ -15,13 +15,16 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend
-from ..model_config import ModelConfig, is_attention_layer
+from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import Attention
+from .dense_families import layer_window_of
 from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, unstack_experts
+from .recipe import GatedOutputAttention, LayerRecipe, RecipeAttention, RecipeLayer
 from .recurrent import RecurrentStates
+from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
 
 # checkpoint names of an attention layer -> ours
 ATTENTION_NAMES = {"out_proj": "o_proj", "q_layernorm": "q_norm", "k_layernorm": "k_norm"}
@@ -113,6 +116,52 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))
+
+
+class Lfm3ForCausalLM(Lfm2ForCausalLM):
+    """LFM3: LFM2's layers with sliding-window attention layers beside the full ones, a rotary
+    table per kind (the full layers' proportional, over part of each head), each head's output
+    gated by a sigmoid of its own projection (`use_attention_gate`), the mixer's and the MLP's
+    outputs normed before the residual add (`use_sandwich_norm`), an MLP of the configured
+    width."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf, kind = self.hf, layer_types_of(self.hf)[i]
+        sandwich = hf.get("use_sandwich_norm", True)
+        bias = hf.get("attention_bias", False)
+        return LayerRecipe(
+            post_attn="post_operator_norm" if sandwich else None,
+            post_mlp="post_ffn_norm" if sandwich else None,
+            qk_norm="head",
+            qkv_bias=bias,
+            o_bias=bias,
+            window=layer_window_of(hf, i),
+            rope_table=LAYER_KINDS.index(kind) if kind in LAYER_KINDS else 0,
+        )
+
+    def make_layer(self, i: int) -> nn.Module:
+        if not is_attention_layer(layer_types_of(self.hf)[i]):
+            return super().make_layer(i)
+        recipe, kv_index = self.layer_recipe(i), self.kv_index_of(i)
+        if self.hf.get("use_attention_gate", True):
+            attention = GatedOutputAttention(
+                self.cfg, kv_index, self.tp, recipe, "sigmoid", per_head=True
+            )
+        else:
+            attention = RecipeAttention(self.cfg, kv_index, self.tp, recipe)
+        return self.make_decoder_layer(i, attention)
+
+    def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
+        return RecipeLayer(self.cfg, self.tp, self.layer_recipe(i), mixer, self.make_mlp(i))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        return SwiGLU(self.cfg.hidden_size, self.cfg.intermediate_size, "silu")
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        return rotaries_by_kind(self.hf, self.cfg.head_dim, max_positions)
+
+    def rename(self, name: str) -> str | None:
+        return super().rename(name.replace(".self_attn.gate_proj.", ".self_attn.g_proj."))
 
 
 def feed_forward_size(hf: dict) -> int:

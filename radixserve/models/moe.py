@@ -24,7 +24,8 @@ class Routing:
     """How a router turns its logits into `(weights [T, k], experts [T, k])`.
 
     `kind`: "softmax_topk" (softmax over all experts, then top-k: Mixtral, Qwen3-MoE),
-    "topk_softmax" (top-k logits, softmax over them: gpt-oss), "grouped_sigmoid" (sigmoid
+    "topk_softmax" (top-k logits, softmax over them: gpt-oss), "topk_sigmoid" (top-k logits,
+    each through a sigmoid: Command A MoE), "grouped_sigmoid" (sigmoid
     scores, plus a correction bias for the choice only, top groups by their two best first:
     DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
     best first: DeepSeek-V2; in one group with a correction bias: ERNIE 4.5), "sparsemixer"
@@ -52,6 +53,9 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
     elif routing.kind == "topk_softmax":
         top, experts = logits.topk(routing.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
+    elif routing.kind == "topk_sigmoid":
+        top, experts = logits.topk(routing.top_k, dim=-1)
+        weights = top.float().sigmoid()
     elif routing.kind == "sparsemixer":
         return _sparsemixer(logits.float(), routing.jitter)
     elif routing.kind == "grouped_softmax":
@@ -163,7 +167,8 @@ class Experts(nn.ModuleList):
 
 class SparseMoE(nn.Module):
     """Router (`gate`, a plain linear layer of `[E, hidden]`) and experts; `shared`: experts
-    every token runs (DeepSeek). The caller all-reduces the output."""
+    every token runs (DeepSeek); `output_scale`: the sum's scale (Command A MoE averages the
+    routed and shared outputs). The caller all-reduces the output."""
 
     def __init__(
         self,
@@ -173,9 +178,10 @@ class SparseMoE(nn.Module):
         router_bias: bool = False,
         correction_bias: bool = False,
         shared: nn.Module | None = None,
+        output_scale: float = 1.0,
     ):
         super().__init__()
-        self.routing = routing
+        self.routing, self.output_scale = routing, output_scale
         self.gate = nn.Linear(hidden, experts.num_experts, bias=router_bias)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(experts.num_experts)) if correction_bias else None
@@ -189,7 +195,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, chosen)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out * self.output_scale if self.output_scale != 1.0 else out
 
 
 class GatedSharedExpert(nn.Module):

@@ -1,20 +1,28 @@
 """Mixture-of-experts families that are recipes over the shared decoder (`recipe`) with sparse
-MLPs (`moe`): OLMoE, GLM-4.5 (DeepSeek's MoE block under GQA attention), MiniMax-M2, PhiMoE;
-and DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing) and GLM-4.7-Flash (its MLA and MoE)."""
+MLPs (`moe`): OLMoE and FlexOlmo, GLM-4.5 and dots.llm1 (DeepSeek's MoE block under GQA
+attention), MiniMax-M2, PhiMoE, ERNIE 4.5 MoE, HunYuan MoE, Hunyuan 3; and DeepSeek-V2
+(DeepSeek-V3's MLA, softmax routing) and GLM-4.7-Flash (its MLA and MoE). Those whose attention
+differs by layer kind are in `kind_moe_families`."""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
+
 from torch import nn
 
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .dense_families import Ernie4_5ForCausalLM, HunYuanDenseV1ForCausalLM, layer_window_of
+from .dense_families import (
+    POST_NORMS,
+    Ernie4_5ForCausalLM,
+    HunYuanDenseV1ForCausalLM,
+    layer_window_of,
+)
 from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
-from .recipe import LayerRecipe, ModelRecipe, RecipeAttention, RecipeCausalLM, rotary_fraction
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, rotary_fraction
 
 
 class MoeRecipeLM(RecipeCausalLM):
@@ -43,6 +51,13 @@ class OlmoeForCausalLM(MoeRecipeLM):
         )
         experts = self.experts(hf["num_experts"], hf["intermediate_size"])
         return SparseMoE(self.cfg.hidden_size, experts, routing)
+
+
+class FlexOlmoForCausalLM(OlmoeForCausalLM):
+    """AI2's FlexOlmo: OLMoE's experts under OLMo 2's layer (norms after each sublayer only)."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return replace(super().layer_recipe(i), **POST_NORMS)
 
 
 class Glm4MoeForCausalLM(MoeRecipeLM):
@@ -190,90 +205,6 @@ class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))
-
-
-class ExaoneMoeForCausalLM(MoeRecipeLM):
-    """K-EXAONE: EXAONE 4's attention (q and k normed per head; with sliding windows only the
-    window layers rotate) under Llama's norms, DeepSeek's MoE block where `mlp_layer_types`
-    says "sparse"."""
-
-    def layer_recipe(self, i: int) -> LayerRecipe:
-        window = layer_window_of(self.hf, i)
-        rope = window is not None or not self.hf.get("sliding_window")
-        return LayerRecipe(qk_norm="head", rope=rope, window=window)
-
-    def make_mlp(self, i: int) -> nn.Module:
-        hf = self.hf
-        if hf["mlp_layer_types"][i] != "sparse":
-            return super().make_mlp(i)
-        names = dict(
-            n_routed_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts")
-        )
-        return deepseek_moe({**hf, **names}, self.cfg.hidden_size, self.tp)
-
-    def rename(self, name: str) -> str | None:
-        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
-
-
-class OutputGatedAttention(RecipeAttention):
-    """Attention whose output is gated per channel by the sigmoid of its own projection of the
-    layer's input (`gate_proj`), before o_proj."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe):
-        super().__init__(cfg, layer, tp, recipe)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.q_size)
-
-    def forward(self, x, ropes, backend):
-        out = self.attend(x, ropes, backend)[1]
-        gate = torch.sigmoid(self.gate_proj(x).float()).to(out.dtype)
-        return self.tp.all_reduce(self.o_proj(out * gate.view(out.shape)))
-
-
-class AfmoeForCausalLM(MoeRecipeLM):
-    """Arcee's AFMoE (Trinity): norms before and after each sublayer, q and k normed per head,
-    the rotary on the sliding-window layers only, attention gated by its own projection; after
-    `num_dense_layers` dense layers, sigmoid-routed experts (chosen by score plus
-    `expert_bias`, renormalized, times `route_scale`) beside shared experts; µP scales the
-    embedding by sqrt(hidden) where `mup_enabled`."""
-
-    @classmethod
-    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
-        return ModelRecipe(embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else None)
-
-    def layer_recipe(self, i: int) -> LayerRecipe:
-        window = layer_window_of(self.hf, i)
-        return LayerRecipe(
-            post_attn="post_attention_layernorm",
-            pre_mlp="pre_mlp_layernorm",
-            post_mlp="post_mlp_layernorm",
-            qk_norm="head",
-            rope=window is not None,
-            window=window,
-        )
-
-    def make_layer(self, i: int) -> nn.Module:
-        layer = super().make_layer(i)
-        layer.self_attn = OutputGatedAttention(self.cfg, i, self.tp, self.layer_recipe(i))
-        return layer
-
-    def make_mlp(self, i: int) -> nn.Module:
-        hf, hidden = self.hf, self.cfg.hidden_size
-        if i < hf.get("num_dense_layers", 1):
-            return super().make_mlp(i)
-        routing = Routing(
-            "grouped_sigmoid",
-            hf["num_experts_per_tok"],
-            renormalize=True,
-            scaling=hf.get("route_scale", 1.0),
-        )
-        width = hf["moe_intermediate_size"] * hf.get("num_shared_experts", 0)
-        shared = SwiGLU(hidden, width // self.tp.size) if width else None
-        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
-        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
-
-    def rename(self, name: str) -> str | None:
-        name = name.replace(".mlp.router.gate.", ".mlp.gate.")
-        return name.replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
 
 
 class HYV3ForCausalLM(MoeRecipeLM):

@@ -23,7 +23,7 @@ from ..attention import LayerAttention
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM
-from .layers import RMSNorm, SwiGLU
+from .layers import Linear, RMSNorm, SwiGLU
 from .rotary import RotaryEmbedding
 
 NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
@@ -58,7 +58,9 @@ class ModelRecipe:
     logit_scale: float = 1.0
     interleaved_rope: bool = False
     rotary_fraction: float = 1.0  # of each head's dims
-    norm: str = "rms"  # "layer": mean-subtracting, weight only (Cohere); "layer_bias": PhiMoE's
+    # "layer": mean-subtracting, weight only (Cohere); "layer_bias": PhiMoE's; "layer_1p": with a
+    # bias and `(1 + w)` weights (Nemotron); "gemma": RMS with `(1 + w)` weights
+    norm: str = "rms"
 
 
 def llama_biases(hf: dict) -> dict:
@@ -101,22 +103,27 @@ class UnweightedNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm in float32, with a bias or (Cohere) without."""
+    """LayerNorm in float32, with a bias or (Cohere) without; `offset` is added to the weight
+    (Nemotron's `1 + w`)."""
 
-    def __init__(self, size: int, eps: float, bias: bool = False):
+    def __init__(self, size: int, eps: float, bias: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.bias = nn.Parameter(torch.zeros(size)) if bias else None
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        out = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
-        return out.to(x.dtype)
+        weight = self.weight.float() + self.offset
+        return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)
 
 
 def norm_class(recipe: ModelRecipe):
     """The norm a model's recipe names, as `cls(size, eps)`."""
+    if recipe.norm == "gemma":
+        return partial(RMSNorm, weight_offset=1.0)
+    if recipe.norm == "layer_1p":
+        return partial(LayerNorm, bias=True, offset=1.0)
     return RMSNorm if recipe.norm == "rms" else partial(LayerNorm, bias=recipe.norm == "layer_bias")
 
 
@@ -147,6 +154,31 @@ class RecipeAttention(Attention):
         cfg = self.cfg
         q = self.q_norm(q).view(-1, cfg.num_heads, cfg.head_dim)
         return q, self.k_norm(k).view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+
+class GatedOutputAttention(RecipeAttention):
+    """Attention whose output is scaled, before o_proj, by `activation` ("sigmoid" or
+    "softplus") of the layer input's own projection (`g_proj`): one gate per channel (AFMoE,
+    Laguna's "per-element") or per head, broadcast over its dims (Laguna, LFM3)."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe, activation: str,
+        per_head: bool,
+    ):  # fmt: skip
+        super().__init__(cfg, layer, tp, recipe)
+        self.activation = {"sigmoid": torch.sigmoid, "softplus": F.softplus}[activation]
+        self.per_head = per_head
+        self.g_proj = Linear(cfg.hidden_size, cfg.num_heads if per_head else cfg.q_size)
+
+    def forward(self, x, ropes, backend):
+        out = self.attend(x, ropes, backend)[1]
+        gate = self.activation(self.g_proj(x).float()).to(out.dtype)
+        if self.per_head:
+            heads = out.view(-1, self.cfg.num_heads, self.cfg.head_dim)
+            out = (heads * gate.unsqueeze(-1)).view(out.shape)
+        else:
+            out = out * gate.view(out.shape)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class RecipeLayer(nn.Module):

@@ -149,11 +149,13 @@ def rotaries_by_kind(
     hf: dict, head_dim: int, max_positions: int, default_fraction: float = 1.0
 ) -> list[RotaryEmbedding]:
     """One rotary table per layer kind (`LAYER_KINDS`) where `rope_parameters` is keyed by
-    kind (MiMo-V2-Flash, Laguna), each over its own share of each head's dims."""
+    kind (MiMo-V2-Flash, Laguna, LFM3), each over its own share of each head's dims (all of
+    them for a proportional rope, which keeps the rest unturned itself)."""
     ropes, tables = hf["rope_parameters"], []
     for kind in LAYER_KINDS:
-        rope = ropes.get(kind, ropes)
-        width = int(head_dim * rope.get("partial_rotary_factor", default_fraction))
+        rope = ropes.get(kind) or ropes.get("full_attention") or ropes
+        fraction = rope.get("partial_rotary_factor", default_fraction)
+        width = head_dim if rope.get("rope_type") == "proportional" else int(head_dim * fraction)
         scaling = rope_scaling_of(rope)
         tables.append(RotaryEmbedding(width, max_positions, rope["rope_theta"], scaling))
     return tables

@@ -1,0 +1,100 @@
+"""Dense families of LayerNorms with a bias, as recipes over the shared decoder: Phi-2
+(attention and MLP side by side on one norm, a partial rotary, a biased LM head), StarCoder2
+(biases everywhere, a window), Nemotron (Nemotron-4, Minitron: `1 + w` LayerNorms, a partial
+rotary, a squared-ReLU MLP), Jais 2 (Llama's biases, a squared-ReLU MLP), all with MLPs without
+a gate; and StableLM (a partial rotary, Llama's gated MLP, attention and MLP side by side where
+`use_parallel_residual`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..distributed import TPGroup
+from ..model_config import ModelConfig
+from .layers import Linear, PlainMLP
+from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
+
+GATELESS_NAMES = {".mlp.fc1.": ".mlp.up_proj.", ".mlp.fc2.": ".mlp.down_proj.",
+                  ".mlp.c_fc.": ".mlp.up_proj.", ".mlp.c_proj.": ".mlp.down_proj."}  # fmt: skip
+
+
+class GatelessRecipeLM(RecipeCausalLM):
+    """An MLP of `up_proj`, the activation and `down_proj` (checkpoints' fc1/fc2 or c_fc/c_proj),
+    biased where `mlp_bias`."""
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg, hf = self.cfg, self.hf
+        bias = self.layer_recipe(i).mlp_bias
+        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, hf.get("hidden_act"), bias=bias)
+
+    def rename(self, name: str) -> str | None:
+        for theirs, ours in GATELESS_NAMES.items():
+            name = name.replace(theirs, ours)
+        return name
+
+
+class PhiForCausalLM(GatelessRecipeLM):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        if cfg.hf_config.get("qk_layernorm"):
+            raise ValueError("config.json: qk_layernorm is not implemented for Phi")
+        super().__init__(cfg, max_positions, tp)
+        self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=True)
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias", rotary_fraction=rotary_fraction(hf, 0.5))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(pre_mlp=None, parallel=True, qkv_bias=True, o_bias=True, mlp_bias=True)
+
+    def rename(self, name: str) -> str | None:
+        name = super().rename(name).replace(".self_attn.dense.", ".self_attn.o_proj.")
+        return name.replace("model.final_layernorm.", "model.norm.")
+
+
+class Starcoder2ForCausalLM(GatelessRecipeLM):
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias")
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("use_bias", True)
+        window = self.hf.get("sliding_window")
+        return LayerRecipe(qkv_bias=bias, o_bias=bias, mlp_bias=bias, window=window)
+
+
+class NemotronForCausalLM(GatelessRecipeLM):
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_1p", rotary_fraction=rotary_fraction(hf, 0.5))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf))
+
+
+class StableLmForCausalLM(RecipeCausalLM):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        if cfg.hf_config.get("qk_layernorm"):
+            raise ValueError("config.json: qk_layernorm is not implemented for StableLM")
+        super().__init__(cfg, max_positions, tp)
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias", rotary_fraction=rotary_fraction(hf, 0.25))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        parallel = self.hf.get("use_parallel_residual", False)
+        return LayerRecipe(
+            pre_mlp=None if parallel else "post_attention_layernorm",
+            parallel=parallel,
+            qkv_bias=self.hf.get("use_qkv_bias", False),
+        )
+
+
+class Jais2ForCausalLM(GatelessRecipeLM):
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias")
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf))

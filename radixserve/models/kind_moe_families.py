@@ -1,0 +1,156 @@
+"""Mixture-of-experts families whose attention layers differ by kind (windows, a rotary per
+kind or on the window layers only, output gates), as recipes over the shared decoder: K-EXAONE,
+AFMoE, Command A MoE, Mellum."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from .dense_families import Cohere2ForCausalLM, layer_window_of
+from .layers import SwiGLU
+from .moe import Routing, SparseMoE, deepseek_moe
+from .moe_families import MoeRecipeLM
+from .recipe import GatedOutputAttention, LayerRecipe, ModelRecipe
+from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
+
+
+class ExaoneMoeForCausalLM(MoeRecipeLM):
+    """K-EXAONE: EXAONE 4's attention (q and k normed per head; with sliding windows only the
+    window layers rotate) under Llama's norms, DeepSeek's MoE block where `mlp_layer_types`
+    says "sparse"."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = layer_window_of(self.hf, i)
+        rope = window is not None or not self.hf.get("sliding_window")
+        return LayerRecipe(qk_norm="head", rope=rope, window=window)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        if hf["mlp_layer_types"][i] != "sparse":
+            return super().make_mlp(i)
+        names = dict(
+            n_routed_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts")
+        )
+        return deepseek_moe({**hf, **names}, self.cfg.hidden_size, self.tp)
+
+    def rename(self, name: str) -> str | None:
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+class AfmoeForCausalLM(MoeRecipeLM):
+    """Arcee's AFMoE (Trinity): norms before and after each sublayer, q and k normed per head,
+    the rotary on the sliding-window layers only, attention gated by its own projection; after
+    `num_dense_layers` dense layers, sigmoid-routed experts (chosen by score plus
+    `expert_bias`, renormalized, times `route_scale`) beside shared experts; µP scales the
+    embedding by sqrt(hidden) where `mup_enabled`."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else None)
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = layer_window_of(self.hf, i)
+        return LayerRecipe(
+            post_attn="post_attention_layernorm",
+            pre_mlp="pre_mlp_layernorm",
+            post_mlp="post_mlp_layernorm",
+            qk_norm="head",
+            rope=window is not None,
+            window=window,
+        )
+
+    def make_layer(self, i: int) -> nn.Module:
+        layer = super().make_layer(i)
+        layer.self_attn = GatedOutputAttention(
+            self.cfg, i, self.tp, self.layer_recipe(i), "sigmoid", per_head=False
+        )
+        return layer
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        if i < hf.get("num_dense_layers", 1):
+            return super().make_mlp(i)
+        routing = Routing(
+            "grouped_sigmoid",
+            hf["num_experts_per_tok"],
+            renormalize=True,
+            scaling=hf.get("route_scale", 1.0),
+        )
+        width = hf["moe_intermediate_size"] * hf.get("num_shared_experts", 0)
+        shared = SwiGLU(hidden, width // self.tp.size) if width else None
+        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
+        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+
+    def rename(self, name: str) -> str | None:
+        name = name.replace(".mlp.router.gate.", ".mlp.gate.")
+        name = name.replace(".self_attn.gate_proj.", ".self_attn.g_proj.")
+        return name.replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
+
+
+class Cohere2MoeForCausalLM(MoeRecipeLM, Cohere2ForCausalLM):
+    """Command A MoE: Command A's parallel block (an RMS norm where `rms_norm_eps` is set) over
+    dense MLPs (`prefix_dense_intermediate_size`; rotated in every layer where
+    `prefix_dense_sliding_window_pattern` is 1) and then experts chosen by their top-k logits
+    (a softmax over them, or each one's sigmoid), beside shared experts summed or averaged
+    (`shared_expert_combination_strategy`)."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        norm = "rms" if hf.get("rms_norm_eps") is not None else "layer"
+        return replace(super().model_recipe_of(hf), norm=norm)
+
+    def dense(self, i: int) -> bool:
+        return self.hf["mlp_layer_types"][i] == "dense"
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        recipe = super().layer_recipe(i)
+        always = self.dense(i) and self.hf.get("prefix_dense_sliding_window_pattern", 1) == 1
+        return replace(recipe, rope=recipe.rope or always)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden, act = self.hf, self.cfg.hidden_size, self.hf.get("hidden_act", "silu")
+        if self.dense(i):
+            return SwiGLU(hidden, hf["prefix_dense_intermediate_size"] // self.tp.size, act)
+        sigmoid = hf.get("expert_selection_fn", "softmax") == "sigmoid"
+        routing = Routing(
+            "topk_sigmoid" if sigmoid else "topk_softmax",
+            hf["num_experts_per_tok"],
+            renormalize=sigmoid and hf.get("norm_topk_prob", True),
+        )
+        experts = self.experts(hf["num_experts"], hf["intermediate_size"])
+        width = hf["intermediate_size"] * (hf.get("num_shared_experts") or 0)
+        shared = SwiGLU(hidden, width // self.tp.size) if width else None
+        average = shared and hf.get("shared_expert_combination_strategy", "average") == "average"
+        scale = 0.5 if average else 1.0
+        return SparseMoE(hidden, experts, routing, shared=shared, output_scale=scale)
+
+
+class MellumForCausalLM(MoeRecipeLM):
+    """JetBrains' Mellum: Qwen3-MoE's attention with windows by `layer_types`, a rotary table
+    per layer kind, dense or softmax top-k sparse MLPs by `mlp_layer_types`; its
+    multi-token-prediction layer (`mtp.*`) is not served."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        hf, bias = self.hf, self.hf.get("attention_bias", False)
+        kind = hf["layer_types"][i]
+        window, table = layer_window_of(hf, i), LAYER_KINDS.index(kind)
+        return LayerRecipe(
+            qkv_bias=bias, o_bias=bias, qk_norm="head", window=window, rope_table=table
+        )
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf = self.hf
+        if hf["mlp_layer_types"][i] != "sparse":
+            return super().make_mlp(i)
+        routing = Routing("softmax_topk", hf["num_experts_per_tok"], hf.get("norm_topk_prob", True))
+        count = hf.get("num_local_experts", hf.get("num_experts"))
+        experts = self.experts(count, hf["moe_intermediate_size"])
+        return SparseMoE(self.cfg.hidden_size, experts, routing)
+
+    def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
+        return rotaries_by_kind(self.hf, self.cfg.head_dim, max_positions)
+
+    def rename(self, name: str) -> str | None:
+        return None if name.startswith("mtp.") else name
