@@ -10,7 +10,7 @@ from torch import nn
 
 from .dense_families import Cohere2ForCausalLM, layer_window_of
 from .layers import SwiGLU
-from .moe import Routing, SparseMoE, deepseek_moe
+from .moe import Routing, SparseMoE, corrected_sigmoid_moe, deepseek_moe
 from .moe_families import MoeRecipeLM
 from .recipe import GatedOutputAttention, LayerRecipe, ModelRecipe
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
@@ -72,16 +72,10 @@ class AfmoeForCausalLM(MoeRecipeLM):
         hf, hidden = self.hf, self.cfg.hidden_size
         if i < hf.get("num_dense_layers", 1):
             return super().make_mlp(i)
-        routing = Routing(
-            "grouped_sigmoid",
-            hf["num_experts_per_tok"],
-            renormalize=True,
-            scaling=hf.get("route_scale", 1.0),
-        )
         width = hf["moe_intermediate_size"] * hf.get("num_shared_experts", 0)
-        shared = SwiGLU(hidden, width // self.tp.size) if width else None
         experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
-        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+        top_k, scale = hf["num_experts_per_tok"], hf.get("route_scale", 1.0)
+        return corrected_sigmoid_moe(hidden, experts, self.tp, top_k, scale, width)
 
     def rename(self, name: str) -> str | None:
         name = name.replace(".mlp.router.gate.", ".mlp.gate.")

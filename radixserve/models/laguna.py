@@ -13,8 +13,7 @@ from dataclasses import replace
 from torch import nn
 
 from .dense_families import layer_window_of
-from .layers import SwiGLU
-from .moe import Routing, SparseMoE
+from .moe import corrected_sigmoid_moe
 from .moe_families import MoeRecipeLM
 from .recipe import GatedOutputAttention, LayerRecipe, RecipeLayer
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
@@ -45,16 +44,16 @@ class LagunaForCausalLM(MoeRecipeLM):
         kinds = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
         if kinds[i] != "sparse":
             return super().make_mlp(i)
-        routing = Routing(
-            "grouped_sigmoid",
+        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
+        return corrected_sigmoid_moe(
+            hidden,
+            experts,
+            self.tp,
             hf["num_experts_per_tok"],
-            renormalize=True,
             scaling=hf.get("moe_routed_scaling_factor", 1.0),
+            shared_width=hf["shared_expert_intermediate_size"],
             softcap=hf.get("moe_router_logit_softcapping") or 0.0,
         )
-        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
-        shared = SwiGLU(hidden, hf["shared_expert_intermediate_size"] // self.tp.size)
-        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         return rotaries_by_kind(self.hf, self.cfg.head_dim, max_positions)

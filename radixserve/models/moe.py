@@ -219,6 +219,17 @@ def shared_expert_name(name: str) -> str:
     return SHARED_EXPERT.sub(lambda m: ".mlp.shared_experts." + ("gate." if m[1] else "mlp."), name)
 
 
+def corrected_sigmoid_moe(
+    hidden: int, experts: Experts, tp: TPGroup, top_k: int, scaling: float = 1.0,
+    shared_width: int = 0, softcap: float = 0.0,
+) -> SparseMoE:  # fmt: skip
+    """Sigmoid scores, experts chosen by score plus a correction bias, renormalized and times
+    `scaling`, beside a shared MLP `shared_width` wide where it is > 0 (AFMoE, Laguna)."""
+    routing = Routing("grouped_sigmoid", top_k, True, scaling=scaling, softcap=softcap)
+    shared = SwiGLU(hidden, shared_width // tp.size) if shared_width else None
+    return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+
+
 def deepseek_routing(hf: dict) -> Routing:
     """DeepSeek's router from its config: V2's softmax scores (`topk_method` "greedy" or
     "group_limited_greedy"), else corrected sigmoid scores (V3, and Nemotron 3's), in groups."""
