@@ -253,6 +253,33 @@ def test_hybrid_family_matches_hf(tmp_path, family):
     torch.testing.assert_close(got, expected[:, 0], rtol=1e-4, atol=1e-4)
 
 
+def test_a_hybrids_window_layers_free_kv_and_keep_it_before_each_snapshot(tmp_path):
+    """LFM3's window layers keep their KV apart, freed once it falls behind the window, and the
+    tree keeps the window before each state snapshot: a prompt sharing the first 60 tokens of
+    an earlier one resumes from the snapshot at 48 (an interval) and leaves one where it
+    branched, from which a third branching there resumes; HF's tokens every time."""
+    model, path = build_checkpoint(tmp_path, "lfm3")
+    branch = PROMPTS[1][:60] + list(range(400, 420))
+    again = PROMPTS[1][:60] + list(range(300, 310))
+    with Engine(
+        model=str(path),
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        dtype="float32",
+        mamba_track_interval=24,
+    ) as eng:
+        first = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+        second = eng.generate(input_ids=branch, sampling_params=GREEDY)
+        third = eng.generate(input_ids=again, sampling_params=GREEDY)
+        eng.check_memory()
+        window = eng.get_stats().hybrid_memory
+    assert window["window_kv_capacity_tokens"] > 0
+    assert first["output_ids"] == hf_greedy(model, PROMPTS[1])
+    assert second["output_ids"] == hf_greedy(model, branch)
+    assert third["output_ids"] == hf_greedy(model, again)
+    assert [r["meta_info"]["cached_tokens"] for r in (second, third)] == [48, 60]
+
+
 def test_a_squeezed_snapshot_pool_evicts_and_stays_exact(tmp_path):
     """Two snapshot slots and a KV pool smaller than the traffic: 50 two-turn conversations as
     two batches all finish equal to HF with nothing leaked (snapshots evicted least recently

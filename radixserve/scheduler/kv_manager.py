@@ -17,7 +17,7 @@ from ..mem.radix_node import top_prefixes, walk
 from ..messages import SchedulerStats
 from .executor import Executor
 from .req import Req
-from .snapshots import StateSnapshots
+from .snapshots import StateSnapshots, at_snapshot
 from .tiers import Tiers
 from .window_memory import WindowMemory
 
@@ -68,10 +68,12 @@ class KVManager:
             slots, node = self.tiers.extend(prefix, slots, node, req.cache_salt)
         if (edge := req.image_edge(len(slots), forward=False)) < len(slots):
             slots, node = self.cache.match_prefix(prefix[:edge], req.cache_salt)
-        if self.snapshots is not None:
-            slots, node = self.snapshots.cut(req, slots, node)
+        matched = len(slots)
+        if self.snapshots is not None:  # (the tree keeps the window before each snapshot)
+            slots, node = at_snapshot(slots, node)
         if self.windows is not None:
             slots, node = self.windows.cut(req, prefix, slots, node, self.cache)
+        req.branch_at = matched if matched > len(slots) else None  # where it left the path
         return slots, node
 
     def match_length(self, req: Req) -> tuple[int, TreeNode]:
@@ -173,7 +175,7 @@ class KVManager:
         if self.snapshots is not None:
             self.snapshots.keep(req, node, aligned, ending, self.executor.copy_state)
         if self.windows is not None:
-            self.windows.cached(req, aligned, slots)
+            self.windows.cached(req, aligned, slots, snapshot=node.snapshot is not None)
         if self.tiers is not None:
             self.tiers.back_up_prefix(key, slots, node, req.cache_salt)
 

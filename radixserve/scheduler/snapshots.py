@@ -61,13 +61,6 @@ class StateSnapshots:
         assert in_tree == len(self.held), f"{len(self.held)} snapshots held, {in_tree} in the tree"
 
     # ---- a request's way through the tree -----------------------------------------
-    def cut(self, req: Req, slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
-        """A match cut back to its deepest snapshot; `req.branch_at` where it left the path."""
-        cached = len(slots)
-        slots, node = at_snapshot(slots, node)
-        req.branch_at = cached if cached > len(slots) else None
-        return slots, node
-
     def resume(self, req: Req, slots: list[int], node: TreeNode, copy_state: CopyState) -> None:
         """The request's row takes the state where its cached prefix ends."""
         if slots:

@@ -1,7 +1,8 @@
 """The scheduler's side of window layers' KV kept apart (`mem/window_kv.py`), request by
 request: a match cut back to where the window KV before it is whole, a request's window slots
 allocated with its slots and freed as its tokens fall behind its window, and the tree keeping
-them where prompts end and where requests leave a cached path."""
+them where prompts end, where requests leave a cached path and, in a hybrid model, where a
+state snapshot is kept (its resumption needs both)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ class WindowMemory:
         self.window = info.window
 
     def cut(self, req: Req, prefix: list[int], slots: list[int], node: TreeNode, cache):
-        """The match cut back to where it resumes; `req.branch_at` where it left the path."""
-        cached = len(slots)
-        if (resumable := self.kv.resumable(slots)) < cached:
+        """The match cut back to where the window KV before it is whole."""
+        if (resumable := self.kv.resumable(slots)) < len(slots):
             slots, node = cache.match_prefix(prefix[:resumable], req.cache_salt)
-        req.branch_at = cached if cached > len(slots) else None
         return slots, node
 
     def attach(self, req: Req, slots: list[int]) -> None:
@@ -50,11 +49,12 @@ class WindowMemory:
                 req.kv_slots, req.row, req.window_trimmed, len(req.kv_slots)
             )
 
-    def cached(self, req: Req, aligned: int, slots: list[int]) -> None:
+    def cached(self, req: Req, aligned: int, slots: list[int], snapshot: bool = False) -> None:
         """The request's first `aligned` tokens are in the tree (as `slots`): where its prompt
-        ends or it left a cached path, the tree keeps their window KV."""
-        if aligned in (req.branch_at, len(req.fill_ids) - 1):
-            self.kv.hand_to_tree(slots[aligned - self.window - 1 :])
+        ends, where it left a cached path, and where a hybrid model keeps a state snapshot
+        (`snapshot`), the tree keeps the window KV before that point."""
+        if snapshot or aligned in (req.branch_at, len(req.fill_ids) - 1):
+            self.kv.hand_to_tree(slots[max(0, aligned - self.window - 1) : aligned])
 
     def figures(self) -> dict:
         return {

@@ -55,8 +55,6 @@ def window_layers(model, args: EngineArgs, device: torch.device) -> WindowLayers
             ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
             ("enable_torch_compile", args.enable_torch_compile),
             ("images attended both ways", getattr(model, "whole_images", False)),
-            # a state snapshot resumes only where the window before it still holds its KV
-            ("state snapshots (recurrent or convolution layers)", model.cfg.keeps_state),
         )
         if on
     ]
