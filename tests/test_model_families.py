@@ -178,6 +178,11 @@ FAMILIES = {
             shared_intermediate_size=48,
         ),
     ),  # fmt: skip
+    "hyperclovax": (  # Granite's multipliers, logits multiplied, norms after each sublayer too
+        hf.HyperCLOVAXConfig,
+        hf.HyperCLOVAXForCausalLM,
+        dict(GRANITE_MUP, head_dim=16),
+    ),
     "granite_swa": (  # windows, a sink logit per head, a rotary base per layer (0: none)
         hf.GraniteSWAConfig,
         hf.GraniteSWAForCausalLM,
@@ -718,7 +723,7 @@ def test_family_matches_hf(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum"]
+    "family", ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum", "hyperclovax"]
 )
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny

@@ -3,6 +3,8 @@ its config, where its norms sit and what its layers add to Llama's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,21 @@ class GraniteForCausalLM(RecipeCausalLM):
             attention_scale=hf.get("attention_multiplier"),
             residual_scale=hf.get("residual_multiplier", 1.0),
         )
+
+
+class HyperCLOVAXForCausalLM(GraniteForCausalLM):
+    """Naver's HyperCLOVA X: Granite's multipliers with logits multiplied (not divided) by
+    `logits_scaling` and, where `use_post_norm`, a norm after each sublayer too."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return replace(super().model_recipe_of(hf), logit_scale=hf.get("logits_scaling", 1.0))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        recipe = super().layer_recipe(i)
+        if not self.hf.get("use_post_norm", True):
+            return recipe
+        return replace(recipe, post_attn="post_norm1", post_mlp="post_norm2")
 
 
 class SeedOssForCausalLM(RecipeCausalLM):
