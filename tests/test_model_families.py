@@ -862,6 +862,33 @@ def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_pat
             Engine(model=str(path), dtype="float32", max_total_tokens=256, **option)
 
 
+def test_laguna_refuses_what_its_layers_of_several_head_counts_do_not_run_with(tmp_path):
+    """LoRA's slots and FlashInfer's plan assume one query-head count in every layer: refused at
+    start-up, named; a router weight on the experts' input ends start-up in one line naming
+    the field."""
+    from radixserve.attention import resolve_backend_name
+
+    _, path = build_checkpoint(tmp_path, "laguna")
+    lora = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="enable_lora.*several head counts"):
+        Engine(model=str(path), dtype="float32", max_total_tokens=256, **lora)
+    with pytest.raises(ValueError, match="flashinfer.*head_counts"):
+        resolve_backend_name("flashinfer", "cuda", frozenset({"head_counts"}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(
+        json.dumps(dict(config, moe_apply_router_weight_on_input=True))
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0
+    assert len(lines) == 1 and "moe_apply_router_weight_on_input" in lines[0], proc.stderr
+
+
 def test_gemma4_hub_config_gives_the_same_pool_as_transformers_own(tmp_path):
     """Gemma 4's configs on the hub name the global layers' shape by `global_head_dim` and
     `num_global_key_value_heads`; transformers 5 saves it as `per_layer_config`: the same pool

@@ -334,14 +334,14 @@ def model_problems(cfg: ModelConfig, args: EngineArgs):
 
 
 def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):
-    """What a model whose layers differ in KV heads or head dim (Gemma 4, MiMo-V2-Flash) does
-    not run with yet."""
+    """What a model whose layers differ in KV heads or head dim (Gemma 4, MiMo-V2-Flash), or in
+    query heads (Laguna), does not run with yet."""
+    lora = ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths))
+    if len(set(cfg.hf_config.get("num_attention_heads_per_layer") or ())) > 1 and lora[1]:
+        yield f"{lora[0]} with {cfg.architecture}'s layers of several head counts is not supported"
     if cfg.kv_layer_dims is None:
         return
-    for name, on in (
-        ("disaggregation_mode", args.disaggregation_mode != "null"),
-        ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
-    ):
+    for name, on in (("disaggregation_mode", args.disaggregation_mode != "null"), lora):
         if on:
             yield f"{name} with {cfg.architecture}'s layers of two KV shapes is not supported yet"
 
