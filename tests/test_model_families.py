@@ -780,6 +780,10 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "hy_v3",
         "granite_swa",
         "cohere2_moe",
+        "dots1",
+        "mellum",
+        "granitemoe_swa",
+        "stablelm_parallel",
     ],
 )
 def test_tensor_parallel_matches_hf(tmp_path, family):
