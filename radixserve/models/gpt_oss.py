@@ -5,7 +5,6 @@ logits."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import Iterable
 
@@ -13,18 +12,10 @@ import torch
 from torch import nn
 
 from ..attention import LayerAttention
-from ..distributed import TPGroup
-from ..model_config import ModelConfig
 from .decoder import Attention, CausalLM, DecoderLayer, layer_window
 from .layers import SwiGLU
 from .moe import Experts, Routing, SparseMoE
-
-
-class SinkAttention(Attention):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, how: LayerAttention):
-        super().__init__(cfg, layer, tp, how, qkv_bias=True, o_bias=True)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
-        self.how = replace(how, sinks=self.sinks)
+from .recipe import with_sinks
 
 
 class ClampedSwiGLU(SwiGLU):
@@ -65,7 +56,8 @@ def per_expert(weights: Iterable[tuple[str, torch.Tensor]]):
 class GptOssForCausalLM(CausalLM):
     def make_layer(self, i: int) -> nn.Module:
         cfg, hf = self.cfg, self.hf
-        attention = SinkAttention(cfg, i, self.tp, LayerAttention(window=layer_window(hf, i)))
+        how = LayerAttention(window=layer_window(hf, i))
+        attention = with_sinks(Attention(cfg, i, self.tp, how, qkv_bias=True, o_bias=True))
         routing = Routing("topk_softmax", hf["num_experts_per_tok"])
         experts = Experts(
             hf["num_local_experts"],

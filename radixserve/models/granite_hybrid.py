@@ -74,10 +74,10 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         if layer_types_of(self.hf) is None:  # Granite 3's MoE models: attention everywhere
-            return self.make_decoder_layer(i, self.make_attention(i))
+            return self.make_decoder_layer(i, self.make_attention(i, i))
         return super().make_layer(i)
 
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         how = LayerAttention(scale=self.hf.get("attention_multiplier", 1.0))
         bias = self.hf.get("attention_bias", False)
         rope = 0 if self.rope else None
@@ -130,7 +130,7 @@ class BambaForCausalLM(GraniteMoeHybridForCausalLM):
         (".pre_ff_layernorm.", ".post_attention_layernorm."),
     )
 
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         bias = self.hf.get("attention_bias", False)
         return Attention(self.cfg, kv_index, self.tp, LayerAttention(), bias, bias, rope=0)
 

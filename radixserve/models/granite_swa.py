@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import nn
 
 from ..attention import LayerAttention
@@ -15,7 +14,7 @@ from ..model_config import ModelConfig
 from .decoder import Attention
 from .dense_families import GraniteForCausalLM, layer_window_of
 from .granite_hybrid import GraniteMoeHybridForCausalLM
-from .recipe import LayerRecipe
+from .recipe import LayerRecipe, with_sinks
 from .rotary import RotaryEmbedding
 
 
@@ -27,8 +26,8 @@ def layer_thetas(hf: dict) -> list[float]:
 
 def rope_table_of(hf: dict, i: int) -> int | None:
     """Which rotary table layer i uses (one per distinct base, ascending), None for no rotary."""
-    theta = layer_thetas(hf)[i]
-    return sorted(set(layer_thetas(hf)) - {0}).index(theta) if theta else None
+    thetas = layer_thetas(hf)
+    return sorted(set(thetas) - {0}).index(thetas[i]) if thetas[i] else None
 
 
 def theta_rotaries(cfg: ModelConfig, max_positions: int) -> list[RotaryEmbedding]:
@@ -37,13 +36,6 @@ def theta_rotaries(cfg: ModelConfig, max_positions: int) -> list[RotaryEmbedding
         RotaryEmbedding(cfg.head_dim, max_positions, theta, cfg.rope_scaling_dict)
         for theta in thetas
     ]
-
-
-def with_sinks(attention: nn.Module) -> nn.Module:
-    """The attention with a learnt sink logit per head (this rank's heads)."""
-    attention.sinks = nn.Parameter(torch.zeros(attention.cfg.num_heads))
-    attention.how = replace(attention.how, sinks=attention.sinks)
-    return attention
 
 
 class GraniteSWAForCausalLM(GraniteForCausalLM):
@@ -66,13 +58,13 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
 
 
 class GraniteMoeSWAForCausalLM(GraniteMoeHybridForCausalLM):
-    def make_attention(self, kv_index: int) -> nn.Module:
-        hf = self.hf  # every layer attends: its place in the pool is its index
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
+        hf = self.hf
         how = LayerAttention(
-            scale=hf.get("attention_multiplier", 1.0), window=layer_window_of(hf, kv_index)
+            scale=hf.get("attention_multiplier", 1.0), window=layer_window_of(hf, i)
         )
         bias = hf.get("attention_bias", False)
-        rope = rope_table_of(hf, kv_index)
+        rope = rope_table_of(hf, i)
         return with_sinks(Attention(self.cfg, kv_index, self.tp, how, bias, bias, rope=rope))
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:

@@ -20,8 +20,9 @@ SPLIT_CONVOLUTION = re.compile(r"(.*)\.([qkv])_conv1d\.weight")
 
 
 class HybridCausalLM(CausalLM):
-    """A family says how its attention (`make_attention`), its stateful mixer (`make_mixer`)
-    and, if it differs from the pre-norm one, its layer (`make_decoder_layer`) are built."""
+    """A family says how its attention (`make_attention`, given layer i's place in the KV pool
+    and i), its stateful mixer (`make_mixer`) and, if it differs from the pre-norm one, its
+    layer (`make_decoder_layer`) are built."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         self.states = RecurrentStates()
@@ -29,7 +30,7 @@ class HybridCausalLM(CausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         if is_attention_layer(layer_types_of(self.hf)[i]):
-            mixer = self.make_attention(self.kv_index_of(i))
+            mixer = self.make_attention(self.kv_index_of(i), i)
         else:
             mixer = self.make_mixer(i)
         return self.make_decoder_layer(i, mixer)
@@ -44,7 +45,7 @@ class HybridCausalLM(CausalLM):
         mixers = [m for m in self.modules() if m is not self and hasattr(m, "state_bytes")]
         return sum(m.state_bytes(dtype) for m in mixers)
 
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         raise NotImplementedError
 
     def make_mixer(self, i: int) -> nn.Module:

@@ -73,7 +73,7 @@ class KimiDeltaAttention(nn.Module):
 
 
 class KimiLinearForCausalLM(HybridCausalLM):
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         rotate = not self.hf.get("mla_use_nope", True)
         return LatentAttention(self.cfg, kv_index, self.tp, rotate=rotate)
 

@@ -116,7 +116,7 @@ class Cohere2MoeForCausalLM(MoeRecipeLM, Cohere2ForCausalLM):
         experts = self.experts(hf["num_experts"], hf["intermediate_size"])
         width = hf["intermediate_size"] * (hf.get("num_shared_experts") or 0)
         shared = SwiGLU(hidden, width // self.tp.size) if width else None
-        average = shared and hf.get("shared_expert_combination_strategy", "average") == "average"
+        average = width and hf.get("shared_expert_combination_strategy", "average") == "average"
         scale = 0.5 if average else 1.0
         return SparseMoE(hidden, experts, routing, shared=shared, output_scale=scale)
 

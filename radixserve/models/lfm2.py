@@ -64,7 +64,7 @@ class ShortConv(nn.Module):
 
 
 class Lfm2ForCausalLM(HybridCausalLM):
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         return Attention(self.cfg, kv_index, self.tp, qk_norm=RMSNorm)
 
     def make_mixer(self, i: int) -> nn.Module:
@@ -139,17 +139,11 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
             rope_table=LAYER_KINDS.index(kind) if kind in LAYER_KINDS else 0,
         )
 
-    def make_layer(self, i: int) -> nn.Module:
-        if not is_attention_layer(layer_types_of(self.hf)[i]):
-            return super().make_layer(i)
-        recipe, kv_index = self.layer_recipe(i), self.kv_index_of(i)
-        if self.hf.get("use_attention_gate", True):
-            attention = GatedOutputAttention(
-                self.cfg, kv_index, self.tp, recipe, "sigmoid", per_head=True
-            )
-        else:
-            attention = RecipeAttention(self.cfg, kv_index, self.tp, recipe)
-        return self.make_decoder_layer(i, attention)
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
+        recipe = self.layer_recipe(i)
+        if not self.hf.get("use_attention_gate", True):
+            return RecipeAttention(self.cfg, kv_index, self.tp, recipe)
+        return GatedOutputAttention(self.cfg, kv_index, self.tp, recipe, "sigmoid", per_head=True)
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
         return RecipeLayer(self.cfg, self.tp, self.layer_recipe(i), mixer, self.make_mlp(i))

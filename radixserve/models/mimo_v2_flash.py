@@ -21,6 +21,7 @@ from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer
 from .layers import Linear, SwiGLU
 from .moe import deepseek_moe, unstack_experts
+from .recipe import with_sinks
 from .rotary import RotaryEmbedding, apply_rotary, rotaries_by_kind
 
 
@@ -65,8 +66,7 @@ class MiMoV2FlashForCausalLM(CausalLM):
         how = LayerAttention(window=hf.get("sliding_window") if sliding else None)
         attention = NarrowValueAttention(cfg, i, self.tp, how, int(sliding), hf)
         if sliding:
-            attention.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
-            attention.how = replace(how, sinks=attention.sinks)
+            with_sinks(attention)
         return DecoderLayer(cfg, i, self.tp, attention, self.make_mlp(i))
 
     def make_mlp(self, i: int) -> nn.Module:

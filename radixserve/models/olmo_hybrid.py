@@ -58,7 +58,7 @@ class OlmoHybridForCausalLM(HybridCausalLM):
         self.attention_recipe = LayerRecipe(**POST_NORMS, qk_norm="all", rope=self.rope)
         super().__init__(cfg, max_positions, tp)
 
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         return RecipeAttention(self.cfg, kv_index, self.tp, self.attention_recipe)
 
     def make_mixer(self, i: int) -> nn.Module:

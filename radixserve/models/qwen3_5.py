@@ -131,7 +131,7 @@ class Qwen3_5DecoderLayer(DecoderLayer):
 class Qwen3_5ForCausalLM(HybridCausalLM):
     norm_class = ZeroCentredNorm
 
-    def make_attention(self, kv_index: int) -> nn.Module:
+    def make_attention(self, kv_index: int, i: int) -> nn.Module:
         return GatedAttention(self.cfg, kv_index, self.tp)
 
     def make_mixer(self, i: int) -> nn.Module:

@@ -11,7 +11,7 @@ head's rotated dims ordered evens first: q.k is unchanged by a permutation of bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Iterable
 
@@ -125,6 +125,14 @@ def norm_class(recipe: ModelRecipe):
     if recipe.norm == "layer_1p":
         return partial(LayerNorm, bias=True, offset=1.0)
     return RMSNorm if recipe.norm == "rms" else partial(LayerNorm, bias=recipe.norm == "layer_bias")
+
+
+def with_sinks(attention: nn.Module) -> nn.Module:
+    """The attention with a learnt sink logit per head (this rank's heads): an extra logit in
+    each softmax's denominator, as gpt-oss's."""
+    attention.sinks = nn.Parameter(torch.zeros(attention.cfg.num_heads))
+    attention.how = replace(attention.how, sinks=attention.sinks)
+    return attention
 
 
 class RecipeAttention(Attention):
