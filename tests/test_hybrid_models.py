@@ -192,6 +192,20 @@ FAMILIES = {
             mamba_chunk_size=16,
         ),
     ),
+    "jamba": (  # Mamba (selective scan) layers, an attention layer without rotary, experts
+        hf.JambaConfig,
+        hf.JambaForCausalLM,
+        dict(
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=16,
+            mamba_dt_rank=8,
+        ),
+    ),
     "lfm2_moe": (
         hf.Lfm2MoeConfig,
         hf.Lfm2MoeForCausalLM,

@@ -166,6 +166,54 @@ def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
             torch.testing.assert_close(states[i], want_state, **TOL)
 
 
+def mamba1_inputs(length: int, channels: int = 24, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(length, channels, generator=gen)
+    dt = F.softplus(torch.randn(length, channels, generator=gen))
+    return x, dt, torch.randn(length, 16, generator=gen), torch.randn(length, 16, generator=gen)
+
+
+def test_the_mamba1_scan_equals_hf_whole_split_and_stepped():
+    """Jamba's torch selective scan as the reference: the chunked scan at once and split across
+    and inside chunks, and one-token steps in a batch continuing two prompts."""
+    from transformers.models.jamba import modeling_jamba as jamba
+
+    from radixserve.models.mamba1 import mamba1_scan, mamba1_step
+
+    gen = torch.Generator().manual_seed(7)
+    a, d = -torch.rand(24, 16, generator=gen) * 2, torch.randn(24, generator=gen)
+
+    def hf_scan(x, dt, b, c):
+        out, state = jamba.mamba_selective_scan(
+            x.t()[None], dt.t()[None], a, b.t()[None], c.t()[None], D=d, return_last_state=True
+        )
+        return out[0].t(), state[0]
+
+    x, dt, b, c = mamba1_inputs(150)
+    want, want_state = hf_scan(x, dt, b, c)
+    got, state = mamba1_scan(x, dt, a, b, c, d, None)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(state, want_state, **TOL)
+    parts, state = [], None
+    for start, end in ((0, 37), (37, 101), (101, 150)):
+        out, state = mamba1_scan(
+            x[start:end], dt[start:end], a, b[start:end], c[start:end], d, state
+        )
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts), want, **TOL)
+    prompts = [mamba1_inputs(n, seed=n) for n in (5, 70)]
+    states = torch.stack([mamba1_scan(p[0], p[1], a, p[2], p[3], d, None)[1] for p in prompts])
+    for step in range(3):
+        token = [mamba1_inputs(1, seed=1000 + 10 * step + i) for i in range(2)]
+        x, dt, b, c = (torch.cat([t[j] for t in token]) for j in range(4))
+        got = mamba1_step(x, dt, a, b, c, d, states)
+        for i in range(2):
+            prompts[i] = tuple(torch.cat([p, t]) for p, t in zip(prompts[i], token[i]))
+            want, want_state = hf_scan(*prompts[i])
+            torch.testing.assert_close(got[i], want[-1], **TOL)
+            torch.testing.assert_close(states[i], want_state, **TOL)
+
+
 def test_the_cpu_kernels_step_like_torch_in_place_on_the_rows():
     """The C++ decode steps (kernels/radixserve_kernels/cpu_recurrent.cpp) equal the torch
     steps, updating only the named rows of the states in place."""

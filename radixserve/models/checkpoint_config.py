@@ -89,6 +89,17 @@ def _bamba_fields(hf: dict) -> dict:
     return {**hf, "layer_types": hf.get("layer_types") or types, "partial_rotary_factor": 0.5}
 
 
+def _jamba_fields(hf: dict) -> dict:
+    """Jamba's attention layers every `attn_layer_period` from `attn_layer_offset` (the rest
+    Mamba) as `layer_types`, as transformers derives them."""
+    period, offset = hf.get("attn_layer_period", 8), hf.get("attn_layer_offset", 4)
+    types = [
+        "full_attention" if i % period == offset else "mamba"
+        for i in range(hf["num_hidden_layers"])
+    ]
+    return {**hf, "layer_types": hf.get("layer_types") or types}
+
+
 def _gemma_fields(hf: dict) -> dict:
     """Gemma's releases say `hidden_act` "gelu" for the tanh approximation it runs, as
     transformers reads it."""
@@ -96,7 +107,12 @@ def _gemma_fields(hf: dict) -> dict:
     return {**hf, "hidden_act": act} if "hidden_act" in hf else hf
 
 
-DERIVED = {"kimi_linear": _kimi_linear_fields, "bamba": _bamba_fields, "gemma": _gemma_fields}
+DERIVED = {
+    "kimi_linear": _kimi_linear_fields,
+    "bamba": _bamba_fields,
+    "jamba": _jamba_fields,
+    "gemma": _gemma_fields,
+}
 
 
 def language_model_config(hf: dict) -> dict:
