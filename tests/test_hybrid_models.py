@@ -206,6 +206,27 @@ FAMILIES = {
             mamba_dt_rank=8,
         ),
     ),
+    "minimax": (  # lightning attention beside full attention, weighted residuals, experts
+        hf.MiniMaxConfig,
+        hf.MiniMaxForCausalLM,
+        dict(
+            head_dim=16,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+            block_size=16,
+            num_local_experts=4,
+            full_attn_alpha_factor=1.5,
+            full_attn_beta_factor=0.8,
+            linear_attn_alpha_factor=1.3,
+            linear_attn_beta_factor=1.2,
+            mlp_alpha_factor=0.9,
+            mlp_beta_factor=1.4,
+        ),
+    ),
     "lfm2_moe": (
         hf.Lfm2MoeConfig,
         hf.Lfm2MoeForCausalLM,

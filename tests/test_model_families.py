@@ -656,7 +656,8 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200
 NEW_TOKENS = 12
 
 
-UNSCALED = ("rotary", "pos_emb", "embed_scale", "mup_vector")  # buffers computed from the config
+# buffers computed from the config
+UNSCALED = ("rotary", "pos_emb", "embed_scale", "mup_vector", "slope_rate", "_decay")
 
 
 def build_checkpoint(path, family: str, families: dict = FAMILIES, common: dict = COMMON):
