@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass
 # a CPU pool larger than this only costs memory (bench/results/cpu.md)
 DEFAULT_CPU_MAX_TOKENS = 65536
 GIB = 2**30
+# a model without attention keeps a state snapshot every this many tokens by default (SGLang's
+# --mamba-track-interval default)
+STATE_ONLY_INTERVAL = 256
 
 
 def human_bytes(n: int) -> str:
@@ -67,8 +70,10 @@ def kv_pages(
 ) -> int:
     """The pool's pages: `--max-total-tokens`, else `--mem-fraction` of the bytes available
     beside the weights, less `reserved_bytes` for a pool beside it (capped on CPU at
-    DEFAULT_CPU_MAX_TOKENS tokens)."""
+    DEFAULT_CPU_MAX_TOKENS tokens, and that many for a model that keeps no KV)."""
     tokens = max_total_tokens
+    if tokens is None and per_token == 0:  # a model without attention: slots hold no KV
+        tokens = DEFAULT_CPU_MAX_TOKENS
     if tokens is None:
         budget = int(max(available_bytes, 0) * mem_fraction) - reserved_bytes
         tokens = max(budget, 0) // per_token
@@ -79,7 +84,9 @@ def kv_pages(
 def covered_tokens(state_bytes: int, kv_bytes_per_token: int, multiple: int = 16) -> int:
     """The tokens whose KV takes as much memory as one request's state (a hybrid model),
     rounded up to `multiple`: vLLM's block size in its `align` mode, and the interval of
-    radixserve's state snapshots by default."""
+    radixserve's state snapshots by default; 0 for a model that keeps no KV."""
+    if kv_bytes_per_token == 0:
+        return 0
     tokens = -(-state_bytes // max(kv_bytes_per_token, 1))
     return -(-tokens // multiple) * multiple
 

@@ -24,6 +24,8 @@ STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
 HYBRID_LAYER = "hybrid"  # attention and an SSM side by side in one layer (Falcon-H1)
 # Nemotron-H's one-letter layer pattern (`hybrid_override_pattern`)
 PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# the context a model without attention (whose config names none) serves by default
+STATE_ONLY_CONTEXT = 32768
 
 
 def is_attention_layer(layer_type: str) -> bool:
@@ -120,6 +122,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        types = layer_types_of(cfg)
+        if types and not any(map(is_attention_layer, types)):
+            return cls._without_attention(cfg, types)
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
@@ -130,7 +135,6 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         latent = cfg.get("kv_lora_rank") is not None
-        types = layer_types_of(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -162,6 +166,33 @@ class ModelConfig:
             kv_layers=kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0),
             state_layers=sum(map(is_state_layer, types or [])),
             kv_layer_dims=kv_layer_dims_of(cfg, types),
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def _without_attention(cls, cfg: dict[str, Any], types: list[str]) -> "ModelConfig":
+        """A model whose every layer keeps a state (Mamba): no heads, no KV layers."""
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_layers=len(types),
+            num_heads=0,
+            num_kv_heads=0,
+            head_dim=0,
+            rms_norm_eps=next((cfg[k] for k in EPS_FIELDS if cfg.get(k) is not None), 1e-5),
+            max_position_embeddings=cfg.get("max_position_embeddings", STATE_ONLY_CONTEXT),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos)
+            if isinstance(eos, list)
+            else ((eos,) if eos is not None else ()),
+            architecture=(cfg.get("architectures") or ["MambaForCausalLM"])[0],
+            model_type=cfg.get("model_type", "mamba"),
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            kv_layers=0,
+            state_layers=len(types),
             hf_config=cfg,
         )
 

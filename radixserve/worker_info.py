@@ -25,11 +25,12 @@ class StatePoolInfo:
 
     def summary(self) -> str:
         every = f", kept every {self.interval} tokens" if self.interval else ""
+        worth = f"a state is worth {self.covered_tokens} tokens of KV"
+        worth = worth if self.covered_tokens else "the model keeps no KV"
         return (
             f"state pool {self.rows} + {self.snapshots} snapshots x "
             f"{human_bytes(self.state_bytes)} = "
-            f"{human_bytes((self.rows + self.snapshots) * self.state_bytes)} (a state is worth "
-            f"{self.covered_tokens} tokens of KV{every})"
+            f"{human_bytes((self.rows + self.snapshots) * self.state_bytes)} ({worth}{every})"
         )
 
 

@@ -227,6 +227,17 @@ FAMILIES = {
             mlp_beta_factor=1.4,
         ),
     ),
+    "mamba": (hf.MambaConfig, hf.MambaForCausalLM, dict(state_size=16, time_step_rank=8)),
+    "falcon_mamba": (  # Mamba with weightless norms on dt, B and C
+        hf.FalconMambaConfig,
+        hf.FalconMambaForCausalLM,
+        dict(state_size=16, time_step_rank=8, tie_word_embeddings=False),
+    ),
+    "mamba2": (  # Codestral Mamba's layers
+        hf.Mamba2Config,
+        hf.Mamba2ForCausalLM,
+        dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=16),
+    ),
     "lfm2_moe": (
         hf.Lfm2MoeConfig,
         hf.Lfm2MoeForCausalLM,
@@ -456,6 +467,22 @@ def test_the_state_pool_sized_as_a_share_of_the_kv_pool(tmp_path, caplog):
         ) as eng:
             assert len(eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
     assert "state pool 64 + 106 snapshots x 1.50 KiB" in caplog.text
+
+
+def test_a_model_without_attention_keeps_no_kv_and_a_snapshot_every_256_tokens(tmp_path, caplog):
+    """Mamba2 (every layer a state, no KV) served with the default sizes: slots that hold no KV,
+    a snapshot every 256 tokens (SGLang's default interval); a 300-token prompt served again
+    resumes from the one at 256, HF's tokens both times."""
+    model, path = build_checkpoint(tmp_path, "mamba2")
+    prompt = list(range(100, 400))
+    with caplog.at_level("INFO", logger="radixserve"):
+        with Engine(model=str(path), dtype="float32") as eng:
+            first, again = (eng.generate(input_ids=prompt, sampling_params=GREEDY) for _ in "12")
+            eng.check_memory()
+    assert first["output_ids"] == again["output_ids"] == hf_greedy(model, prompt)
+    assert again["meta_info"]["cached_tokens"] == 256
+    assert "KV 0 B a token (float32), 65536 tokens" in caplog.text
+    assert "(the model keeps no KV, kept every 256 tokens)" in caplog.text
 
 
 def test_experts_stacked_in_the_checkpoint_load_like_per_expert_ones(tmp_path):

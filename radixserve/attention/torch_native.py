@@ -147,11 +147,11 @@ class TorchNativeBackend:
         **_,
     ):
         self.pool = pool
-        self.scale = head_dim**-0.5
-        self.kernels = load_cpu_kernels() if pool.k[0].device.type == "cpu" else None
+        self.scale = head_dim**-0.5 if head_dim else None  # None: a model without attention
+        self.kernels = load_cpu_kernels() if pool.device.type == "cpu" else None
         self.paged_extend = (
             self.kernels is not None
-            and pool.k[0].dtype in (torch.float32, torch.bfloat16)
+            and pool.dtype in (torch.float32, torch.bfloat16)
             and all(self.kernels.extend_supported(width) for width in pool.key_widths)
         )
         self.deterministic = deterministic

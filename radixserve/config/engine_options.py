@@ -205,7 +205,7 @@ class CacheOptions:
         None,
         "a hybrid model's prompt chunks end, and keep a state snapshot while a slot is free, "
         "every this many tokens; 0: not at intervals (default: the tokens whose KV takes as "
-        "much memory as one state)",
+        "much memory as one state; 256 for a model without attention)",
     )
     kv_events_config: str | None = option(
         None,

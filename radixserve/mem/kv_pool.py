@@ -30,7 +30,8 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        device = torch.device(device)
+        self.device = device = torch.device(device)
+        self.dtype = dtype  # storage dtype (uint8 for FP8)
         self.k = [_zeros((num_slots, heads, width), dtype, device) for heads, width, _ in shapes]
         self.v = [_zeros((num_slots, heads, width), dtype, device) for heads, _, width in shapes]
         self.is_fp8 = dtype == self.FP8

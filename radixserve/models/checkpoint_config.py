@@ -100,6 +100,11 @@ def _jamba_fields(hf: dict) -> dict:
     return {**hf, "layer_types": hf.get("layer_types") or types}
 
 
+def _state_space_fields(hf: dict) -> dict:
+    """Mamba's, Falcon Mamba's and Mamba2's layers: every one a state layer."""
+    return {**hf, "layer_types": hf.get("layer_types") or ["mamba"] * hf["num_hidden_layers"]}
+
+
 def _gemma_fields(hf: dict) -> dict:
     """Gemma's releases say `hidden_act` "gelu" for the tanh approximation it runs, as
     transformers reads it."""
@@ -111,6 +116,9 @@ DERIVED = {
     "kimi_linear": _kimi_linear_fields,
     "bamba": _bamba_fields,
     "jamba": _jamba_fields,
+    "mamba": _state_space_fields,
+    "falcon_mamba": _state_space_fields,
+    "mamba2": _state_space_fields,
     "gemma": _gemma_fields,
 }
 

@@ -1,5 +1,6 @@
-"""Mamba (the selective scan, Mamba1) layers, for Jamba: the scan in torch, chunked for prompts
-and one step for decode, with the state it carries between calls, and the mixer around it.
+"""Mamba (the selective scan, Mamba1) layers, for Mamba, Falcon Mamba and Jamba: the scan in
+torch, chunked for prompts and one step for decode, with the state it carries between calls,
+and the mixer around it.
 
 Per channel d, with the state h of shape [state size], dt_t = softplus(dt_t + dt_bias) and
 A = -exp(A_log) of shape [channels, state size]:
@@ -12,6 +13,7 @@ chunk's start, y_t = sum_{s<=t} (exp(L_t - L_s) * B_s) . C_t dt_s x_s + (exp(L_t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from .layers import Linear, RMSNorm
+from .recipe import UnweightedNorm
 from .recurrent import RecurrentStates
 
 CHUNK = 16  # tokens a chunk of the scan computes at once ([CHUNK, CHUNK, channels, state])
@@ -63,8 +66,8 @@ def mamba1_step(x, dt, a, b, c, d, states):
 
 @dataclass(frozen=True)
 class Mamba1Shape:
-    """A Mamba layer's sizes and options. `normed`: RMS norms (weighted) on dt, B and C before
-    dt_proj (Jamba's)."""
+    """A Mamba layer's sizes and options. `norms`: RMS norms on dt, B and C before dt_proj,
+    "weighted" (Jamba's) or "weightless" (Falcon Mamba's), or None (Mamba's)."""
 
     hidden: int
     inner: int
@@ -73,7 +76,7 @@ class Mamba1Shape:
     dt_rank: int
     conv_bias: bool
     proj_bias: bool
-    normed: bool
+    norms: str | None
     eps: float
 
 
@@ -88,8 +91,26 @@ def jamba_shape(hf: dict) -> Mamba1Shape:
         dt_rank=-(-hidden // 16) if rank == "auto" else rank,
         conv_bias=hf.get("mamba_conv_bias", True),
         proj_bias=hf.get("mamba_proj_bias", False),
-        normed=True,
+        norms="weighted",
         eps=hf.get("rms_norm_eps", 1e-6),
+    )
+
+
+def mamba_shape(hf: dict) -> Mamba1Shape:
+    """Mamba's and Falcon Mamba's (`mixer_rms_eps`: weightless norms on dt, B and C)."""
+    hidden = hf["hidden_size"]
+    rank = hf.get("time_step_rank", "auto")
+    falcon = hf.get("model_type") == "falcon_mamba"
+    return Mamba1Shape(
+        hidden=hidden,
+        inner=hf.get("intermediate_size") or hf.get("expand", 2) * hidden,
+        state_size=hf.get("state_size", 16),
+        conv_taps=hf.get("conv_kernel", 4),
+        dt_rank=-(-hidden // 16) if rank == "auto" else rank,
+        conv_bias=hf.get("use_conv_bias", True),
+        proj_bias=hf.get("use_bias", False),
+        norms="weightless" if falcon else None,
+        eps=hf.get("mixer_rms_eps", 1e-6),
     )
 
 
@@ -110,10 +131,10 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(inner, size))
         self.D = nn.Parameter(torch.ones(inner))
         self.out_proj = Linear(inner, shape.hidden, bias=shape.proj_bias)
-        if shape.normed:
-            self.dt_layernorm = RMSNorm(rank, shape.eps)
-            self.b_layernorm = RMSNorm(size, shape.eps)
-            self.c_layernorm = RMSNorm(size, shape.eps)
+        if shape.norms is not None:
+            norm = partial(RMSNorm if shape.norms == "weighted" else UnweightedNorm, eps=shape.eps)
+            self.dt_layernorm = norm(rank)
+            self.b_layernorm, self.c_layernorm = norm(size), norm(size)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state: the convolution's last inputs, the scan's state."""
@@ -130,7 +151,7 @@ class Mamba1Mixer(nn.Module):
         )
         xs = F.silu(xs)
         dt, b, c = self.x_proj(xs).split([shape.dt_rank, shape.state_size, shape.state_size], -1)
-        if shape.normed:
+        if shape.norms is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.softplus(self.dt_proj(dt).float())
         a, d = -self.A_log.float().exp(), self.D

@@ -12,7 +12,7 @@ import torch
 from ..attention import create_backend, resolve_backend_name
 from ..config import EngineArgs
 from ..mem.kv_pool import KVPool
-from ..memory_plan import covered_tokens, kv_pages
+from ..memory_plan import STATE_ONLY_INTERVAL, covered_tokens, kv_pages
 from ..models.layers import make_batch_invariant
 from ..worker_info import StatePoolInfo
 from .cuda_graph import CudaGraph, CudaGraphRunner, capture_batch_sizes
@@ -132,7 +132,7 @@ def state_pool(
     for after the rows: --max-mamba-cache-size, else what --mamba-full-memory-ratio times the
     KV pool's bytes holds beyond the rows, else 4 per running request. Recurrent states are
     stored as --mamba-ssm-dtype; the snapshots' interval is --mamba-track-interval, else the
-    tokens whose KV a state is worth."""
+    tokens whose KV a state is worth (STATE_ONLY_INTERVAL for a model that keeps no KV)."""
     if not model.cfg.keeps_state:
         return None
     model.states.ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
@@ -145,7 +145,9 @@ def state_pool(
         )
     model.states.snapshot_slots = 4 * rows if count is None else count
     covered = covered_tokens(size, kv_bytes_per_token)
-    interval = covered if args.mamba_track_interval is None else args.mamba_track_interval
+    interval = args.mamba_track_interval
+    if interval is None:
+        interval = covered or STATE_ONLY_INTERVAL
     cfg = model.cfg
     per_layer = covered_tokens(size * cfg.num_kv_layers // cfg.state_layers, kv_bytes_per_token)
     return StatePoolInfo(rows, model.states.snapshot_slots, size, covered, interval, per_layer)
