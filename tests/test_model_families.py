@@ -515,6 +515,23 @@ FAMILIES = {
         hf.PhimoeForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True),
     ),
+    "cohere": (  # Command R+: per-head q/k LayerNorms with their own weights
+        hf.CohereConfig,
+        hf.CohereForCausalLM,
+        dict(
+            head_dim=16,
+            logit_scale=0.5,
+            use_qk_norm=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "cohere_r": (  # Command R, Aya: no q/k norms
+        hf.CohereConfig,
+        hf.CohereForCausalLM,
+        dict(logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
     "cohere2": (
         hf.Cohere2Config,
         hf.Cohere2ForCausalLM,
@@ -763,6 +780,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "glm4",
         "phimoe",
         "cohere2",
+        "cohere",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",

@@ -9,10 +9,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import TPGroup
+from ..model_config import ModelConfig
 from .decoder import layer_window
 from .layers import Linear, PlainMLP
 from .llama import split_gate_up
-from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
+from .recipe import (
+    LayerRecipe,
+    ModelRecipe,
+    RecipeAttention,
+    RecipeCausalLM,
+    llama_biases,
+    rotary_fraction,
+)
 
 POST_NORMS = dict(
     pre_attn=None,
@@ -202,6 +211,47 @@ class Cohere2ForCausalLM(RecipeCausalLM):
             **llama_biases(self.hf), pre_mlp=None, parallel=True, rope=window is not None,
             window=window,
         )  # fmt: skip
+
+
+class CohereForCausalLM(Cohere2ForCausalLM):
+    """Command R and R+, Aya (`CohereForCausalLM`): Command A's parallel layer with the
+    interleaved rotary in every layer, and (`use_qk_norm`, Command R+) q and k each through a
+    mean-subtracting norm with its own weights per head."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return replace(super().layer_recipe(i), rope=True, window=None)
+
+    def make_attention(self, i: int, recipe: LayerRecipe) -> nn.Module:
+        if not self.hf.get("use_qk_norm"):
+            return super().make_attention(i, recipe)
+        return HeadNormedAttention(self.cfg, i, self.tp, recipe)
+
+
+class HeadNormedAttention(RecipeAttention):
+    """q and k, each head through a LayerNorm (no bias) with that head's own weights."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, recipe: LayerRecipe):
+        super().__init__(cfg, layer, tp, recipe)
+        self.q_norm = HeadLayerNorm(cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = HeadLayerNorm(cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return self.q_norm(q), self.k_norm(k)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm without a bias over each head of `[T, heads, dim]`, a weight row per head."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
 
 
 class XIELU(nn.Module):

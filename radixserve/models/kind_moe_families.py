@@ -61,12 +61,8 @@ class AfmoeForCausalLM(MoeRecipeLM):
             window=window,
         )
 
-    def make_layer(self, i: int) -> nn.Module:
-        layer = super().make_layer(i)
-        layer.self_attn = GatedOutputAttention(
-            self.cfg, i, self.tp, self.layer_recipe(i), "sigmoid", per_head=False
-        )
-        return layer
+    def make_attention(self, i: int, recipe: LayerRecipe) -> nn.Module:
+        return GatedOutputAttention(self.cfg, i, self.tp, recipe, "sigmoid", per_head=False)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size

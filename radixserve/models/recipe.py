@@ -238,8 +238,11 @@ class RecipeCausalLM(CausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         cfg, recipe = self.cfg, self.layer_recipe(i)
-        attention = RecipeAttention(cfg, i, self.tp, recipe)
+        attention = self.make_attention(i, recipe)
         return RecipeLayer(cfg, self.tp, recipe, attention, self.make_mlp(i), self.norm_class)
+
+    def make_attention(self, i: int, recipe: LayerRecipe) -> nn.Module:
+        return RecipeAttention(self.cfg, i, self.tp, recipe)
 
     def make_mlp(self, i: int) -> nn.Module:
         cfg, act = self.cfg, self.hf.get("hidden_act", "silu")
@@ -275,7 +278,9 @@ class RecipeCausalLM(CausalLM):
         )
         for name, tensor in weights:
             leaf = name.rpartition(".")[0].rpartition(".")[2]  # "...self_attn.q_proj.weight"
-            if leaf in ("q_proj", "k_proj", "q_norm", "k_norm"):
+            if leaf in ("q_proj", "k_proj"):
                 rows = tensor.reshape(-1, head, *tensor.shape[1:])
                 tensor = rows[:, order].reshape(tensor.shape)
+            elif leaf in ("q_norm", "k_norm"):  # one weight for all heads, or a row per head
+                tensor = tensor.reshape(-1, head)[:, order].reshape(tensor.shape)
             yield name, tensor
