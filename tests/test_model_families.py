@@ -97,6 +97,11 @@ FAMILIES = {
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
     ),
     "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=WINDOW)),
+    "vaultgemma": (  # Gemma 2 without the norms after each sublayer
+        hf.VaultGemmaConfig,
+        hf.VaultGemmaForCausalLM,
+        dict(head_dim=16, sliding_window=WINDOW),
+    ),
     "gemma3_text": (
         hf.Gemma3TextConfig,
         hf.Gemma3ForCausalLM,
@@ -238,6 +243,7 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),  # fmt: skip
+    "olmo": (hf.OlmoConfig, hf.OlmoForCausalLM, dict(clip_qkv=1.0)),  # weightless LayerNorms
     "olmo2": (hf.Olmo2Config, hf.Olmo2ForCausalLM, {}),
     "olmo3": (
         hf.Olmo3Config,
@@ -327,7 +333,13 @@ FAMILIES = {
     "olmoe": (
         hf.OlmoeConfig,
         hf.OlmoeForCausalLM,
-        dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True),
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            norm_topk_prob=True,
+            clip_qkv=1.0,
+        ),
     ),
     "glm4_moe": (
         hf.Glm4MoeConfig,

@@ -122,6 +122,18 @@ class Ernie4_5ForCausalLM(RecipeCausalLM):
         return LayerRecipe(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
 
 
+class OlmoForCausalLM(RecipeCausalLM):
+    """OLMo (1): Llama's layer with LayerNorms that have neither weights nor biases, and q, k
+    and v clamped to `clip_qkv` where set."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_unweighted")
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return LayerRecipe(**llama_biases(self.hf), clip_qkv=self.hf.get("clip_qkv"))
+
+
 class Olmo2ForCausalLM(RecipeCausalLM):
     """Norms after each sublayer (none before), q and k normed over all heads; OLMo 3 adds
     sliding-window layers."""

@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text): norms around both sublayers, `(1 + w)` RMSNorm weights, tanh-GELU
 gates, embeddings scaled by sqrt(hidden), queries scaled by `query_pre_attn_scalar`, sliding
 windows on the local layers. Gemma 2 soft-caps attention scores and logits; Gemma 3 normalises
-q and k per head and gives its local layers their own rotary base."""
+q and k per head and gives its local layers their own rotary base. VaultGemma is Gemma 2
+without the norms after each sublayer."""
 
 from __future__ import annotations
 
@@ -67,9 +68,23 @@ class GemmaDecoderLayer(nn.Module):
         return x, next_norm(x)
 
 
+class UnwrappedGemmaLayer(GemmaDecoderLayer):
+    """VaultGemma's: Gemma 2's layer without the norms after each sublayer."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, attention: Attention, mlp: SwiGLU):
+        super().__init__(cfg, tp, attention, mlp)
+        del self.post_attention_layernorm, self.post_feedforward_layernorm
+
+    def forward(self, x, normed, ropes, backend, next_norm: RMSNorm):
+        x = x + self.self_attn(normed, ropes, backend)
+        x = x + self.tp.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x, next_norm(x)
+
+
 class Gemma2ForCausalLM(CausalLM):
     norm_class = GemmaNorm
     qk_norm: type[RMSNorm] | None = None
+    layer_class: type[GemmaDecoderLayer] = GemmaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
         self.embed_scale = cfg.hidden_size**0.5
@@ -98,7 +113,7 @@ class Gemma2ForCausalLM(CausalLM):
             rope=int(sliding),
         )
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        return GemmaDecoderLayer(
+        return self.layer_class(
             cfg, self.tp, attention, SwiGLU(cfg.hidden_size, cfg.intermediate_size, act)
         )
 
@@ -109,6 +124,10 @@ class Gemma2ForCausalLM(CausalLM):
         """[global, local]: the same table for Gemma 2."""
         table = super().make_rotaries(max_positions)[0]
         return [table, table]
+
+
+class VaultGemmaForCausalLM(Gemma2ForCausalLM):
+    layer_class = UnwrappedGemmaLayer
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -38,11 +38,12 @@ class MoeRecipeLM(RecipeCausalLM):
 
 
 class OlmoeForCausalLM(MoeRecipeLM):
-    """Llama's norms, q and k normed over all heads, a softmax top-k router in every layer."""
+    """Llama's norms, q and k normed over all heads (after `clip_qkv`, where set), a softmax
+    top-k router in every layer."""
 
     def layer_recipe(self, i: int) -> LayerRecipe:
-        bias = self.hf.get("attention_bias", False)
-        return LayerRecipe(qk_norm="all", qkv_bias=bias, o_bias=bias)
+        bias, clip = self.hf.get("attention_bias", False), self.hf.get("clip_qkv")
+        return LayerRecipe(qk_norm="all", qkv_bias=bias, o_bias=bias, clip_qkv=clip)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf = self.hf

@@ -50,6 +50,7 @@ class LayerRecipe:
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     residual_scale: float = 1.0  # each sublayer's output is scaled before the residual add
     parallel: bool = False  # attention and MLP both read the pre-attention norm (Cohere)
+    clip_qkv: float | None = None  # q, k (after their norms) and v clamped to +-this (OLMo)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class ModelRecipe:
     interleaved_rope: bool = False
     rotary_fraction: float = 1.0  # of each head's dims
     # "layer": mean-subtracting, weight only (Cohere); "layer_bias": PhiMoE's; "layer_1p": with a
-    # bias and `(1 + w)` weights (Nemotron); "gemma": RMS with `(1 + w)` weights
+    # bias and `(1 + w)` weights (Nemotron); "layer_unweighted": neither (OLMo); "gemma": RMS
+    # with `(1 + w)` weights
     norm: str = "rms"
 
 
@@ -118,12 +120,23 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)
 
 
+class UnweightedLayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 def norm_class(recipe: ModelRecipe):
     """The norm a model's recipe names, as `cls(size, eps)`."""
     if recipe.norm == "gemma":
         return partial(RMSNorm, weight_offset=1.0)
     if recipe.norm == "layer_1p":
         return partial(LayerNorm, bias=True, offset=1.0)
+    if recipe.norm == "layer_unweighted":
+        return UnweightedLayerNorm
     return RMSNorm if recipe.norm == "rms" else partial(LayerNorm, bias=recipe.norm == "layer_bias")
 
 
@@ -155,13 +168,25 @@ class RecipeAttention(Attention):
         if self.all_heads:
             self.q_norm = AllHeadsNorm(cfg.q_size, cfg.rms_norm_eps, tp)
             self.k_norm = AllHeadsNorm(cfg.kv_size, cfg.rms_norm_eps, tp)
+        self.clip = recipe.clip_qkv
+        if self.clip is not None:  # values clamped here, q and k after their norms
+            self.qkv_proj.register_forward_hook(self._clamp_values)
+
+    def _clamp_values(self, _, __, qkv: torch.Tensor) -> torch.Tensor:
+        values = qkv[..., self.cfg.q_size + self.cfg.kv_size :]
+        values.clamp_(-self.clip, self.clip)
+        return qkv
 
     def norm_qk(self, q, k):
-        if not self.all_heads:
-            return super().norm_qk(q, k)
         cfg = self.cfg
-        q = self.q_norm(q).view(-1, cfg.num_heads, cfg.head_dim)
-        return q, self.k_norm(k).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if not self.all_heads:
+            q, k = super().norm_qk(q, k)
+        else:
+            q = self.q_norm(q).view(-1, cfg.num_heads, cfg.head_dim)
+            k = self.k_norm(k).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.clip is None:
+            return q, k
+        return q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip)
 
 
 class GatedOutputAttention(RecipeAttention):
