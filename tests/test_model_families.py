@@ -300,6 +300,23 @@ FAMILIES = {
         dict(use_parallel_residual=True, partial_rotary_factor=0.5),
     ),
     "jais2": (hf.Jais2Config, hf.Jais2ForCausalLM, dict(bos_token_id=1, eos_token_id=2)),
+    "gpt_neox": (  # Pythia: q, k, v fused head by head, two norms side by side, exact GELU
+        hf.GPTNeoXConfig,
+        hf.GPTNeoXForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+    ),
+    "gpt_neox_sequential": (
+        hf.GPTNeoXConfig,
+        hf.GPTNeoXForCausalLM,
+        dict(num_key_value_heads=4, use_parallel_residual=False, hidden_act="gelu_new"),
+    ),
     "youtu": (  # DeepSeek-V3's MLA over dense MLPs
         hf.YoutuConfig,
         hf.YoutuForCausalLM,
@@ -793,6 +810,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "phimoe",
         "cohere2",
         "cohere",
+        "gpt_neox",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",

@@ -2,10 +2,13 @@
 (attention and MLP side by side on one norm, a partial rotary, a biased LM head), StarCoder2
 (biases everywhere, a window), Nemotron (Nemotron-4, Minitron: `1 + w` LayerNorms, a partial
 rotary, a squared-ReLU MLP), Jais 2 (Llama's biases, a squared-ReLU MLP), all with MLPs without
-a gate; and StableLM (a partial rotary, Llama's gated MLP, attention and MLP side by side where
-`use_parallel_residual`)."""
+a gate; StableLM (a partial rotary, Llama's gated MLP, attention and MLP side by side where
+`use_parallel_residual`); and GPT-NeoX (Pythia: a partial rotary, q, k and v fused head by head,
+attention and MLP side by side on norms of their own where `use_parallel_residual`)."""
 
 from __future__ import annotations
+
+import re
 
 from torch import nn
 
@@ -98,3 +101,53 @@ class Jais2ForCausalLM(GatelessRecipeLM):
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         return LayerRecipe(**llama_biases(self.hf))
+
+
+NEOX_NAMES = (
+    (re.compile(r"^gpt_neox\.embed_in\."), "model.embed_tokens."),
+    (re.compile(r"^gpt_neox\.final_layer_norm\."), "model.norm."),
+    (re.compile(r"^gpt_neox\.layers\."), "model.layers."),
+    (re.compile(r"^embed_out\."), "lm_head."),
+    (re.compile(r"\.attention\.dense\."), ".self_attn.o_proj."),
+    (re.compile(r"\.attention\."), ".self_attn."),
+    (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.up_proj."),
+    (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.down_proj."),
+)
+
+
+class GPTNeoXForCausalLM(GatelessRecipeLM):
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        return ModelRecipe(norm="layer_bias", rotary_fraction=rotary_fraction(hf, 0.25))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        bias = self.hf.get("attention_bias", True)
+        return LayerRecipe(
+            parallel=self.hf.get("use_parallel_residual", True),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=True,
+        )
+
+    def rename(self, name: str) -> str | None:
+        if name.endswith((".attention.bias", ".attention.masked_bias")):
+            return None  # old checkpoints' causal-mask buffers
+        for pattern, ours in NEOX_NAMES:
+            name = pattern.sub(ours, name)
+        return name
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(self._split_qkv(weights))
+
+    def _split_qkv(self, weights):
+        """`query_key_value` holds each head's q, k and v rows in turn: as q_proj, k_proj,
+        v_proj."""
+        heads = self.hf["num_attention_heads"]
+        for name, tensor in weights:
+            if ".attention.query_key_value." not in name:
+                yield name, tensor
+                continue
+            per_head = tensor.reshape(heads, 3, -1, *tensor.shape[1:])
+            for i, part in enumerate(("query", "key", "value")):
+                ours = name.replace("query_key_value", f"{part[0]}_proj")
+                yield ours, per_head[:, i].reshape(-1, *tensor.shape[1:])

@@ -248,6 +248,7 @@ class Linear(nn.Module):
 
 ACTIVATIONS = {
     "silu": F.silu,
+    "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # the same tanh approximation
     "relu2": lambda x: F.relu(x).square(),

@@ -49,7 +49,9 @@ class LayerRecipe:
     chunk: int | None = None  # attention within chunks of this many tokens (Llama 4)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     residual_scale: float = 1.0  # each sublayer's output is scaled before the residual add
-    parallel: bool = False  # attention and MLP both read the pre-attention norm (Cohere)
+    # attention and MLP side by side, both reading the pre-attention norm (Cohere), or the MLP
+    # its own `pre_mlp` norm of the same input where one is named (GPT-NeoX)
+    parallel: bool = False
     clip_qkv: float | None = None  # q, k (after their norms) and v clamped to +-this (OLMo)
 
 
@@ -220,6 +222,7 @@ class RecipeLayer(nn.Module):
     ):
         super().__init__()
         self.tp, self.scale, self.parallel = tp, recipe.residual_scale, recipe.parallel
+        self.mlp_normed_apart = recipe.parallel and recipe.pre_mlp is not None  # GPT-NeoX
         self.slots: dict[str, nn.Module] = {}
         for slot in NORM_SLOTS:
             name = getattr(recipe, slot)
@@ -236,7 +239,8 @@ class RecipeLayer(nn.Module):
         attention); returns the residual stream and `next_norm` of it."""
         norms = self.slots
         if self.parallel:
-            h = self.self_attn(normed, ropes, backend) + self.tp.all_reduce(self.mlp(normed))
+            mlp_in = norms["pre_mlp"](x) if self.mlp_normed_apart else normed
+            h = self.self_attn(normed, ropes, backend) + self.tp.all_reduce(self.mlp(mlp_in))
             x = x + h
             return x, next_norm(x)
         x = x + norms["post_attn"](self.self_attn(normed, ropes, backend)) * self.scale

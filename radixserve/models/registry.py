@@ -71,6 +71,7 @@ ARCHITECTURES = {
     "Starcoder2ForCausalLM": ("classic_families", "Starcoder2ForCausalLM"),
     "NemotronForCausalLM": ("classic_families", "NemotronForCausalLM"),
     "StableLmForCausalLM": ("classic_families", "StableLmForCausalLM"),
+    "GPTNeoXForCausalLM": ("classic_families", "GPTNeoXForCausalLM"),
     "Jais2ForCausalLM": ("classic_families", "Jais2ForCausalLM"),
     "YoutuForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "OlmoeForCausalLM": ("moe_families", "OlmoeForCausalLM"),
@@ -172,6 +173,7 @@ MODEL_TYPES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "youtu": "YoutuForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -216,6 +218,7 @@ PARTIAL_ROTARY = {
     "Glm4ForCausalLM",
     "GlmForCausalLM",
     "PhiForCausalLM",
+    "GPTNeoXForCausalLM",
     "NemotronForCausalLM",
     "StableLmForCausalLM",
     "Glm4MoeForCausalLM",
@@ -272,7 +275,7 @@ def model_class(cfg: ModelConfig):
 
 
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}
-ACTIVATIONS = {"silu", "gelu_pytorch_tanh", "gelu_new", "relu2"}
+ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu2"}
 OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}}  # learned ones, the family's own module
 
 
