@@ -136,6 +136,11 @@ FAMILIES = {
         dict(head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
     ),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, dict(pad_token_id=0)),
+    "axk1": (  # DeepSeek-V3 with its MoE blocks' outputs normed
+        hf.AXK1Config,
+        hf.AXK1ForCausalLM,
+        dict(MLA_MOE, mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2),
+    ),
     "deepseek_v3": (
         hf.DeepseekV3Config,
         hf.DeepseekV3ForCausalLM,
@@ -358,6 +363,23 @@ FAMILIES = {
             clip_qkv=1.0,
         ),
     ),
+    "minicpm5_moe": (  # each head's query and gate in one projection, gated output
+        hf.MiniCPM5MoeConfig,
+        hf.MiniCPM5MoeForCausalLM,
+        dict(
+            MOE,
+            head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     "glm4_moe": (
         hf.Glm4MoeConfig,
         hf.Glm4MoeForCausalLM,
@@ -404,6 +426,20 @@ FAMILIES = {
             topk_group=1,
         ),
     ),  # fmt: skip
+    "kolibri1": (  # EXAONE 4's attention, GLM-4's norms, experts by logit + bias
+        hf.Kolibri1Config,
+        hf.Kolibri1ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=SLIDING_THEN_FULL,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
     "afmoe": (
         hf.AfmoeConfig,
         hf.AfmoeForCausalLM,
@@ -811,6 +847,9 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "cohere2",
         "cohere",
         "gpt_neox",
+        "minicpm5_moe",
+        "axk1",
+        "kolibri1",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from ..config import EngineArgs, refuse_problems
 from ..detokenizer import Detokenizer
 from ..messages import GenerateReq, SchedulerStats
-from ..models.registry import model_problems
+from ..models.option_support import model_problems
 from ..models.source import resolve_model
 from ..multimodal.spec import VisionSpec
 from ..request_state import RequestState

@@ -210,3 +210,32 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))
+
+
+class PostNormedMLPLayer(DecoderLayer):
+    """DecoderLayer whose MLP output, summed over ranks, is RMS-normed before its residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, attention, mlp):
+        super().__init__(cfg, layer, tp, attention, mlp)
+        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, normed, ropes, backend, next_norm: RMSNorm):
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(normed, ropes, backend)
+        )
+        mixed = self.post_mlp_layernorm(self.tp.all_reduce(self.mlp(normed)))
+        return next_norm.add_and_norm(x, mixed)
+
+
+class AXK1ForCausalLM(DeepseekV3ForCausalLM):
+    """A.X K1 (SK Telecom): DeepSeek-V3 whose MoE blocks' outputs are RMS-normed
+    (`post_mlp_layernorm`), dense or sparse by `mlp_layer_types`."""
+
+    def make_layer(self, i: int) -> nn.Module:
+        if self.hf["mlp_layer_types"][i] == "dense":
+            return super().make_layer(i)
+        return PostNormedMLPLayer(self.cfg, i, self.tp, self.make_attention(i), self.make_mlp(i))
+
+    def rename(self, name: str) -> str | None:
+        name = super().rename(name)  # transformers' own place for the norm, inside the block
+        return name and name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.")

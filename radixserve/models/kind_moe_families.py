@@ -1,6 +1,6 @@
 """Mixture-of-experts families whose attention layers differ by kind (windows, a rotary per
 kind or on the window layers only, output gates), as recipes over the shared decoder: K-EXAONE,
-AFMoE, Command A MoE, Mellum."""
+Kolibri, AFMoE, Command A MoE, Mellum."""
 
 from __future__ import annotations
 
@@ -37,6 +37,40 @@ class ExaoneMoeForCausalLM(MoeRecipeLM):
 
     def rename(self, name: str) -> str | None:
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+# the release's names and transformers' own (as it holds them) -> ours
+KOLIBRI_NAMES = (
+    (".moe.router.expert_bias", ".mlp.e_score_correction_bias"),
+    (".post_self_attn_layernorm.", ".post_attn_norm."),
+    (".post_mlp_layernorm.", ".post_ffn_norm."),
+)
+
+
+class Kolibri1ForCausalLM(ExaoneMoeForCausalLM):
+    """Aleph Alpha's Kolibri: EXAONE 4's attention under GLM-4's norms before and after each
+    sublayer; in every layer experts chosen by logit plus a correction bias, each weighted by
+    its logit's sigmoid (renormalized where `norm_topk_prob`), beside a shared MLP."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        post = dict(post_attn="post_attn_norm", post_mlp="post_ffn_norm")  # the release's names
+        return replace(super().layer_recipe(i), **post)
+
+    def rename(self, name: str) -> str | None:
+        for theirs, ours in KOLIBRI_NAMES:
+            name = name.replace(theirs, ours)
+        return super().rename(name)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        routing = Routing(
+            "topk_sigmoid", hf["num_experts_per_tok"], renormalize=hf.get("norm_topk_prob", False)
+        )
+        count = hf.get("num_experts") or hf["num_local_experts"]  # transformers saves the latter
+        experts = self.experts(count, hf["moe_intermediate_size"])
+        width = hf["shared_expert_intermediate_size"]
+        shared = SwiGLU(hidden, width // self.tp.size, hf.get("hidden_act", "silu"))
+        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
 
 
 class AfmoeForCausalLM(MoeRecipeLM):

@@ -25,14 +25,15 @@ class Routing:
 
     `kind`: "softmax_topk" (softmax over all experts, then top-k: Mixtral, Qwen3-MoE),
     "topk_softmax" (top-k logits, softmax over them: gpt-oss), "topk_sigmoid" (top-k logits,
-    each through a sigmoid: Command A MoE), "grouped_sigmoid" (sigmoid
-    scores, plus a correction bias for the choice only, top groups by their two best first:
-    DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax scores, top groups by their
-    best first: DeepSeek-V2; in one group with a correction bias: ERNIE 4.5), "sparsemixer"
-    (PhiMoE's two experts, each weighted by a softmax over the logits within `jitter` of its
-    own). `group_best_of`: how many of a group's best experts score it, where not the kind's
-    own (Mistral 4's softmax groups by their two best). `softcap`: logits soft-capped to
-    (-softcap, softcap) by tanh before scoring, where > 0 (Laguna)."""
+    each through a sigmoid: Command A MoE; chosen by logit plus a correction bias: Kolibri),
+    "grouped_sigmoid" (sigmoid scores, plus a correction bias for the choice only, top groups
+    by their two best first: DeepSeek-V3, GLM-4.5, MiniMax-M2), "grouped_softmax" (softmax
+    scores, top groups by their best first: DeepSeek-V2; in one group with a correction bias:
+    ERNIE 4.5), "sparsemixer" (PhiMoE's two experts, each weighted by a softmax over the
+    logits within `jitter` of its own). `group_best_of`: how many of a group's best experts
+    score it, where not the kind's own (Mistral 4's softmax groups by their two best).
+    `softcap`: logits soft-capped to (-softcap, softcap) by tanh before scoring, where > 0
+    (Laguna)."""
 
     kind: str
     top_k: int
@@ -54,8 +55,9 @@ def route(logits: torch.Tensor, routing: Routing, correction: torch.Tensor | Non
         top, experts = logits.topk(routing.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
     elif routing.kind == "topk_sigmoid":
-        top, experts = logits.topk(routing.top_k, dim=-1)
-        weights = top.float().sigmoid()
+        choice = logits if correction is None else logits.float() + correction
+        experts = choice.topk(routing.top_k, dim=-1).indices
+        weights = logits.gather(-1, experts).float().sigmoid()
     elif routing.kind == "sparsemixer":
         return _sparsemixer(logits.float(), routing.jitter)
     elif routing.kind == "grouped_softmax":

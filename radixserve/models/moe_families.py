@@ -1,8 +1,9 @@
 """Mixture-of-experts families that are recipes over the shared decoder (`recipe`) with sparse
 MLPs (`moe`): OLMoE and FlexOlmo, GLM-4.5 and dots.llm1 (DeepSeek's MoE block under GQA
-attention), MiniMax-M2, PhiMoE, ERNIE 4.5 MoE, HunYuan MoE, Hunyuan 3; and DeepSeek-V2
-(DeepSeek-V3's MLA, softmax routing) and GLM-4.7-Flash (its MLA and MoE). Those whose attention
-differs by layer kind are in `kind_moe_families`."""
+attention), MiniCPM 5 MoE (the same, its attention output gated), MiniMax-M2, PhiMoE,
+ERNIE 4.5 MoE, HunYuan MoE, Hunyuan 3; and DeepSeek-V2 (DeepSeek-V3's MLA, softmax routing)
+and GLM-4.7-Flash (its MLA and MoE). Those whose attention differs by layer kind are in
+`kind_moe_families`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ from .dense_families import (
 from .layers import Linear, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
-from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, rotary_fraction
+from .recipe import (
+    GatedOutputAttention,
+    LayerRecipe,
+    ModelRecipe,
+    RecipeCausalLM,
+    rotary_fraction,
+)
 
 
 class MoeRecipeLM(RecipeCausalLM):
@@ -85,6 +92,38 @@ class Glm4MoeForCausalLM(MoeRecipeLM):
 
     def rename(self, name: str) -> str | None:
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+
+class MiniCPM5MoeForCausalLM(Glm4MoeForCausalLM):
+    """MiniCPM 5 MoE: each head's query beside its gate in one projection (`q_gate_proj`), the
+    attention output gated per channel by the gate's sigmoid; DeepSeek's MoE block where
+    `mlp_layer_types` says "sparse", a dense MLP elsewhere."""
+
+    def make_attention(self, i: int, recipe: LayerRecipe) -> nn.Module:
+        return GatedOutputAttention(self.cfg, i, self.tp, recipe, "sigmoid", per_head=False)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        cfg, hf = self.cfg, self.hf
+        if hf["mlp_layer_types"][i] == "dense":
+            return SwiGLU(cfg.hidden_size, cfg.intermediate_size, hf.get("hidden_act", "silu"))
+        return deepseek_moe(hf, cfg.hidden_size, self.tp)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(self._split_query_gates(weights))
+
+    def _split_query_gates(self, weights):
+        """The release's `q_proj` (transformers' `q_gate_proj`) holds each head's query rows,
+        then its gate rows: as q_proj and g_proj."""
+        heads, dim = self.hf["num_attention_heads"], self.hf["head_dim"]
+        for name, tensor in weights:
+            module, _, kind = name.rpartition(".")
+            head, _, leaf = module.rpartition(".")
+            if leaf not in ("q_proj", "q_gate_proj") or not head.endswith(".self_attn"):
+                yield name, tensor
+                continue
+            per_head = tensor.reshape(heads, 2, dim, *tensor.shape[1:])
+            for i, part in enumerate(("q_proj", "g_proj")):
+                yield f"{head}.{part}.{kind}", per_head[:, i].reshape(-1, *tensor.shape[1:])
 
 
 class MiniMaxM2ForCausalLM(MoeRecipeLM):

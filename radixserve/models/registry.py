@@ -7,10 +7,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ..quant import UnsupportedQuantization, scheme_of
-from .checkpoint_config import TEXT_OF_MULTIMODAL, VISION_LANGUAGE
+from .checkpoint_config import TEXT_OF_MULTIMODAL
 
 if TYPE_CHECKING:
-    from ..config import EngineArgs
     from ..model_config import ModelConfig
 
 # architecture -> (module under radixserve.models, class)
@@ -32,6 +31,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "AXK1ForCausalLM": ("deepseek_v3", "AXK1ForCausalLM"),
     "Mistral4ForCausalLM": ("deepseek_v3", "Mistral4ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
@@ -79,8 +79,10 @@ ARCHITECTURES = {
     "MellumForCausalLM": ("kind_moe_families", "MellumForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("moe_families", "Ernie4_5_MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
+    "MiniCPM5MoeForCausalLM": ("moe_families", "MiniCPM5MoeForCausalLM"),
     "SolarOpenForCausalLM": ("moe_families", "Glm4MoeForCausalLM"),
     "ExaoneMoeForCausalLM": ("kind_moe_families", "ExaoneMoeForCausalLM"),
+    "Kolibri1ForCausalLM": ("kind_moe_families", "Kolibri1ForCausalLM"),
     "AfmoeForCausalLM": ("kind_moe_families", "AfmoeForCausalLM"),
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniMaxM2ForCausalLM": ("moe_families", "MiniMaxM2ForCausalLM"),
@@ -134,6 +136,7 @@ MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "axk1": "AXK1ForCausalLM",
     "mistral4": "Mistral4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
@@ -181,8 +184,10 @@ MODEL_TYPES = {
     "mellum": "MellumForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minicpm5_moe": "MiniCPM5MoeForCausalLM",
     "solar_open": "SolarOpenForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
+    "kolibri1": "Kolibri1ForCausalLM",
     "afmoe": "AfmoeForCausalLM",
     "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
@@ -343,53 +348,3 @@ def _check_nemotron_h(hf: dict) -> None:
         raise UnsupportedModel(
             f"config.json: mamba_hidden_act {hf['mamba_hidden_act']!r} is not implemented"
         )
-
-
-def model_problems(cfg: ModelConfig, args: EngineArgs):
-    """What the served model does not run with yet, by option name."""
-    yield from _recurrent_problems(cfg, args)
-    yield from _vision_problems(cfg, args)
-    yield from _layer_shape_problems(cfg, args)
-
-
-def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):
-    """What a model whose layers differ in KV heads or head dim (Gemma 4, MiMo-V2-Flash), or in
-    query heads (Laguna), does not run with yet."""
-    lora = ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths))
-    if len(set(cfg.hf_config.get("num_attention_heads_per_layer") or ())) > 1 and lora[1]:
-        yield f"{lora[0]} with {cfg.architecture}'s layers of several head counts is not supported"
-    if cfg.kv_layer_dims is None:
-        return
-    for name, on in (("disaggregation_mode", args.disaggregation_mode != "null"), lora):
-        if on:
-            yield f"{name} with {cfg.architecture}'s layers of two KV shapes is not supported yet"
-
-
-def _vision_problems(cfg: ModelConfig, args: EngineArgs):
-    if cfg.architecture not in VISION_LANGUAGE:
-        return
-    for name, on in (
-        ("speculative_algorithm draft", args.speculative_algorithm == "draft"),
-        ("enable_torch_compile", args.enable_torch_compile),
-    ):
-        if on:
-            yield f"{name} with {cfg.architecture}'s images is not supported yet"
-
-
-def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
-    """What a hybrid model (layers that keep a state per sequence) does not run with yet, by
-    option name; nothing for other models."""
-    if not cfg.keeps_state:
-        return
-    for name, on in (
-        ("tp_size", args.tp_size > 1),
-        ("speculative_algorithm", args.speculative_algorithm is not None),
-        ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
-        ("enable_hierarchical_cache", args.enable_hierarchical_cache),
-        ("disaggregation_mode", args.disaggregation_mode != "null"),
-        ("enable_deterministic_inference", args.enable_deterministic_inference),
-        ("enable_torch_compile", args.enable_torch_compile),
-        ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
-    ):
-        if on:
-            yield f"{name} with {cfg.architecture}'s recurrent layers is not supported yet"

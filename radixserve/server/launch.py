@@ -23,7 +23,8 @@ from ..config import EngineArgs, ServerArgs, refuse_problems
 from ..detokenizer import run_detokenizer
 from ..ipc import Endpoints, Heartbeat, pull_socket, recv_all
 from ..messages import SchedulerReady
-from ..models.registry import is_classifier, model_problems
+from ..models.option_support import model_problems
+from ..models.registry import is_classifier
 from ..models.source import resolve_draft_model, resolve_model
 from ..multimodal.media import media_limits
 from ..multimodal.spec import VisionSpec
