@@ -440,6 +440,20 @@ FAMILIES = {
             norm_topk_prob=True,
         ),
     ),
+    "flint": (  # sinks, the rotary on window layers only, sigmoid experts + a shared MLP
+        hf.FlintConfig,
+        hf.FlintForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_only_layers=[0],
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
     "afmoe": (
         hf.AfmoeConfig,
         hf.AfmoeForCausalLM,
@@ -850,6 +864,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "minicpm5_moe",
         "axk1",
         "kolibri1",
+        "flint",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",

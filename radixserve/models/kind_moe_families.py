@@ -1,6 +1,6 @@
 """Mixture-of-experts families whose attention layers differ by kind (windows, a rotary per
 kind or on the window layers only, output gates), as recipes over the shared decoder: K-EXAONE,
-Kolibri, AFMoE, Command A MoE, Mellum."""
+Kolibri, Flint, AFMoE, Command A MoE, Mellum."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .dense_families import Cohere2ForCausalLM, layer_window_of
 from .layers import SwiGLU
 from .moe import Routing, SparseMoE, corrected_sigmoid_moe, deepseek_moe
 from .moe_families import MoeRecipeLM
-from .recipe import GatedOutputAttention, LayerRecipe, ModelRecipe
+from .recipe import GatedOutputAttention, LayerRecipe, ModelRecipe, with_sinks
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
 
 
@@ -71,6 +71,36 @@ class Kolibri1ForCausalLM(ExaoneMoeForCausalLM):
         width = hf["shared_expert_intermediate_size"]
         shared = SwiGLU(hidden, width // self.tp.size, hf.get("hidden_act", "silu"))
         return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+
+
+class FlintForCausalLM(MoeRecipeLM):
+    """Flint: Qwen3-MoE's attention (q and k normed per head) with a learnt sink logit per head,
+    windows by `layer_types` and the rotary on the window layers only; dense MLPs in
+    `mlp_only_layers`, elsewhere sigmoid-scored experts (renormalized where `norm_topk_prob`)
+    plus a shared MLP added whole."""
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        window = layer_window_of(self.hf, i)
+        return LayerRecipe(qk_norm="head", rope=window is not None, window=window)
+
+    def make_attention(self, i: int, recipe: LayerRecipe) -> nn.Module:
+        return with_sinks(super().make_attention(i, recipe))
+
+    def make_mlp(self, i: int) -> nn.Module:
+        hf, hidden = self.hf, self.cfg.hidden_size
+        if i in (hf.get("mlp_only_layers") or ()):
+            return super().make_mlp(i)
+        routing = Routing(
+            "topk_sigmoid", hf["num_experts_per_tok"], renormalize=hf.get("norm_topk_prob", True)
+        )
+        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
+        width = hf["shared_expert_intermediate_size"]
+        shared = SwiGLU(hidden, width // self.tp.size, hf.get("hidden_act", "silu"))
+        return SparseMoE(hidden, experts, routing, shared=shared)
+
+    def rename(self, name: str) -> str | None:
+        name = name.replace(".self_attn.softmax_offset", ".self_attn.sinks")  # the release's
+        return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 
 
 class AfmoeForCausalLM(MoeRecipeLM):
