@@ -136,6 +136,21 @@ FAMILIES = {
         dict(head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
     ),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, dict(pad_token_id=0)),
+    "minicpm3": (  # DeepSeek-V2's MLA with a rotate-half rotary, µP scales, dense MLPs
+        hf.MiniCPM3Config,
+        hf.MiniCPM3ForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            scale_emb=3.0,
+            scale_depth=1.4,
+            dim_model_base=32,
+        ),
+    ),
     "axk1": (  # DeepSeek-V3 with its MoE blocks' outputs normed
         hf.AXK1Config,
         hf.AXK1ForCausalLM,
@@ -820,7 +835,8 @@ def test_family_matches_hf(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum", "hyperclovax"]
+    "family",
+    ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum", "hyperclovax", "minicpm3"],
 )
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
@@ -865,6 +881,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "axk1",
         "kolibri1",
         "flint",
+        "minicpm3",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",

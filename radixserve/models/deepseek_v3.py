@@ -26,6 +26,7 @@ from ..model_config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, Rope
 from .layers import Linear, RMSNorm, SwiGLU
 from .moe import Routing, deepseek_moe, deepseek_routing, unstack_experts
+from .recipe import LayerRecipe, RecipeLayer
 from .rotary import QueryTemperature, RotaryEmbedding, apply_rotary, beta_query_scaling
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -239,3 +240,28 @@ class AXK1ForCausalLM(DeepseekV3ForCausalLM):
     def rename(self, name: str) -> str | None:
         name = super().rename(name)  # transformers' own place for the norm, inside the block
         return name and name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.")
+
+
+class MiniCPM3ForCausalLM(DeepseekV3ForCausalLM):
+    """MiniCPM3: DeepSeek-V2's MLA (its rotary turning halves, not interleaved pairs) over dense
+    MLPs, with µP scales: embeddings times `scale_emb`, each sublayer's output times
+    `scale_depth / sqrt(layers)`, logits divided by `hidden_size / dim_model_base`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        hf = cfg.hf_config
+        self.embed_scale = hf.get("scale_emb", 1.0)
+        self.residual_scale = hf.get("scale_depth", 1.0) / math.sqrt(hf["num_hidden_layers"])
+        self.logits_scaling = hf["hidden_size"] / (hf.get("dim_model_base") or hf["hidden_size"])
+        super().__init__(cfg, max_positions, tp)
+
+    def make_layer(self, i: int) -> nn.Module:
+        recipe = LayerRecipe(residual_scale=self.residual_scale)
+        return RecipeLayer(self.cfg, self.tp, recipe, self.make_attention(i), self.make_mlp(i))
+
+    def make_attention(self, i: int) -> nn.Module:
+        attention = super().make_attention(i)
+        attention.interleaved = False
+        return attention
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden / self.logits_scaling)
