@@ -882,6 +882,18 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "kolibri1",
         "flint",
         "minicpm3",
+        "phi",
+        "starcoder2",
+        "nemotron",
+        "jais2",
+        "helium",
+        "glm",
+        "gemma",
+        "hyperclovax",
+        "flex_olmo",
+        "youtu",
+        "vaultgemma",
+        "olmo",
         "llama4_text",
         "gemma4_text",
         "gemma4_moe",
@@ -1094,10 +1106,10 @@ def test_hunyuan_ntk_alpha_rotary_is_hfs():
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
-    model_dir = tmp_path / "mamba"
+    model_dir = tmp_path / "rwkv"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(
-        json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+        json.dumps({"architectures": ["RwkvForCausalLM"], "model_type": "rwkv"})
     )
     proc = subprocess.run(
         [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(model_dir)],
@@ -1108,7 +1120,7 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "MambaForCausalLM" in lines[0] and "Qwen3ForCausalLM" in lines[0]
+    assert "RwkvForCausalLM" in lines[0] and "Qwen3ForCausalLM" in lines[0]
 
 
 def test_bad_checkpoints_name_the_tensor(tmp_path):
