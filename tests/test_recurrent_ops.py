@@ -120,9 +120,34 @@ def scan_inputs(length: int, heads: int = 4, groups: int = 2, seed: int = 0):
     return x, dt, b, c
 
 
+def check_scan_whole_split_and_stepped(scan, step, hf_scan, inputs):
+    """`scan(x, dt, b, c, state)` against `hf_scan(x, dt, b, c)` over 150 tokens at once and split
+    across and inside chunks; `step(x, dt, b, c, states)` one token at a time in a batch
+    continuing two prompts (`inputs(length, seed)` makes each)."""
+    x, dt, b, c = inputs(150, 0)
+    want, want_state = hf_scan(x, dt, b, c)
+    got, state = scan(x, dt, b, c, None)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(state, want_state, **TOL)
+    parts, state = [], None
+    for start, end in ((0, 37), (37, 101), (101, 150)):
+        out, state = scan(*(t[start:end] for t in (x, dt, b, c)), state)
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts), want, **TOL)
+    prompts = [inputs(n, n) for n in (5, 70)]
+    states = torch.stack([scan(*p, None)[1] for p in prompts])
+    for turn in range(3):
+        token = [inputs(1, 1000 + 10 * turn + i) for i in range(2)]
+        got = step(*(torch.cat([t[j] for t in token]) for j in range(4)), states)
+        for i in range(2):
+            prompts[i] = tuple(torch.cat([p, t]) for p, t in zip(prompts[i], token[i]))
+            want, want_state = hf_scan(*prompts[i])
+            torch.testing.assert_close(got[i], want[-1], **TOL)
+            torch.testing.assert_close(states[i], want_state, **TOL)
+
+
 def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
-    """Nemotron-H's torch SSD scan as the reference: the chunked scan at once and split across
-    and inside chunks, and one-token steps in a batch continuing two prompts."""
+    """Nemotron-H's torch SSD scan as the reference."""
     from transformers.models.nemotron_h import modeling_nemotron_h as nemotron
 
     from radixserve.models.mamba2 import mamba2_scan, mamba2_step
@@ -141,32 +166,15 @@ def test_the_mamba2_scan_equals_hf_whole_split_and_stepped():
         )
         return out[0], state[0]
 
-    x, dt, b, c = scan_inputs(150)
-    want, want_state = hf_scan(x, dt, b, c)
-    got, state = mamba2_scan(x, dt, a, b, c, d, None)
-    torch.testing.assert_close(got, want, **TOL)
-    torch.testing.assert_close(state, want_state, **TOL)
-    parts, state = [], None
-    for start, end in ((0, 37), (37, 101), (101, 150)):
-        out, state = mamba2_scan(
-            *(t[start:end] for t in (x, dt)), a, b[start:end], c[start:end], d, state
-        )
-        parts.append(out)
-    torch.testing.assert_close(torch.cat(parts), want, **TOL)
-    prompts = [scan_inputs(n, seed=n) for n in (5, 70)]
-    states = torch.stack([mamba2_scan(p[0], p[1], a, p[2], p[3], d, None)[1] for p in prompts])
-    for step in range(3):
-        token = [scan_inputs(1, seed=1000 + 10 * step + i) for i in range(2)]
-        x, dt, b, c = (torch.cat([t[j] for t in token]) for j in range(4))
-        got = mamba2_step(x, dt, a, b, c, d, states)
-        for i in range(2):
-            prompts[i] = tuple(torch.cat([p, t]) for p, t in zip(prompts[i], token[i]))
-            want, want_state = hf_scan(*prompts[i])
-            torch.testing.assert_close(got[i], want[-1], **TOL)
-            torch.testing.assert_close(states[i], want_state, **TOL)
+    check_scan_whole_split_and_stepped(
+        lambda x, dt, b, c, s: mamba2_scan(x, dt, a, b, c, d, s),
+        lambda x, dt, b, c, s: mamba2_step(x, dt, a, b, c, d, s),
+        hf_scan,
+        lambda length, seed: scan_inputs(length, seed=seed),
+    )
 
 
-def mamba1_inputs(length: int, channels: int = 24, seed: int = 0):
+def mamba1_inputs(length: int, seed: int, channels: int = 24):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(length, channels, generator=gen)
     dt = F.softplus(torch.randn(length, channels, generator=gen))
@@ -174,8 +182,7 @@ def mamba1_inputs(length: int, channels: int = 24, seed: int = 0):
 
 
 def test_the_mamba1_scan_equals_hf_whole_split_and_stepped():
-    """Jamba's torch selective scan as the reference: the chunked scan at once and split across
-    and inside chunks, and one-token steps in a batch continuing two prompts."""
+    """Jamba's torch selective scan as the reference."""
     from transformers.models.jamba import modeling_jamba as jamba
 
     from radixserve.models.mamba1 import mamba1_scan, mamba1_step
@@ -189,29 +196,12 @@ def test_the_mamba1_scan_equals_hf_whole_split_and_stepped():
         )
         return out[0].t(), state[0]
 
-    x, dt, b, c = mamba1_inputs(150)
-    want, want_state = hf_scan(x, dt, b, c)
-    got, state = mamba1_scan(x, dt, a, b, c, d, None)
-    torch.testing.assert_close(got, want, **TOL)
-    torch.testing.assert_close(state, want_state, **TOL)
-    parts, state = [], None
-    for start, end in ((0, 37), (37, 101), (101, 150)):
-        out, state = mamba1_scan(
-            x[start:end], dt[start:end], a, b[start:end], c[start:end], d, state
-        )
-        parts.append(out)
-    torch.testing.assert_close(torch.cat(parts), want, **TOL)
-    prompts = [mamba1_inputs(n, seed=n) for n in (5, 70)]
-    states = torch.stack([mamba1_scan(p[0], p[1], a, p[2], p[3], d, None)[1] for p in prompts])
-    for step in range(3):
-        token = [mamba1_inputs(1, seed=1000 + 10 * step + i) for i in range(2)]
-        x, dt, b, c = (torch.cat([t[j] for t in token]) for j in range(4))
-        got = mamba1_step(x, dt, a, b, c, d, states)
-        for i in range(2):
-            prompts[i] = tuple(torch.cat([p, t]) for p, t in zip(prompts[i], token[i]))
-            want, want_state = hf_scan(*prompts[i])
-            torch.testing.assert_close(got[i], want[-1], **TOL)
-            torch.testing.assert_close(states[i], want_state, **TOL)
+    check_scan_whole_split_and_stepped(
+        lambda x, dt, b, c, s: mamba1_scan(x, dt, a, b, c, d, s),
+        lambda x, dt, b, c, s: mamba1_step(x, dt, a, b, c, d, s),
+        hf_scan,
+        mamba1_inputs,
+    )
 
 
 def test_the_cpu_kernels_step_like_torch_in_place_on_the_rows():
