@@ -131,8 +131,6 @@ class ModelConfig:
         theta = cfg.get("rope_theta", rope.get("rope_theta"))
         theta = 10000.0 if theta is None else theta  # none: a model without rotary (OLMo Hybrid)
         scaling = rope_scaling_of(rope)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         latent = cfg.get("kv_lora_rank") is not None
         return cls(
@@ -147,9 +145,7 @@ class ModelConfig:
                 if latent
                 else cfg.get("head_dim") or cfg["hidden_size"] // heads
             ),
-            rms_norm_eps=next(  # the first one set (Command A MoE's rms_norm_eps may be null)
-                (cfg[k] for k in EPS_FIELDS if cfg.get(k) is not None), 1e-5
-            ),
+            rms_norm_eps=eps_of(cfg),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -158,7 +154,7 @@ class ModelConfig:
             or cfg.get("model_type") == "qwen2"
             or (cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids_of(cfg),
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
             latent_kv=latent,
@@ -172,7 +168,6 @@ class ModelConfig:
     @classmethod
     def _without_attention(cls, cfg: dict[str, Any], types: list[str]) -> "ModelConfig":
         """A model whose every layer keeps a state (Mamba): no heads, no KV layers."""
-        eos = cfg.get("eos_token_id")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -181,13 +176,11 @@ class ModelConfig:
             num_heads=0,
             num_kv_heads=0,
             head_dim=0,
-            rms_norm_eps=next((cfg[k] for k in EPS_FIELDS if cfg.get(k) is not None), 1e-5),
+            rms_norm_eps=eps_of(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", STATE_ONLY_CONTEXT),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos)
-            if isinstance(eos, list)
-            else ((eos,) if eos is not None else ()),
+            eos_token_ids=eos_ids_of(cfg),
             architecture=(cfg.get("architectures") or ["MambaForCausalLM"])[0],
             model_type=cfg.get("model_type", "mamba"),
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -199,6 +192,16 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def eps_of(cfg: dict[str, Any]) -> float:
+    """The norms' eps: the first of EPS_FIELDS set (Command A MoE's rms_norm_eps may be null)."""
+    return next((cfg[k] for k in EPS_FIELDS if cfg.get(k) is not None), 1e-5)
+
+
+def eos_ids_of(cfg: dict[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
 def kv_layers_of(layer_types: list[str] | None, shared: int = 0) -> int | None:

@@ -483,6 +483,8 @@ def test_a_model_without_attention_keeps_no_kv_and_a_snapshot_every_256_tokens(t
     assert again["meta_info"]["cached_tokens"] == 256
     assert "KV 0 B a token (float32), 65536 tokens" in caplog.text
     assert "(the model keeps no KV, kept every 256 tokens)" in caplog.text
+    with pytest.raises(ValueError, match="mamba_full_memory_ratio .* keeps no KV"):
+        Engine(model=str(path), dtype="float32", mamba_full_memory_ratio=0.5)
 
 
 def test_experts_stacked_in_the_checkpoint_load_like_per_expert_ones(tmp_path):

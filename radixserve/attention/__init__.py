@@ -17,7 +17,7 @@ _REGISTRY = {
 FEATURES = {
     "torch_native": frozenset(
         {"scale", "window", "chunk", "softcap", "sinks", "latent", "fp8_kv", "deterministic"}
-        | {"head_dims", "head_counts"}
+        | {"head_dims", "head_counts", "no_kv_layers"}
     ),
     "triton": frozenset({"scale", "head_counts"}),
     "flashinfer": frozenset(),

@@ -61,3 +61,8 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     ):
         if on:
             yield f"{name} with {cfg.architecture}'s recurrent layers is not supported yet"
+    if cfg.num_kv_layers == 0 and args.mamba_full_memory_ratio is not None:
+        yield (
+            f"mamba_full_memory_ratio with {cfg.architecture}, which keeps no KV to size its "
+            "states against; use max_mamba_cache_size"
+        )

@@ -48,10 +48,12 @@ def kv_num_pages(
 
 def attention_backend(model, pool, args: EngineArgs, device: torch.device):
     """(name, backend): the backend --attention-backend names, or `auto`'s pick among those
-    with every feature the model's attention needs (FP8 KV, determinism)."""
+    with every feature the model's attention needs (FP8 KV, determinism; a model without
+    attention takes only the step's inputs from it, which torch_native gives)."""
     features = model.attention_features()
     needs = features | ({"fp8_kv"} if pool.is_fp8 else frozenset())
     needs |= {"head_dims"} if len(pool.key_widths) > 1 else frozenset()
+    needs |= {"no_kv_layers"} if not pool.k else frozenset()  # Mamba: the step's inputs only
     deterministic = args.enable_deterministic_inference
     if deterministic and features - {"scale"}:
         raise ValueError(
