@@ -15,6 +15,7 @@ from torch import nn
 from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .layers import Linear, PlainMLP
+from .llama import split_per_head
 from .recipe import LayerRecipe, ModelRecipe, RecipeCausalLM, llama_biases, rotary_fraction
 
 GATELESS_NAMES = {".mlp.fc1.": ".mlp.up_proj.", ".mlp.fc2.": ".mlp.down_proj.",
@@ -147,7 +148,5 @@ class GPTNeoXForCausalLM(GatelessRecipeLM):
             if ".attention.query_key_value." not in name:
                 yield name, tensor
                 continue
-            per_head = tensor.reshape(heads, 3, -1, *tensor.shape[1:])
-            for i, part in enumerate(("query", "key", "value")):
-                ours = name.replace("query_key_value", f"{part[0]}_proj")
-                yield ours, per_head[:, i].reshape(-1, *tensor.shape[1:])
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), split_per_head(tensor, heads, 3)):
+                yield name.replace("query_key_value", part), rows

@@ -39,6 +39,18 @@ class ExaoneMoeForCausalLM(MoeRecipeLM):
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
 
 
+def logit_sigmoid_moe(lm: MoeRecipeLM, count: int, renormalize: bool, correction: bool):
+    """`count` experts chosen by their top-k logits (plus a correction bias where `correction`),
+    each weighted by its logit's sigmoid, beside a shared MLP `shared_expert_intermediate_size`
+    wide added whole (Kolibri, Flint)."""
+    hf, hidden = lm.hf, lm.cfg.hidden_size
+    routing = Routing("topk_sigmoid", hf["num_experts_per_tok"], renormalize=renormalize)
+    experts = lm.experts(count, hf["moe_intermediate_size"])
+    width = hf["shared_expert_intermediate_size"]
+    shared = SwiGLU(hidden, width // lm.tp.size, hf.get("hidden_act", "silu"))
+    return SparseMoE(hidden, experts, routing, correction_bias=correction, shared=shared)
+
+
 # the release's names and transformers' own (as it holds them) -> ours
 KOLIBRI_NAMES = (
     (".moe.router.expert_bias", ".mlp.e_score_correction_bias"),
@@ -62,15 +74,8 @@ class Kolibri1ForCausalLM(ExaoneMoeForCausalLM):
         return super().rename(name)
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, hidden = self.hf, self.cfg.hidden_size
-        routing = Routing(
-            "topk_sigmoid", hf["num_experts_per_tok"], renormalize=hf.get("norm_topk_prob", False)
-        )
-        count = hf.get("num_experts") or hf["num_local_experts"]  # transformers saves the latter
-        experts = self.experts(count, hf["moe_intermediate_size"])
-        width = hf["shared_expert_intermediate_size"]
-        shared = SwiGLU(hidden, width // self.tp.size, hf.get("hidden_act", "silu"))
-        return SparseMoE(hidden, experts, routing, correction_bias=True, shared=shared)
+        count = self.hf.get("num_experts") or self.hf["num_local_experts"]  # as transformers saves
+        return logit_sigmoid_moe(self, count, self.hf.get("norm_topk_prob", False), True)
 
 
 class FlintForCausalLM(MoeRecipeLM):
@@ -87,16 +92,10 @@ class FlintForCausalLM(MoeRecipeLM):
         return with_sinks(super().make_attention(i, recipe))
 
     def make_mlp(self, i: int) -> nn.Module:
-        hf, hidden = self.hf, self.cfg.hidden_size
+        hf = self.hf
         if i in (hf.get("mlp_only_layers") or ()):
             return super().make_mlp(i)
-        routing = Routing(
-            "topk_sigmoid", hf["num_experts_per_tok"], renormalize=hf.get("norm_topk_prob", True)
-        )
-        experts = self.experts(hf["num_experts"], hf["moe_intermediate_size"])
-        width = hf["shared_expert_intermediate_size"]
-        shared = SwiGLU(hidden, width // self.tp.size, hf.get("hidden_act", "silu"))
-        return SparseMoE(hidden, experts, routing, shared=shared)
+        return logit_sigmoid_moe(self, hf["num_experts"], hf.get("norm_topk_prob", True), False)
 
     def rename(self, name: str) -> str | None:
         name = name.replace(".self_attn.softmax_offset", ".self_attn.sinks")  # the release's

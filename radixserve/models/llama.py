@@ -130,6 +130,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return [cfg.q_size * ranks, cfg.kv_size * ranks, cfg.kv_size * ranks]
 
 
+def split_per_head(tensor, heads: int, count: int) -> list:
+    """A tensor whose rows hold each head's `count` parts in turn (q, k and v; q and a gate) as
+    each part's rows for every head."""
+    per_head = tensor.reshape(heads, count, -1, *tensor.shape[1:])
+    return [per_head[:, i].reshape(-1, *tensor.shape[1:]) for i in range(count)]
+
+
 def split_gate_up(weights):
     """A fused `gate_up_proj` as the gate and up projections it joins (so that tensor
     parallelism slices each); other tensors pass through."""

@@ -21,6 +21,7 @@ from .dense_families import (
     layer_window_of,
 )
 from .layers import Linear, SwiGLU
+from .llama import split_per_head
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, deepseek_moe, unstack_experts
 from .recipe import (
@@ -114,16 +115,15 @@ class MiniCPM5MoeForCausalLM(Glm4MoeForCausalLM):
     def _split_query_gates(self, weights):
         """The release's `q_proj` (transformers' `q_gate_proj`) holds each head's query rows,
         then its gate rows: as q_proj and g_proj."""
-        heads, dim = self.hf["num_attention_heads"], self.hf["head_dim"]
+        heads = self.hf["num_attention_heads"]
         for name, tensor in weights:
             module, _, kind = name.rpartition(".")
             head, _, leaf = module.rpartition(".")
             if leaf not in ("q_proj", "q_gate_proj") or not head.endswith(".self_attn"):
                 yield name, tensor
                 continue
-            per_head = tensor.reshape(heads, 2, dim, *tensor.shape[1:])
-            for i, part in enumerate(("q_proj", "g_proj")):
-                yield f"{head}.{part}.{kind}", per_head[:, i].reshape(-1, *tensor.shape[1:])
+            for part, rows in zip(("q_proj", "g_proj"), split_per_head(tensor, heads, 2)):
+                yield f"{head}.{part}.{kind}", rows
 
 
 class MiniMaxM2ForCausalLM(MoeRecipeLM):
