@@ -18,6 +18,7 @@ def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
 EPS_FIELDS = ("rms_norm_eps", "norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 ATTENTION_LAYER_TYPES = frozenset(
     {"full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "attention"}
+    | {"compressed_sparse_attention", "heavily_compressed_attention"}  # DeepSeek-V4's
 )
 # layers that keep a state per sequence: convolution, linear attention, SSM (Mamba)
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
@@ -113,7 +114,7 @@ class ModelConfig:
     def kv_layer_shapes(self) -> list[tuple[int, int, int]]:
         """(KV heads, key width, value width) of each layer in the KV pool."""
         if self.kv_layer_dims is not None:
-            return [(heads, dim, dim) for heads, dim in self.kv_layer_dims]
+            return [(heads, dim, 0 if self.latent_kv else dim) for heads, dim in self.kv_layer_dims]
         return [(self.num_kv_heads, self.head_dim, self.value_dim)] * self.num_kv_layers
 
     @property
@@ -133,6 +134,7 @@ class ModelConfig:
         scaling = rope_scaling_of(rope)
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         latent = cfg.get("kv_lora_rank") is not None
+        shared_kv = latent or cfg.get("model_type") == "deepseek_v4"  # one row per token
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -157,7 +159,7 @@ class ModelConfig:
             eos_token_ids=eos_ids_of(cfg),
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
-            latent_kv=latent,
+            latent_kv=shared_kv,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             kv_layers=kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0),
             state_layers=sum(map(is_state_layer, types or [])),
@@ -237,6 +239,8 @@ def own_attention_dims(cfg: dict[str, Any]) -> tuple[int, int]:
 def kv_layer_dims_of(cfg: dict[str, Any], types: list[str] | None):
     """(KV heads, head dim) of each KV layer where layers differ in them (Gemma 4; MiMo-V2-Flash,
     whose window layers keep twice the KV heads), else None."""
+    if cfg.get("model_type") == "deepseek_v4":
+        return tuple((1, compressed_row_layout(cfg, t)["width"][1]) for t in types or [])
     if cfg.get("model_type") == "mimo_v2_flash":
         heads, dim = own_attention_dims(cfg)
         return tuple((2 * heads if t == "sliding_attention" else heads, dim) for t in types or [])
@@ -245,3 +249,19 @@ def kv_layer_dims_of(cfg: dict[str, Any], types: list[str] | None):
     layers = kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0) or len(types or [])
     dims = tuple(layer_attention_dims(cfg, types, i) for i in range(layers))
     return dims if any(d != own_attention_dims(cfg) for d in dims) else None
+
+
+def compressed_row_layout(cfg: dict[str, Any], kind: str) -> dict[str, tuple[int, int]]:
+    """Where each part of a DeepSeek-V4 layer's pool row lies, `(start, end)`: the token's key,
+    then (compressed layers) its compressor's keys and gates, then (`compressed_sparse_attention`)
+    its indexer's; `width` spans the row."""
+    dim = cfg["head_dim"]
+    parts = [("key", dim)]
+    if kind == "heavily_compressed_attention":
+        parts.append(("compressor", 2 * dim))
+    if kind == "compressed_sparse_attention":
+        parts += [("compressor", 4 * dim), ("indexer", 4 * cfg["index_head_dim"])]
+    layout, start = {}, 0
+    for name, size in parts:
+        layout[name], start = (start, start + size), start + size
+    return layout | {"width": (0, start)}

@@ -76,7 +76,17 @@ def load_decoder(tokenizer_dir: Path | None) -> Any:
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         if not _tokenizer_config(Path(tokenizer_dir)).get("clean_up_tokenization_spaces", False):
             return TokenDecoder(Path(tokenizer_dir) / "tokenizer.json")
-    return load_tokenizer_or_none(tokenizer_dir)
+    return tokenizer_in_child(tokenizer_dir)
+
+
+def tokenizer_in_child(tokenizer_dir: Path | None) -> Any:
+    """The tokenizer for a server's child process, or None where it fails to load: the api
+    process loads the same one and reports in one line what is wrong with it (a child's
+    traceback would add to that line, or race it)."""
+    try:
+        return load_tokenizer_or_none(tokenizer_dir)
+    except Exception:  # whatever transformers raises: the api process reports it
+        return None
 
 
 def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:

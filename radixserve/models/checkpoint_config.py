@@ -112,7 +112,54 @@ def _gemma_fields(hf: dict) -> dict:
     return {**hf, "hidden_act": act} if "hidden_act" in hf else hf
 
 
+# DeepSeek-V4's fields a config.json may leave out, at transformers' defaults
+V4_DEFAULTS = dict(
+    scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, sliding_window=128, o_groups=8, o_lora_rank=1024,
+    index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+    compress_rope_theta=160000.0, num_key_value_heads=1, head_dim=512,
+)  # fmt: skip
+V4_RATIO_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                  128: "heavily_compressed_attention"}  # fmt: skip
+
+
+def _deepseek_v4_fields(hf: dict) -> dict:
+    """DeepSeek-V4's layer kinds, compression rates, expert routing by layer and its two rotary
+    tables, as transformers derives them from a release's fields (`compress_ratios`,
+    `num_hash_layers`, `qk_rope_head_dim`, a flat `rope_scaling`) where config.json lacks them."""
+    out = {**V4_DEFAULTS, **hf}
+    n = out["num_hidden_layers"]
+    rates = dict(out.get("compress_rates") or {"compressed_sparse_attention": 4,
+                                               "heavily_compressed_attention": 128})  # fmt: skip
+    for legacy, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                         ("compress_rate_hca", "heavily_compressed_attention")):  # fmt: skip
+        rates[kind] = out.get(legacy) or rates[kind]
+    types = out.get("layer_types")
+    if types is None and out.get("compress_ratios") is not None:
+        types = [V4_RATIO_KINDS[r] for r in out["compress_ratios"]]
+    if types is None:
+        mixed = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                 for i in range(max(n - 2, 0))]  # fmt: skip
+        types = ["heavily_compressed_attention"] * min(n, 2) + mixed
+    hashed = out.get("num_hash_layers", 3)
+    mlp_types = out.get("mlp_layer_types") or ["hash_moe"] * min(n, hashed) + ["moe"] * (n - hashed)
+    factor = out.get("partial_rotary_factor") or (out.get("qk_rope_head_dim", 64) / out["head_dim"])
+    ropes = out.get("rope_parameters") or out.get("rope_scaling") or {}
+    if not isinstance(ropes.get("compress"), dict):
+        scaling = {k: v for k, v in ropes.items() if k not in ("main", "compress")}
+        compress = {"rope_type": "default", **scaling, "rope_theta": out["compress_rope_theta"]}
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+        ropes = {"main": {"rope_type": "default", "rope_theta": out["rope_theta"]},
+                 "compress": compress}  # fmt: skip
+    ropes = {kind: {**rope, "partial_rotary_factor": factor} for kind, rope in ropes.items()}
+    return out | dict(compress_rates=rates, layer_types=list(types[:n]),
+                      mlp_layer_types=list(mlp_types[:n]), partial_rotary_factor=factor,
+                      rope_parameters=ropes)  # fmt: skip
+
+
 DERIVED = {
+    "deepseek_v4": _deepseek_v4_fields,
     "kimi_linear": _kimi_linear_fields,
     "bamba": _bamba_fields,
     "jamba": _jamba_fields,

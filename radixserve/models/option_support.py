@@ -18,6 +18,23 @@ def model_problems(cfg: ModelConfig, args: EngineArgs):
     yield from _recurrent_problems(cfg, args)
     yield from _vision_problems(cfg, args)
     yield from _layer_shape_problems(cfg, args)
+    yield from _compressed_attention_problems(cfg, args)
+
+
+def _compressed_attention_problems(cfg: ModelConfig, args: EngineArgs):
+    """What DeepSeek-V4's compressed attention (its rows computed from in torch, one request
+    at a time) does not run with yet."""
+    if cfg.model_type != "deepseek_v4":
+        return
+    for name, on in (
+        ("tp_size", args.tp_size > 1),
+        ("speculative_algorithm", args.speculative_algorithm is not None),
+        ("enable_hierarchical_cache", args.enable_hierarchical_cache),
+        ("enable_torch_compile", args.enable_torch_compile),
+        ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
+    ):
+        if on:
+            yield f"{name} with {cfg.architecture}'s compressed attention is not supported yet"
 
 
 def _layer_shape_problems(cfg: ModelConfig, args: EngineArgs):

@@ -104,6 +104,7 @@ ARCHITECTURES = {
     "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),
@@ -211,6 +212,7 @@ MODEL_TYPES = {
     "laguna": "LagunaForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 # vision-language checkpoints whose language model's family picks another class of the
 # architecture's module: (architecture, text model_type) -> class
@@ -240,6 +242,7 @@ PARTIAL_ROTARY = {
     "BambaForCausalLM",
     "Mistral4ForCausalLM",  # MLA: the factor names the share its `qk_rope_head_dim` turns
     "Mistral4VisionForConditionalGeneration",
+    "DeepseekV4ForCausalLM",
 }
 
 
@@ -283,6 +286,7 @@ def model_class(cfg: ModelConfig):
     return getattr(importlib.import_module(f"radixserve.models.{module}"), cls)
 
 
+V4_SCORES = ("sqrtsoftplus", "sigmoid")  # DeepSeek-V4's router scores
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu2"}
 OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}}  # learned ones, the family's own module
@@ -296,7 +300,8 @@ def check_supported(hf: dict) -> None:
     except UnsupportedQuantization as exc:
         raise UnsupportedModel(str(exc)) from None
     ropes = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    for rope in ropes.values() if "full_attention" in ropes else [ropes]:
+    by_kind = "full_attention" in ropes or "compress" in ropes  # per layer kind (DeepSeek-V4's)
+    for rope in ropes.values() if by_kind else [ropes]:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ROPE_TYPES:
             raise UnsupportedModel(
@@ -313,6 +318,8 @@ def check_supported(hf: dict) -> None:
             raise UnsupportedModel("config.json: partial_rotary_factor < 1 is not implemented")
     if architecture_of(hf) == "NemotronHForCausalLM":
         _check_nemotron_h(hf)
+    if hf.get("model_type") == "deepseek_v4":
+        _check_deepseek_v4(hf)
     if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         _check_gemma4(hf)
     known = ACTIVATIONS | OWN_ACTIVATIONS.get(architecture_of(hf), set())
@@ -344,6 +351,19 @@ def _check_gemma4(hf: dict) -> None:
         raise UnsupportedModel(
             f"config.json: num_kv_shared_layers {shared}: each shared layer needs an earlier "
             "layer of its kind"
+        )
+
+
+def _check_deepseek_v4(hf: dict) -> None:
+    if hf.get("scoring_func", V4_SCORES[0]) not in V4_SCORES:
+        raise UnsupportedModel(
+            f"config.json: scoring_func {hf['scoring_func']!r} is not implemented; "
+            f"supported: {', '.join(V4_SCORES)}"
+        )
+    if hf.get("quantization_config"):
+        raise UnsupportedModel(
+            "config.json: quantization_config: quantized DeepSeek-V4 checkpoints (the "
+            "release's FP8 and FP4 tensors) are not implemented; serve unquantized weights"
         )
 
 

@@ -33,7 +33,7 @@ from ..messages import (
     SchedulerReady,
 )
 from ..models.source import resolve_model
-from ..tokenizer import decode_ids, eos_ids, load_tokenizer_or_none
+from ..tokenizer import decode_ids, eos_ids, tokenizer_in_child
 from ..worker.process import start_rank0
 from .control import run_control
 from .scheduler import Scheduler
@@ -51,7 +51,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
     # One after the other: loading the tokenizer in a thread beside the model raced the two
     # threads' imports of sympy (through transformers and torch) and, once in a CI run, left a
     # half-imported module that killed the process at start-up.
-    tokenizer = load_tokenizer_or_none(source.tokenizer_dir)
+    tokenizer = tokenizer_in_child(source.tokenizer_dir)
     runner, draft_runner = start_rank0(args, endpoints, source)
     decode_tail = (lambda ids: decode_ids(tokenizer, ids)) if tokenizer else None
     ctx = zmq.Context()
