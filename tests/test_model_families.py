@@ -783,6 +783,27 @@ FAMILIES = {
         ),
     ),
     "deepseek_v4": (hf.DeepseekV4Config, hf.DeepseekV4ForCausalLM, DEEPSEEK_V4),
+    "hy_v4": (
+        hf.HYV4Config,
+        hf.HYV4ForCausalLM,
+        dict(
+            MLA_MOE,
+            num_hidden_layers=4,
+            n_group=2,
+            topk_group=1,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=INDEX_TOPK,
+            indexer_types=["full", "shared", "full", "shared"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            hc_mult=3,
+            hc_magnitude=1.5,
+            swiglu_limit=1.0,  # the experts clamp
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    ),
     "glm_moe_dsa": (
         hf.GlmMoeDsaConfig,
         hf.GlmMoeDsaForCausalLM,
@@ -875,7 +896,7 @@ def test_family_matches_hf(tmp_path, family):
 @pytest.mark.parametrize(
     "family",
     ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum", "hyperclovax", "minicpm3"]
-    + ["deepseek_v4"],
+    + ["deepseek_v4", "hy_v4"],
 )
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
@@ -939,6 +960,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "glm4_moe_lite",
         "deepseek_v32",
         "glm_moe_dsa",
+        "hy_v4",
         "ministral3",
         "apertus",
         "qwen2_moe",
@@ -1112,6 +1134,22 @@ def test_deepseek_v4_release_config_reads_as_transformers_reads_it():
     for kind in ("main", "compress"):
         want = {k: v for k, v in theirs.rope_parameters[kind].items() if v is not None}
         assert {k: v for k, v in ours["rope_parameters"][kind].items() if v is not None} == want
+
+
+def test_hy_v4_config_without_layer_lists_reads_as_transformers_reads_it():
+    """Hunyuan 4's layer kinds, MLP kinds and shared indexers where config.json leaves them
+    out, and its hyper-connection defaults, as transformers derives them."""
+    from radixserve.models.checkpoint_config import language_model_config
+
+    bare = dict(
+        model_type="hy_v4", vocab_size=512, hidden_size=64, num_hidden_layers=7,
+        num_attention_heads=4,
+    )  # fmt: skip
+    theirs = hf.HYV4Config(**{k: v for k, v in bare.items() if k != "model_type"})
+    ours = language_model_config(bare)
+    for field in ("layer_types", "mlp_layer_types", "indexer_types", "hc_mult", "hc_magnitude"):
+        assert ours[field] == getattr(theirs, field), field
+    assert (ours["hc_eps"], ours["swiglu_limit"]) == (theirs.hc_eps, theirs.swiglu_limit)
 
 
 def test_gemma4_hub_config_gives_the_same_pool_as_transformers_own(tmp_path):

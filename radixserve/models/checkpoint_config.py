@@ -158,7 +158,23 @@ def _deepseek_v4_fields(hf: dict) -> dict:
                       rope_parameters=ropes)  # fmt: skip
 
 
+def _hy_v4_fields(hf: dict) -> dict:
+    """Hunyuan v4's layers where config.json does not list them, as transformers derives them:
+    the first MLP dense, the rest experts; an indexer of its own in layer 0 and every fourth
+    from layer 1, the others sharing the previous one's choice."""
+    n = hf["num_hidden_layers"]
+    indexers = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(n)]
+    return {
+        "mlp_layer_types": ["dense"] * min(1, n) + ["sparse"] * max(n - 1, 0),
+        "layer_types": ["indexed_attention"] * n,
+        "indexer_types": indexers,
+        "hc_mult": 4, "hc_magnitude": 2.0, "hc_eps": 1e-6, "swiglu_limit": 10.0,
+        **{k: v for k, v in hf.items() if v is not None},
+    }  # fmt: skip
+
+
 DERIVED = {
+    "hy_v4": _hy_v4_fields,
     "deepseek_v4": _deepseek_v4_fields,
     "kimi_linear": _kimi_linear_fields,
     "bamba": _bamba_fields,

@@ -19,7 +19,7 @@ from torch import nn
 from ..attention import AttentionBackend, LayerAttention
 from ..model_config import compressed_row_layout
 from .decoder import Rope
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, unweighted_rms
 from .rotary import RotaryEmbedding
 
 SLIDING, SPARSE, HEAVY = (
@@ -41,10 +41,6 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def additive_mask(seen: torch.Tensor) -> torch.Tensor:
     """0 where a query sees a key, -inf where it does not."""
     return torch.zeros(seen.shape, device=seen.device).masked_fill(~seen, float("-inf"))
-
-
-def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class GroupedLinear(nn.Module):

@@ -121,10 +121,12 @@ class LatentAttention(nn.Module):
             query = (query.float() * ropes[self.temperature][0]).to(query.dtype)
         return query, key, q_resid
 
-    def finish(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention over latents `[T, heads x rank]` -> the layer's output."""
+    def finish(self, out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over latents `[T, heads x rank]` -> the layer's output; `gate [T, heads,
+        v_head_dim]`: each head's values scaled by it first (Hunyuan v4), where given."""
         w_uv = self.kv_b_proj.weight[:, self.nope :]
         out = torch.einsum("thc,hvc->thv", out.view(-1, self.heads, self.rank), w_uv)
+        out = out if gate is None else out * gate
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
     def _pairs_first(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,12 +31,20 @@ from .rotary import apply_rotary
 
 
 class Indexer(nn.Module):
-    """`interleaved`: its rotary turns neighbouring pairs (GLM-5), computed as rotate-half on
-    the rope dims ordered evens first, in q and k alike."""
+    """`interleaved`: its rotary turns neighbouring pairs (GLM-5, Hunyuan v4), computed as
+    rotate-half on the rope dims ordered evens first, in q and k alike; `rope_last`: the rotary
+    turns each head's last dims (Hunyuan v4), else its first; `eps`: its key norm's."""
 
-    def __init__(self, hf: dict, hidden: int, interleaved: bool = False):
+    def __init__(
+        self,
+        hf: dict,
+        hidden: int,
+        interleaved: bool = False,
+        rope_last: bool = False,
+        eps: float = 1e-6,
+    ):
         super().__init__()
-        self.interleaved = interleaved
+        self.interleaved, self.rope_last = interleaved, rope_last
         self.heads, self.dim, self.rope = (
             hf["index_n_heads"],
             hf["index_head_dim"],
@@ -45,15 +53,18 @@ class Indexer(nn.Module):
         self.topk = hf["index_topk"]
         self.wq_b = Linear(hf["q_lora_rank"], self.heads * self.dim)
         self.wk = Linear(hidden, self.dim)
-        self.k_norm = LayerNorm(self.dim, 1e-6, bias=True)
+        self.k_norm = LayerNorm(self.dim, eps, bias=True)
         self.weights_proj = Linear(hidden, self.heads)
 
     def rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """The first `qk_rope_head_dim` dims turned by rotate-half (DeepSeek-V3.2) or as
-        interleaved pairs (GLM-5)."""
-        rope = pairs_first(x[..., : self.rope]) if self.interleaved else x[..., : self.rope]
+        """The first (or last) `qk_rope_head_dim` dims turned by rotate-half (DeepSeek-V3.2) or
+        as interleaved pairs (GLM-5, Hunyuan v4)."""
+        cut = x.shape[-1] - self.rope if self.rope_last else self.rope
+        head, tail = x[..., :cut], x[..., cut:]
+        rope = tail if self.rope_last else head
+        rope = pairs_first(rope) if self.interleaved else rope
         turned = apply_rotary(rope.contiguous(), cos, sin)
-        return torch.cat([turned, x[..., self.rope :]], dim=-1)
+        return torch.cat([head, turned] if self.rope_last else [turned, tail], dim=-1)
 
     def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         return self.rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin)  # [T, 1, dim]
@@ -71,7 +82,15 @@ class SparseLatentAttention(LatentAttention):
     with an indexer and read by the layers that share the previous one's (GLM-5's
     `indexer_types` "shared"; their pool rows hold zeros for an indexer key)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, selections: dict, own: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        tp: TPGroup,
+        selections: dict,
+        own: bool,
+        indexer_eps: float = 1e-6,
+    ):
         super().__init__(cfg, layer, tp)
         hf = cfg.hf_config
         self.selections, self.topk, self.index_dim = (
@@ -79,8 +98,12 @@ class SparseLatentAttention(LatentAttention):
             hf["index_topk"],
             hf["index_head_dim"],
         )
-        interleaved = hf.get("model_type") == "glm_moe_dsa"
-        self.indexer = Indexer(hf, cfg.hidden_size, interleaved) if own else None
+        interleaved = hf.get("model_type") in ("glm_moe_dsa", "hy_v4")
+        rope_last = hf.get("model_type") == "hy_v4"
+        self.indexer = (
+            Indexer(hf, cfg.hidden_size, interleaved, rope_last, indexer_eps) if own else None
+        )
+        self.sinks: nn.Parameter | None = None  # a learnt sink logit per head (Hunyuan v4)
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
         query, key, q_resid = self.project(x, ropes)
@@ -92,7 +115,11 @@ class SparseLatentAttention(LatentAttention):
         inputs, pool = backend.inputs, backend.pool
         pool.store(self.layer, inputs.out_cache_loc, key, key.new_empty(key.shape[0], 1, 0))
         slots = self.selected_slots(x, q_resid, cos, sin, inputs, pool)
-        return self.finish(self.attend_selected(query, pool, slots).flatten(1))
+        return self.finish(self.attend_selected(query, pool, slots).flatten(1), self.gate(x))
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each head's output gate (`LatentAttention.finish`), where the family has one."""
+        return None
 
     def selected_slots(self, x, q_resid, cos, sin, inputs, pool) -> torch.Tensor:
         """`[T, index_topk]` pool slots each of this step's queries attends to: every token it
@@ -125,6 +152,10 @@ class SparseLatentAttention(LatentAttention):
         """Each query over its selected latents: the CPU kernel, the Triton kernel on a GPU, or
         (an FP8 pool, no compiled kernels) the torch reference."""
         rows, scale = pool.k[self.layer][:, 0], self.how.scale
+        if self.sinks is not None:  # the kernels have no sinks
+            rows = pool.read(rows, pool.k_scale[self.layer], torch.float32)
+            out = sparse_latent_attention_ref(query, rows, slots, scale, self.rank, self.sinks)
+            return out.to(query.dtype)
         if rows.is_cuda and not pool.is_fp8:
             from radixserve_kernels import sparse_latent_attention
 

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from ..model_config import ModelConfig, rope_scaling_of
-from .compressed_attention import CompressedAttention, unweighted_rms
-from .decoder import CausalLM, Rope
-from .layers import RMSNorm, StepImages, SwiGLU
+from .compressed_attention import CompressedAttention
+from .decoder import CausalLM
+from .hyper_connections import HyperConnection, HyperHead, HyperLayer, run_streams
+from .layers import StepImages, SwiGLU
 from .moe import Experts, unstack_experts
 from .rotary import RotaryEmbedding
 
@@ -123,82 +123,6 @@ class ExpertsBlock(nn.Module):
         return self.experts(x, weights, chosen) + self.shared_experts(x)
 
 
-class HyperConnection(nn.Module):
-    """From the streams `[T, n, hidden]`: `pre` weighs them into the sublayer's input, `post`
-    spreads its output back, `comb` (doubly stochastic) mixes the streams themselves."""
-
-    def __init__(self, hf: dict):
-        super().__init__()
-        n, hidden = hf["hc_mult"], hf["hidden_size"]
-        self.n, self.iters, self.eps, self.norm_eps = (
-            n,
-            hf["hc_sinkhorn_iters"],
-            hf["hc_eps"],
-            hf["rms_norm_eps"],
-        )
-        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
-        self.base = nn.Parameter(torch.zeros((2 + n) * n))
-        self.scale = nn.Parameter(torch.ones(3))
-
-    def forward(self, streams: torch.Tensor):
-        n, eps = self.n, self.eps
-        flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)
-        pre, post, comb = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        scale = self.scale.float()
-        pre = torch.sigmoid(pre * scale[0] + pre_b) + eps
-        post = 2 * torch.sigmoid(post * scale[1] + post_b)
-        comb = torch.softmax(comb.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
-
-    def mix(self, streams, post, comb, out: torch.Tensor) -> torch.Tensor:
-        """The streams after a sublayer whose output is `out`."""
-        spread = post.unsqueeze(-1) * out.float().unsqueeze(1)
-        return (spread + comb.transpose(-1, -2) @ streams.float()).to(streams.dtype)
-
-
-class HyperHead(nn.Module):
-    """The streams weighed into one, before the final norm."""
-
-    def __init__(self, hf: dict):
-        super().__init__()
-        n = hf["hc_mult"]
-        self.eps, self.norm_eps = hf["hc_eps"], hf["rms_norm_eps"]
-        self.hc_fn = nn.Parameter(torch.empty(n, n * hf["hidden_size"]))
-        self.hc_base = nn.Parameter(torch.zeros(n))
-        self.hc_scale = nn.Parameter(torch.ones(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
-        pre = torch.sigmoid(mixes) + self.eps
-        return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
-
-
-class HyperLayer(nn.Module):
-    def __init__(self, hf: dict, i: int, table: RotaryEmbedding, tp: TPGroup):
-        super().__init__()
-        hidden, eps = hf["hidden_size"], hf["rms_norm_eps"]
-        self.attn_hc, self.ffn_hc = HyperConnection(hf), HyperConnection(hf)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = CompressedAttention(hf, i, hf["layer_types"][i], table)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = ExpertsBlock(hf, hf["mlp_layer_types"][i] == "hash_moe", tp)
-
-    def forward(self, streams, input_ids, ropes: list[Rope], backend: AttentionBackend):
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), ropes, backend)
-        streams = self.attn_hc.mix(streams, post, comb, out)
-        post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return self.ffn_hc.mix(streams, post, comb, out)
-
-
 class DeepseekV4ForCausalLM(CausalLM):
     """The rotary tables: the sliding layers' ("main") and the compressed layers' ("compress",
     which also place their entries and the indexer's queries)."""
@@ -210,7 +134,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.model.hc_head = HyperHead(hf)
 
     def make_layer(self, i: int) -> nn.Module:
-        return HyperLayer(self.hf, i, self.tables[1], self.tp)
+        hf = self.hf
+        attention = CompressedAttention(hf, i, hf["layer_types"][i], self.tables[1])
+        mlp = ExpertsBlock(hf, hf["mlp_layer_types"][i] == "hash_moe", self.tp)
+        connections = (HyperConnection(hf), HyperConnection(hf))
+        return HyperLayer(hf, attention, mlp, connections, self.tp, by_token=True)
 
     def make_rotaries(self, max_positions: int) -> list[RotaryEmbedding]:
         return self.tables
@@ -226,12 +154,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return name if name.startswith("lm_head.") else f"model.{name}"
 
     def forward(self, input_ids, positions, backend, images: StepImages | None = None):
-        x = self.embed(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hf["hc_mult"], -1).contiguous()
         ropes = [table.cos_sin(positions, torch.float32) for table in self.rotaries]
-        for layer in self.model.layers:
-            streams = layer(streams, input_ids, ropes, backend)
-        return self.model.norm(self.model.hc_head(streams))
+        return run_streams(self, input_ids, ropes, backend)
 
     def load_weights(self, weights) -> None:
         super().load_weights(unstack_experts(weights))

@@ -68,6 +68,12 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its RMS along the last dim, without a weight (DeepSeek-V4's query heads and
+    hyper-connections)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 @dataclass
 class StepImages:
     """A step's image features: `embeds[i]` takes the place of token `rows[i]`; DeepStack

@@ -105,6 +105,7 @@ ARCHITECTURES = {
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+    "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),
@@ -213,6 +214,7 @@ MODEL_TYPES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
 }
 # vision-language checkpoints whose language model's family picks another class of the
 # architecture's module: (architecture, text model_type) -> class
