@@ -25,6 +25,8 @@ STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
 HYBRID_LAYER = "hybrid"  # attention and an SSM side by side in one layer (Falcon-H1)
 # Nemotron-H's one-letter layer pattern (`hybrid_override_pattern`)
 PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# families whose every layer holds several attentions, each with its place in the KV pool
+ATTENTIONS_PER_LAYER = {"longcat_flash": 2}
 # the context a model without attention (whose config names none) serves by default
 STATE_ONLY_CONTEXT = 32768
 
@@ -161,7 +163,11 @@ class ModelConfig:
             model_type=cfg.get("model_type", "llama"),
             latent_kv=shared_kv,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            kv_layers=kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0),
+            kv_layers=(
+                ATTENTIONS_PER_LAYER[cfg["model_type"]] * cfg["num_hidden_layers"]
+                if cfg.get("model_type") in ATTENTIONS_PER_LAYER
+                else kv_layers_of(types, cfg.get("num_kv_shared_layers") or 0)
+            ),
             state_layers=sum(map(is_state_layer, types or [])),
             kv_layer_dims=kv_layer_dims_of(cfg, types),
             hf_config=cfg,

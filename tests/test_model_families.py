@@ -804,6 +804,25 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    "longcat_flash": (
+        hf.LongcatFlashConfig,
+        hf.LongcatFlashForCausalLM,
+        dict(  # two layers of two attentions each; 4 identity experts beside 8
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=8,
+            zero_expert_num=4,
+            moe_topk=3,
+            pad_token_id=0,
+        ),
+    ),
     "glm_moe_dsa": (
         hf.GlmMoeDsaConfig,
         hf.GlmMoeDsaForCausalLM,
@@ -896,7 +915,7 @@ def test_family_matches_hf(tmp_path, family):
 @pytest.mark.parametrize(
     "family",
     ["mistral4", "laguna", "granite_swa", "granitemoe_swa", "mellum", "hyperclovax", "minicpm3"]
-    + ["deepseek_v4", "hy_v4"],
+    + ["deepseek_v4", "hy_v4", "longcat_flash"],
 )
 def test_prompt_logprobs_match_hf(tmp_path, family):
     """Every prompt token's logprob across chunk ends, as HF computes it: for features the tiny
@@ -961,6 +980,7 @@ def test_prompt_logprobs_match_hf(tmp_path, family):
         "deepseek_v32",
         "glm_moe_dsa",
         "hy_v4",
+        "longcat_flash",
         "ministral3",
         "apertus",
         "qwen2_moe",

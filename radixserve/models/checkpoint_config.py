@@ -41,6 +41,12 @@ VISION_KEYS = (
 )
 # configs that name transformers' fields their own way: model_type -> {their key: HF's}
 CONFIG_ALIASES = {
+    "longcat_flash": {
+        "num_layers": "num_hidden_layers",
+        "ffn_hidden_size": "intermediate_size",
+        "moe_topk": "num_experts_per_tok",
+        "expert_ffn_hidden_size": "moe_intermediate_size",
+    },
     "kimi_linear": {
         "num_experts": "n_routed_experts",
         "num_local_experts": "n_routed_experts",

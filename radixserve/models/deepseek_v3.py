@@ -57,7 +57,8 @@ class KVUpProjection(nn.Module):
 class LatentAttention(nn.Module):
     """`temperature`: which of the model's tables scales each query by its position
     (`rotary.QueryTemperature`: Mistral 4), if any; `rotate`: False where the rotary part of
-    each key is kept unrotated (Kimi Linear's NoPE).
+    each key is kept unrotated (Kimi Linear's NoPE); `lora_scaled`: the queries scaled by
+    sqrt(hidden / q_lora_rank) and the latents by sqrt(hidden / kv_lora_rank) (LongCat-Flash).
     The latent norms keep eps 1e-6 whatever `rms_norm_eps` says, as DeepSeek's do."""
 
     def __init__(
@@ -67,6 +68,7 @@ class LatentAttention(nn.Module):
         tp: TPGroup,
         temperature: int | None = None,
         rotate: bool = True,
+        lora_scaled: bool = False,
     ):
         super().__init__()
         hf = cfg.hf_config
@@ -89,6 +91,8 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(self.heads, self.nope + self.v_dim, self.rank)
         self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.how = LayerAttention(scale=mla_scale(hf), value_dim=self.rank)
+        self.q_scale = (hidden / self.q_lora) ** 0.5 if lora_scaled else 1.0
+        self.latent_scale = (hidden / self.rank) ** 0.5 if lora_scaled else 1.0
         self.cpu_ops = None
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], backend: AttentionBackend):
@@ -105,6 +109,8 @@ class LatentAttention(nn.Module):
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q_nope, q_pe = q.view(-1, self.heads, self.nope + self.rope_dim).split(
             [self.nope, self.rope_dim], dim=-1
         )
@@ -114,7 +120,10 @@ class LatentAttention(nn.Module):
             cos, sin = ropes[0]
             q_pe = apply_rotary(self._pairs_first(q_pe), cos, sin)
             k_pe = apply_rotary(self._pairs_first(k_pe), cos, sin)
-        key = torch.cat([self.kv_a_layernorm(latent.contiguous()).unsqueeze(1), k_pe], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        if self.latent_scale != 1.0:
+            latent = latent * self.latent_scale
+        key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)
         w_uk = self.kv_b_proj.weight[:, : self.nope]
         query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
         if self.temperature is not None:

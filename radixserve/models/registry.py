@@ -106,6 +106,7 @@ ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
+    "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),
@@ -215,6 +216,7 @@ MODEL_TYPES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
     "hy_v4": "HYV4ForCausalLM",
+    "longcat_flash": "LongcatFlashForCausalLM",
 }
 # vision-language checkpoints whose language model's family picks another class of the
 # architecture's module: (architecture, text model_type) -> class
