@@ -53,6 +53,22 @@ FAMILIES = {
         hf.Qwen3_5MoeForCausalLM,
         {**GATED_DELTA_NET, **EXPERTS},
     ),
+    "lara_mini": (  # window layers turned by the rotary, full ones without a position
+        hf.LaraMiniConfig,
+        hf.LaraMiniForCausalLM,
+        dict(
+            GATED_DELTA_NET,
+            **EXPERTS,
+            layer_types=[
+                "linear_attention",
+                "sliding_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            sliding_window=16,
+            eos_token_id=2,
+        ),
+    ),
     "qwen3_next": (
         hf.Qwen3NextConfig,
         hf.Qwen3NextForCausalLM,

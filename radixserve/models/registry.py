@@ -107,6 +107,7 @@ ARCHITECTURES = {
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
+    "LaraMiniForCausalLM": ("lara_mini", "LaraMiniForCausalLM"),
     # vision-language: the language model and its vision tower
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen_vl", "Qwen2VLForConditionalGeneration"),
@@ -217,6 +218,7 @@ MODEL_TYPES = {
     "deepseek_v4": "DeepseekV4ForCausalLM",
     "hy_v4": "HYV4ForCausalLM",
     "longcat_flash": "LongcatFlashForCausalLM",
+    "lara_mini": "LaraMiniForCausalLM",
 }
 # vision-language checkpoints whose language model's family picks another class of the
 # architecture's module: (architecture, text model_type) -> class
