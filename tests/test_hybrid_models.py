@@ -400,6 +400,37 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
     assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in branches]
 
 
+def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(tmp_path):
+    """An adapter on the attention and MLP layers of Qwen3.5 (peft, merged into HF's model for
+    the answer), batched beside the base: each gets its own tokens, and a prompt the base ran
+    resumes from no snapshot of the base's under the adapter, then from its own."""
+    from test_lora import write_adapter
+
+    base, path = build_checkpoint(tmp_path, "qwen3_5_text")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    merged = write_adapter(base, tmp_path / "a1", 8, 16, targets, seed=1)
+    prompt = PROMPTS[1]
+    with Engine(
+        model=str(path),
+        lora_paths=(f"a1={tmp_path / 'a1'}",),
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        dtype="float32",
+        mamba_track_interval=24,
+    ) as eng:
+        alone = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        first = eng.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a1")
+        both = eng.generate(
+            input_ids=[prompt, prompt], sampling_params=GREEDY, lora_path=[None, "a1"]
+        )
+        eng.check_memory()
+    assert alone["output_ids"] == hf_greedy(base, prompt)
+    assert first["output_ids"] == hf_greedy(merged, prompt) != alone["output_ids"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert [r["output_ids"] for r in both] == [alone["output_ids"], first["output_ids"]]
+    assert [r["meta_info"]["cached_tokens"] for r in both] == [72, 72]
+
+
 @pytest.mark.parametrize(
     "option,flag",
     [

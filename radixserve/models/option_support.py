@@ -69,7 +69,6 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     for name, on in (
         ("tp_size", args.tp_size > 1),
         ("speculative_algorithm", args.speculative_algorithm is not None),
-        ("lora_paths / enable_lora", args.enable_lora or bool(args.lora_paths)),
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
         ("disaggregation_mode", args.disaggregation_mode != "null"),
         ("enable_deterministic_inference", args.enable_deterministic_inference),
