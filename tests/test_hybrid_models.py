@@ -400,6 +400,43 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
     assert [g["output_ids"] for g in got] == [hf_greedy(model, p) for p in branches]
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next", "lara_mini"])
+def test_gated_deltanet_hybrids_at_tensor_parallel_2_match_hf_and_resume(tmp_path, family):
+    """Two ranks, each with half of every Gated DeltaNet's key and value heads (and of the
+    attention's and the experts'): HF's tokens fresh, then resumed from state snapshots, whose
+    copies rank 0 sends to rank 1 with the next step; a conversation's next turn likewise."""
+    model, path = build_checkpoint(tmp_path, family)
+    want = [hf_greedy(model, ids) for ids in PROMPTS]
+    server = start_server(
+        tmp_path,
+        "--model",
+        str(path),
+        "--tp-size",
+        "2",
+        "--chunked-prefill-size",
+        "32",
+        "--max-total-tokens",
+        "1024",
+        "--mamba-track-interval",
+        "24",
+    )
+    try:
+        with server.client() as client:
+            rounds = []
+            for _ in range(2):
+                body = {"input_ids": PROMPTS, "sampling_params": GREEDY}
+                rounds.append(client.post("/generate", json=body).json())
+            turn = PROMPTS[1] + want[1] + [11, 12, 13]
+            body = {"input_ids": turn, "sampling_params": GREEDY}
+            second = client.post("/generate", json=body).json()
+    finally:
+        assert server.stop() == 0, server.log()
+    assert [[r["output_ids"] for r in out] for out in rounds] == [want, want]
+    assert [r["meta_info"]["cached_tokens"] for r in rounds[1]] == [0, 72, 48]
+    assert second["output_ids"] == hf_greedy(model, turn)
+    assert second["meta_info"]["cached_tokens"] == len(PROMPTS[1]) + NEW_TOKENS - 1
+
+
 def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(tmp_path):
     """An adapter on the attention and MLP layers of Qwen3.5 (peft, merged into HF's model for
     the answer), batched beside the base: each gets its own tokens, and a prompt the base ran

@@ -17,7 +17,7 @@ from .decoder import Attention, layer_window
 from .hybrid import HybridCausalLM
 from .layers import RMSNorm, SwiGLU
 from .moe import Experts, Routing, SparseMoE, unstack_experts
-from .qwen3_5 import GatedDeltaNet
+from .qwen3_5 import GatedDeltaNet, delta_net_shard
 
 FUSED_INPUT = re.compile(r"(.*\.linear_attn)\.in_proj\.weight")
 
@@ -30,7 +30,7 @@ class LaraMiniForCausalLM(HybridCausalLM):
         return Attention(self.cfg, kv_index, self.tp, how, qk_norm=RMSNorm, rope=rope)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return GatedDeltaNet(self.cfg, i, self.states)
+        return GatedDeltaNet(self.cfg, i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size
@@ -47,7 +47,8 @@ class LaraMiniForCausalLM(HybridCausalLM):
         return name.replace(".linear_attn.", ".self_attn.")
 
     def load_weights(self, weights) -> None:
-        super().load_weights(self.split_inputs(unstack_experts(weights)))
+        split = self.split_inputs(unstack_experts(weights))
+        super().load_weights(delta_net_shard(split, self.hf, self.tp))
 
     def split_inputs(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Each fused `in_proj` as the Gated DeltaNet's q/k/v, z, b and a projections."""

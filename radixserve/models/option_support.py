@@ -27,7 +27,7 @@ def _compressed_attention_problems(cfg: ModelConfig, args: EngineArgs):
     if cfg.model_type != "deepseek_v4":
         return
     for name, on in (
-        ("tp_size", args.tp_size > 1),
+        ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
         ("speculative_algorithm", args.speculative_algorithm is not None),
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
         ("enable_torch_compile", args.enable_torch_compile),
@@ -61,13 +61,19 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
             yield f"{name} with {cfg.architecture}'s images is not supported yet"
 
 
+# hybrids whose recurrent layers shard over tensor-parallel ranks (Gated DeltaNet's heads)
+SHARDED_HYBRIDS = frozenset(
+    {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "LaraMiniForCausalLM"}
+)
+
+
 def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     """What a hybrid model (layers that keep a state per sequence) does not run with yet, by
     option name; nothing for other models."""
     if not cfg.keeps_state:
         return
     for name, on in (
-        ("tp_size", args.tp_size > 1),
+        ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
         ("speculative_algorithm", args.speculative_algorithm is not None),
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
         ("disaggregation_mode", args.disaggregation_mode != "null"),

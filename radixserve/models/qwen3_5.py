@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +43,21 @@ NOT_TEXT = ("mtp.",)  # the multi-token prediction head
 
 class GatedDeltaNet(nn.Module):
     """`write_scale` multiplies each write strength sigmoid(b) (OLMo Hybrid's 2: negative
-    eigenvalues allowed)."""
+    eigenvalues allowed). Under tensor parallelism each rank keeps its share of the key and
+    value heads (`delta_net_shard` slices the checkpoint) and all-reduces its output."""
 
     write_scale = 1.0
 
-    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
+    def __init__(
+        self, cfg: ModelConfig, index: int, states: RecurrentStates, tp: TPGroup = TPGroup()
+    ):
         super().__init__()
         hf = cfg.hf_config
-        self.index, self.states = index, states
-        self.key_heads, self.value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+        self.index, self.states, self.tp = index, states, tp
+        heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+        if any(h % tp.size for h in heads):
+            raise ValueError(f"tp_size {tp.size} does not divide the linear attention's heads")
+        self.key_heads, self.value_heads = (h // tp.size for h in heads)
         self.key_dim, self.value_dim = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.widths = [keys, keys, values]
@@ -90,10 +97,34 @@ class GatedDeltaNet(nn.Module):
         out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs, kernels)
         gate = self.in_proj_z(x).reshape(-1, self.value_dim)
         out = self.norm(out.reshape(-1, self.value_dim)) * F.silu(gate.float())
-        return self.out_proj(out.to(x.dtype).reshape(tokens, -1))
+        return self.tp.all_reduce(self.out_proj(out.to(x.dtype).reshape(tokens, -1)))
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         return self.in_proj_qkv(x)
+
+
+# a Gated DeltaNet's tensors -> how a rank takes its share: by rows in the parts q, k, v
+# (their widths: key, key, value), by rows, by columns
+DELTA_NET_TENSOR = re.compile(
+    r".*\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_[zab]\.weight|dt_bias|A_log"
+    r"|out_proj\.weight)"
+)
+
+
+def delta_net_shard(weights: Iterable[tuple[str, torch.Tensor]], hf: dict, tp: TPGroup):
+    """The checkpoint's Gated DeltaNet tensors as this rank keeps them (its heads); the rest
+    pass through to the loader's own slicing."""
+    keys = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+    values = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
+    for name, tensor in weights:
+        match = DELTA_NET_TENSOR.fullmatch(name) if tp.size > 1 else None
+        if match is None:
+            yield name, tensor
+        elif match[1].startswith(("in_proj_qkv", "conv1d")):
+            parts = tensor.split([keys, keys, values])
+            yield name, torch.cat([tp.shard(part, 0) for part in parts])
+        else:
+            yield name, tp.shard(tensor, 1 if match[1].startswith("out_proj") else 0)
 
 
 class GatedAttention(Attention):
@@ -135,7 +166,10 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
         return GatedAttention(self.cfg, kv_index, self.tp)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return GatedDeltaNet(self.cfg, i, self.states)
+        return GatedDeltaNet(self.cfg, i, self.states, self.tp)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(delta_net_shard(weights, self.hf, self.tp))
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
         return Qwen3_5DecoderLayer(self.cfg, i, self.tp, mixer, self.make_mlp(i))
@@ -170,7 +204,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         experts = Experts(
             hf["num_experts"], cfg.hidden_size, hf["moe_intermediate_size"], self.tp, act
         )
-        shared = GatedSharedExpert(cfg.hidden_size, hf["shared_expert_intermediate_size"], act)
+        inter = hf["shared_expert_intermediate_size"] // self.tp.size
+        shared = GatedSharedExpert(cfg.hidden_size, inter, act)
         return SparseMoE(cfg.hidden_size, experts, routing, shared=shared)
 
     def load_weights(self, weights) -> None:

@@ -84,6 +84,7 @@ class ModelRunner:
             else with_max_context(source.config, args.context_length)
         )
         self.tp = tp
+        self.state_copies: list[tuple[int, int]] = []  # rank 0's, for the next step to carry
         self.model = self._build_model(source)
         spec = lora_spec(args)
         self.lora = LoraPool(self.model, spec, self.dtype, self.device) if spec else None
@@ -185,8 +186,10 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_state(self, src: int, dst: int) -> None:
         """A hybrid model's per-request state from slot `src` to slot `dst` (a request's row
-        or a snapshot slot after the rows)."""
+        or a snapshot slot); the other TP ranks copy it before the next step (`send_step`)."""
         self.model.states.copy(src, dst)
+        if self.tp.size > 1:
+            self.state_copies.append((src, dst))
 
     def vision_figures(self) -> dict:
         return self.vision.figures() if self.vision is not None else {}
@@ -234,7 +237,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare_step(fb.lora_names or [None] * fb.batch_size, fb.extend_lens)
         if self.tp.size > 1:
-            send_step(self.tp, inputs)
+            send_step(self.tp, inputs, self.state_copies)
         logits, hidden = self.run_model(inputs)
         accepted = None
         if fb.pooling is not None and None not in fb.pooling:  # nothing to sample
@@ -260,7 +263,10 @@ class ModelRunner:
         """TP ranks > 0: run every step rank 0 sends; its results are rank 0's to report."""
         with torch.inference_mode():
             while True:
-                self.run_model(receive_step(self.tp, self.device, self.dtype))
+                inputs = receive_step(self.tp, self.device, self.dtype)
+                for src, dst in inputs.copies():
+                    self.model.states.copy(src, dst)
+                self.run_model(inputs)
 
     def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits at `logit_index` (each request's last token, and its drafts before it), and the

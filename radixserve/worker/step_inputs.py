@@ -18,7 +18,8 @@ from ..models.layers import StepImages
 
 # mode, tokens, requests, table entries, logit rows, longest sequence, longest extend, extras
 _HEADER = 8
-IMAGES, MROPE = 1, 2  # the extras' bits: a step's image features, its 3-D positions
+# the extras' bits: a step's image features, its 3-D positions, the state copies before it
+IMAGES, MROPE, STATE_COPIES = 1, 2, 4
 
 
 @dataclass
@@ -46,7 +47,10 @@ class StepInputs:
     # positions `[3, T]` where a request has images (TP ranks > 0 receive them after the rest)
     images: StepImages | None = None
     mrope_positions: torch.Tensor | None = None
-    extras: int = 0  # on TP ranks > 0, before they arrive: which of the two will
+    # a hybrid model's state copies (src, dst) rank 0 made since the last step, `[n, 2]`: the
+    # other ranks make them before this step
+    state_copies: torch.Tensor | None = None
+    extras: int = 0  # on TP ranks > 0, before they arrive: which of the three will
 
     @classmethod
     def from_batch(cls, fb: ForwardBatch, device: torch.device) -> "StepInputs":
@@ -104,7 +108,7 @@ class StepInputs:
             dtype=torch.long,
             device=self.rows.device,
         )
-        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-5]])
+        return torch.cat([header] + [getattr(self, f.name) for f in fields(self)[1:-6]])
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "StepInputs":
@@ -113,17 +117,26 @@ class StepInputs:
         values = packed[_HEADER:].split(sizes)
         return cls(ForwardMode(mode), *values, longest, extend, extras=extras)
 
+    def copies(self) -> list[tuple[int, int]]:
+        """The state copies (src, dst) to make before this step."""
+        return [] if self.state_copies is None else [tuple(c) for c in self.state_copies.tolist()]
+
     def extra_bits(self) -> int:
-        """Rank 0: which of the images and 3-D positions follow the packed step."""
-        return (IMAGES if self.images is not None else 0) | (
-            MROPE if self.mrope_positions is not None else 0
+        """Rank 0: which of the images, 3-D positions and state copies follow the packed step."""
+        return (
+            (IMAGES if self.images is not None else 0)
+            | (MROPE if self.mrope_positions is not None else 0)
+            | (STATE_COPIES if self.state_copies is not None else 0)
         )
 
     def pack_extras(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What TP ranks > 0 need besides `pack()`: one int64 tensor (the images' counts, rows
-        and blocks, then the 3-D positions) and the image features (embeds, then each DeepStack
-        layer's) as float32."""
+        """What TP ranks > 0 need besides `pack()`: one int64 tensor (the state copies, the
+        images' counts, rows and blocks, then the 3-D positions) and the image features
+        (embeds, then each DeepStack layer's) as float32."""
         longs, features = [], None
+        if self.state_copies is not None:
+            copies = self.state_copies.cpu()
+            longs += [torch.tensor([copies.shape[0]]), copies.reshape(-1)]
         if self.images is not None:
             im = self.images
             counts = [im.rows.numel(), len(im.deepstack), len(im.blocks)]
@@ -135,8 +148,12 @@ class StepInputs:
         return torch.cat(longs).to(self.rows.device), features
 
     def add_extras(self, longs: torch.Tensor, features: torch.Tensor | None, dtype) -> None:
-        """A TP rank > 0: the images and 3-D positions `pack_extras` sent (features in the
-        model's `dtype`)."""
+        """A TP rank > 0: the state copies, images and 3-D positions `pack_extras` sent
+        (features in the model's `dtype`)."""
+        if self.extras & STATE_COPIES:
+            count = int(longs[0])
+            self.state_copies = longs[1 : 1 + 2 * count].view(count, 2)
+            longs = longs[1 + 2 * count :]
         if self.extras & IMAGES:
             rows, layers, blocks = longs[:3].tolist()
             longs = longs[3:]
@@ -148,8 +165,12 @@ class StepInputs:
             self.mrope_positions = longs.view(3, -1)
 
 
-def send_step(tp: TPGroup, inputs: StepInputs) -> None:
-    """TP rank 0: the step to the other ranks, its images and 3-D positions after it."""
+def send_step(tp: TPGroup, inputs: StepInputs, state_copies: list[tuple[int, int]]) -> None:
+    """TP rank 0: the step to the other ranks, the state copies made since the last one (the
+    list is emptied), its images and 3-D positions after it."""
+    if state_copies:
+        inputs.state_copies = torch.tensor(state_copies, device=inputs.rows.device)
+        state_copies.clear()
     tp.send_step(inputs.pack())
     if inputs.extra_bits():
         longs, features = inputs.pack_extras()
