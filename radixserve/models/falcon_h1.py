@@ -70,7 +70,7 @@ class FalconH1ForCausalLM(HybridCausalLM):
     def make_layer(self, i: int) -> nn.Module:
         mixers = ParallelMixers(
             Attention(self.cfg, i, self.tp, qkv_bias=self.cfg.qkv_bias, o_bias=self.cfg.qkv_bias),
-            Mamba2Mixer(mamba2_shape(self.hf), i, self.states),
+            Mamba2Mixer(mamba2_shape(self.hf), i, self.states, self.tp),
         )
         return self.make_decoder_layer(i, mixers)
 

@@ -87,7 +87,7 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
         hf = self.hf  # Falcon-H1's names, but a gated norm after the gate and one bias switch
         options = dict(mamba_rms_norm=True, mamba_norm_before_gate=False)
         shape = mamba2_shape({**hf, **options, "projectors_bias": hf.get("mamba_proj_bias")})
-        return Mamba2Mixer(shape, i, self.states)
+        return Mamba2Mixer(shape, i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size

@@ -12,13 +12,14 @@ torch reference (`tests/test_recurrent_ops.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..distributed import TPGroup
 from .layers import Linear, fused
 from .recurrent import RecurrentStates
 
@@ -121,10 +122,21 @@ class Mamba2Shape:
 class Mamba2Mixer(nn.Module):
     """in_proj -> (z, x|B|C, dt); x|B|C through the causal convolution and SiLU; the scan;
     gated grouped RMS norm (or a SiLU gate); out_proj. The convolution's and the scan's states
-    are resumed per request (`recurrent.RecurrentStates`)."""
+    are resumed per request (`recurrent.RecurrentStates`). Under tensor parallelism each rank
+    keeps its share of the heads and groups (`load_checkpoint` slices the checkpoint's tensors
+    part by part) and all-reduces its output."""
 
-    def __init__(self, shape: Mamba2Shape, index: int, states: RecurrentStates):
+    def __init__(
+        self, shape: Mamba2Shape, index: int, states: RecurrentStates, tp: TPGroup = TPGroup()
+    ):
         super().__init__()
+        # one group (B and C shared by all heads) is kept whole by every rank; more are split
+        self.split_groups = shape.groups > 1 and tp.size > 1
+        if shape.heads % tp.size or (self.split_groups and shape.groups % tp.size):
+            raise ValueError(f"tp_size {tp.size} does not divide the Mamba2 heads and groups")
+        self.full_shape, self.tp, self.loaded = shape, tp, set()
+        groups = shape.groups // tp.size if self.split_groups else shape.groups
+        shape = replace(shape, heads=shape.heads // tp.size, groups=groups)
         self.shape, self.index, self.states = shape, index, states
         inner, groups_state = shape.inner, shape.groups * shape.state_size
         self.conv_width = inner + 2 * groups_state
@@ -141,7 +153,11 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(shape.heads))
         self.A_log = nn.Parameter(torch.zeros(shape.heads))
         self.D = nn.Parameter(torch.ones(shape.heads))
-        self.norm = GroupedGatedNorm(inner, shape.groups, shape.eps) if shape.gated_norm else None
+        spread = None if self.split_groups else tp  # one group spans the ranks' channels
+        norm = (
+            GroupedGatedNorm(inner, shape.groups, shape.eps, spread) if shape.gated_norm else None
+        )
+        self.norm = norm
         self.out_proj = Linear(inner, shape.hidden, bias=shape.out_bias)
         self.cpu_ops = None
 
@@ -185,16 +201,64 @@ class Mamba2Mixer(nn.Module):
             y = y * F.silu(z)
         else:
             y = self.norm(y, z, shape.norm_before_gate)
-        return self.out_proj(y.to(x.dtype))
+        return self.tp.all_reduce(self.out_proj(y.to(x.dtype)))
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
+        """A checkpoint tensor of this layer, as this rank keeps it: in_proj's rows (z, x, B, C,
+        dt) and the convolution's (x, B, C) sliced part by part, the heads' parameters and the
+        norm by rows, out_proj by columns (its bias on rank 0 alone)."""
+        full = self.full_shape
+        inner, groups_state = full.inner, full.groups * full.state_size
+        parts = {  # (width, whether it is B or C)
+            "in_proj": [
+                (inner, 0),
+                (inner, 0),
+                (groups_state, 1),
+                (groups_state, 1),
+                (full.heads, 0),
+            ],
+            "conv1d": [(inner, 0), (groups_state, 1), (groups_state, 1)],
+        }.get(name.partition(".")[0])
+        if parts is not None:
+            pieces = tensor.split([width for width, _ in parts])
+            kept = [  # one group's B and C are every rank's
+                piece if groups and not self.split_groups else tp.shard(piece, 0)
+                for piece, (_, groups) in zip(pieces, parts)
+            ]
+            tensor = torch.cat(kept)
+        elif name == "out_proj.weight":
+            tensor = tp.shard(tensor, 1)
+        elif name == "out_proj.bias" and tp.rank:
+            tensor = torch.zeros_like(tensor)
+        elif name != "out_proj.bias":
+            tensor = tp.shard(tensor, 0)
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        if isinstance(module, Linear):
+            module.load(kind, tensor)
+        else:
+            target = getattr(module, kind, None)
+            if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:
+                want = None if target is None else tuple(target.shape)
+                raise ValueError(f"Mamba2 layer tensor {name!r}: this rank expects {want}")
+            with torch.no_grad():
+                target.copy_(tensor)
+        self.loaded.add(name)
+
+    def missing_tensors(self) -> list[str]:
+        params = [name for name, _ in self.named_parameters()]
+        expected = {n.replace(".weight_t", ".weight") for n in params}
+        return sorted(expected - self.loaded)
 
 
 class GroupedGatedNorm(nn.Module):
     """RMS norm over each group of channels, weighted, with a SiLU(z) gate applied before the
-    norm (Nemotron-H, Falcon-H1's default in HF) or after it."""
+    norm (Nemotron-H, Falcon-H1's default in HF) or after it. `spread`: the TP ranks one group's
+    channels lie on (their squares summed over them), where it spans more than this one."""
 
-    def __init__(self, width: int, groups: int, eps: float):
+    def __init__(self, width: int, groups: int, eps: float, spread: TPGroup | None = None):
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.spread = groups, eps, spread
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, norm_before_gate: bool) -> torch.Tensor:
@@ -203,7 +267,12 @@ class GroupedGatedNorm(nn.Module):
         if not norm_before_gate:
             y = y * gate
         grouped = y.view(*y.shape[:-1], self.groups, -1)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.spread is None or self.spread.size == 1:
+            mean = grouped.pow(2).mean(-1, keepdim=True)
+        else:
+            total = self.spread.all_reduce(grouped.pow(2).sum(-1, keepdim=True))
+            mean = total / (grouped.shape[-1] * self.spread.size)
+        grouped = grouped * torch.rsqrt(mean + self.eps)
         y = self.weight.float() * grouped.view(y.shape)
         if norm_before_gate:
             y = y * gate

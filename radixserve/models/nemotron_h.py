@@ -46,12 +46,12 @@ def mamba2_shape(hf: dict) -> Mamba2Shape:
 class FeedForward(nn.Module):
     """An MLP block in the place of a token mixer."""
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, tp: TPGroup):
         super().__init__()
-        self.mlp = mlp
+        self.mlp, self.tp = mlp, tp
 
     def forward(self, x: torch.Tensor, ropes, backend: AttentionBackend) -> torch.Tensor:
-        return self.mlp(x)
+        return self.tp.all_reduce(self.mlp(x))
 
 
 class Block(nn.Module):
@@ -94,9 +94,9 @@ class NemotronHForCausalLM(HybridCausalLM):
             kv_index = sum(map(is_attention_layer, self.types[:i]))
             mixer = Attention(self.cfg, kv_index, self.tp, rope=None)
         elif kind in ("mamba", "linear_attention"):
-            mixer = Mamba2Mixer(mamba2_shape(self.hf), i, self.states)
+            mixer = Mamba2Mixer(mamba2_shape(self.hf), i, self.states, self.tp)
         elif kind == "moe":
-            mixer = FeedForward(self.make_moe())
+            mixer = FeedForward(self.make_moe(), self.tp)
         else:
             mlp = PlainMLP(
                 self.cfg.hidden_size,
@@ -104,7 +104,7 @@ class NemotronHForCausalLM(HybridCausalLM):
                 self.hf.get("mlp_hidden_act", "relu2"),
                 self.hf.get("mlp_bias", False),
             )
-            mixer = FeedForward(mlp)
+            mixer = FeedForward(mlp, self.tp)
         return Block(self.cfg, mixer)
 
     def make_moe(self) -> nn.Module:
@@ -118,7 +118,8 @@ class NemotronHForCausalLM(HybridCausalLM):
             hf["n_routed_experts"], latent or hidden, hf["moe_intermediate_size"], self.tp, act,
             bias, expert=PlainMLP,
         )  # fmt: skip
-        shared = PlainMLP(hidden, hf["moe_shared_expert_intermediate_size"], act, bias)
+        shared_width = hf["moe_shared_expert_intermediate_size"] // self.tp.size
+        shared = PlainMLP(hidden, shared_width, act, bias)
         return LatentSparseMoE(hidden, experts, routing, shared, latent, bias)
 
     def load_weights(self, weights) -> None:

@@ -61,9 +61,12 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
             yield f"{name} with {cfg.architecture}'s images is not supported yet"
 
 
-# hybrids whose recurrent layers shard over tensor-parallel ranks (Gated DeltaNet's heads)
+# hybrids whose recurrent layers shard over tensor-parallel ranks (Gated DeltaNet's heads,
+# Mamba2's heads and groups)
 SHARDED_HYBRIDS = frozenset(
     {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "LaraMiniForCausalLM"}
+    | {"NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM"}
+    | {"BambaForCausalLM"}
 )
 
 
