@@ -403,12 +403,13 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
 @pytest.mark.parametrize(
     "family",
     ["qwen3_5_moe_text", "qwen3_next", "lara_mini", "nemotron_h", "nemotron_h_moe", "falcon_h1"]
-    + ["granitemoehybrid", "bamba"],
+    + ["granitemoehybrid", "bamba", "lfm2", "lfm2_moe", "lfm3"],
 )
 def test_sharded_hybrids_at_tensor_parallel_2_match_hf_and_resume(tmp_path, family):
-    """Two ranks, each with half of every Gated DeltaNet's key and value heads or of every
+    """Two ranks, each with half of every Gated DeltaNet's key and value heads, of every
     Mamba2 layer's heads (its groups too where several; Falcon-H1's one group whole on both,
-    its norm summed over them), of the attention's and of the experts': HF's tokens fresh,
+    its norm summed over them) or of every short convolution's channels, of the attention's
+    and of the experts': HF's tokens fresh,
     then resumed from state snapshots, whose copies rank 0 sends to rank 1 with the next
     step; a conversation's next turn likewise."""
     model, path = build_checkpoint(tmp_path, family)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import Attention
 from .dense_families import layer_window_of
@@ -22,6 +23,7 @@ from .hybrid import HybridCausalLM
 from .layers import Linear, RMSNorm, SwiGLU
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, unstack_experts
+from .rank_shards import RankShardedLoading
 from .recipe import GatedOutputAttention, LayerRecipe, RecipeAttention, RecipeLayer
 from .recurrent import RecurrentStates
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
@@ -40,17 +42,29 @@ LAYER_NAMES = {
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-class ShortConv(nn.Module):
-    """in_proj -> (B, C, h); out_proj(C * conv(B * h)), the convolution resumed per request."""
+class ShortConv(nn.Module, RankShardedLoading):
+    """in_proj -> (B, C, h); out_proj(C * conv(B * h)), the convolution resumed per request.
+    Under tensor parallelism each rank keeps its share of the channels and all-reduces."""
 
-    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
+    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates, tp: TPGroup):
         super().__init__()
         hidden, bias = cfg.hidden_size, bool(cfg.hf_config.get("conv_bias", False))
-        taps = cfg.hf_config["conv_L_cache"]
-        self.index, self.states = index, states
-        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
-        self.conv = nn.Conv1d(hidden, hidden, taps, groups=hidden, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        if hidden % tp.size:
+            raise ValueError(f"tp_size {tp.size} does not divide the convolution's channels")
+        taps, width = cfg.hf_config["conv_L_cache"], hidden // tp.size
+        self.index, self.states, self.tp, self.hidden, self.loaded = (
+            index,
+            states,
+            tp,
+            hidden,
+            set(),
+        )
+        self.in_proj = Linear(hidden, 3 * width, bias=bias)
+        self.conv = nn.Conv1d(width, width, taps, groups=width, bias=bias)
+        self.out_proj = Linear(width, hidden, bias=bias)
+
+    def fused_parts(self):
+        return {"in_proj": [(self.hidden, False)] * 3, "conv": [(self.hidden, False)]}
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state: the convolution's last inputs."""
@@ -60,7 +74,7 @@ class ShortConv(nn.Module):
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
         weight, bias = self.conv.weight[:, 0], self.conv.bias
         mixed = self.states.convolve(self.index, b * h, weight, bias, backend.inputs)
-        return self.out_proj(c * mixed)
+        return self.tp.all_reduce(self.out_proj(c * mixed))
 
 
 class Lfm2ForCausalLM(HybridCausalLM):
@@ -68,10 +82,10 @@ class Lfm2ForCausalLM(HybridCausalLM):
         return Attention(self.cfg, kv_index, self.tp, qk_norm=RMSNorm)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return ShortConv(self.cfg, i, self.states)
+        return ShortConv(self.cfg, i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
-        return SwiGLU(self.cfg.hidden_size, feed_forward_size(self.hf), "silu")
+        return SwiGLU(self.cfg.hidden_size, feed_forward_size(self.hf) // self.tp.size, "silu")
 
     def rename(self, name: str) -> str | None:
         if name == "model.embedding_norm.weight":
@@ -100,7 +114,7 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size
         if i < hf.get("num_dense_layers", 2):
-            return SwiGLU(hidden, hf["intermediate_size"], "silu")
+            return SwiGLU(hidden, self.cfg.intermediate_size, "silu")
         routing = Routing(
             "grouped_sigmoid",
             hf["num_experts_per_tok"],

@@ -21,6 +21,7 @@ from torch import nn
 from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from .layers import Linear, fused
+from .rank_shards import Part, RankShardedLoading
 from .recurrent import RecurrentStates
 
 CHUNK = 64  # tokens a chunk of the scan computes at once
@@ -119,12 +120,12 @@ class Mamba2Shape:
         return self.heads * self.head_dim
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(nn.Module, RankShardedLoading):
     """in_proj -> (z, x|B|C, dt); x|B|C through the causal convolution and SiLU; the scan;
     gated grouped RMS norm (or a SiLU gate); out_proj. The convolution's and the scan's states
     are resumed per request (`recurrent.RecurrentStates`). Under tensor parallelism each rank
-    keeps its share of the heads and groups (`load_checkpoint` slices the checkpoint's tensors
-    part by part) and all-reduces its output."""
+    keeps its share of the heads and groups (`rank_shards` slices the checkpoint's tensors part
+    by part) and all-reduces its output."""
 
     def __init__(
         self, shape: Mamba2Shape, index: int, states: RecurrentStates, tp: TPGroup = TPGroup()
@@ -203,52 +204,20 @@ class Mamba2Mixer(nn.Module):
             y = self.norm(y, z, shape.norm_before_gate)
         return self.tp.all_reduce(self.out_proj(y.to(x.dtype)))
 
-    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        """A checkpoint tensor of this layer, as this rank keeps it: in_proj's rows (z, x, B, C,
-        dt) and the convolution's (x, B, C) sliced part by part, the heads' parameters and the
-        norm by rows, out_proj by columns (its bias on rank 0 alone)."""
+    def fused_parts(self) -> dict[str, list[Part]]:
+        """in_proj's rows (z, x, B, C, dt) and the convolution's (x, B, C); one group's B and C
+        are every rank's."""
         full = self.full_shape
-        inner, groups_state = full.inner, full.groups * full.state_size
-        parts = {  # (width, whether it is B or C)
-            "in_proj": [
-                (inner, 0),
-                (inner, 0),
-                (groups_state, 1),
-                (groups_state, 1),
-                (full.heads, 0),
-            ],
-            "conv1d": [(inner, 0), (groups_state, 1), (groups_state, 1)],
-        }.get(name.partition(".")[0])
-        if parts is not None:
-            pieces = tensor.split([width for width, _ in parts])
-            kept = [  # one group's B and C are every rank's
-                piece if groups and not self.split_groups else tp.shard(piece, 0)
-                for piece, (_, groups) in zip(pieces, parts)
-            ]
-            tensor = torch.cat(kept)
-        elif name == "out_proj.weight":
-            tensor = tp.shard(tensor, 1)
-        elif name == "out_proj.bias" and tp.rank:
-            tensor = torch.zeros_like(tensor)
-        elif name != "out_proj.bias":
-            tensor = tp.shard(tensor, 0)
-        module_name, _, kind = name.rpartition(".")
-        module = self.get_submodule(module_name) if module_name else self
-        if isinstance(module, Linear):
-            module.load(kind, tensor)
-        else:
-            target = getattr(module, kind, None)
-            if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:
-                want = None if target is None else tuple(target.shape)
-                raise ValueError(f"Mamba2 layer tensor {name!r}: this rank expects {want}")
-            with torch.no_grad():
-                target.copy_(tensor)
-        self.loaded.add(name)
-
-    def missing_tensors(self) -> list[str]:
-        params = [name for name, _ in self.named_parameters()]
-        expected = {n.replace(".weight_t", ".weight") for n in params}
-        return sorted(expected - self.loaded)
+        inner, groups_state, whole = (
+            full.inner,
+            full.groups * full.state_size,
+            not self.split_groups,
+        )
+        bc = [(groups_state, whole), (groups_state, whole)]
+        return {
+            "in_proj": [(inner, False), (inner, False), *bc, (full.heads, False)],
+            "conv1d": [(inner, False), *bc],
+        }
 
 
 class GroupedGatedNorm(nn.Module):

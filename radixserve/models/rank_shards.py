@@ -1,0 +1,59 @@
+"""A recurrent layer's checkpoint tensors as one tensor-parallel rank keeps them: a fused
+projection's or convolution's rows sliced part by part (a part may be every rank's whole), the
+output projection by columns (its bias added by rank 0 alone), the per-head parameters and
+norms by rows. A layer mixes in `RankShardedLoading` and says its fused parts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed import TPGroup
+from .layers import Linear
+
+Part = tuple[int, bool]  # (rows, kept whole by every rank)
+
+
+def rank_share(name: str, tensor: torch.Tensor, tp: TPGroup, fused: dict[str, list[Part]]):
+    """This rank's part of the layer's tensor `name` (relative to the layer)."""
+    parts = fused.get(name.partition(".")[0])
+    if parts is not None:
+        pieces = tensor.split([rows for rows, _ in parts])
+        kept = [p if whole else tp.shard(p, 0) for p, (_, whole) in zip(pieces, parts)]
+        return torch.cat(kept)
+    if name == "out_proj.weight":
+        return tp.shard(tensor, 1)
+    if name == "out_proj.bias":
+        return torch.zeros_like(tensor) if tp.rank else tensor
+    return tp.shard(tensor, 0)
+
+
+class RankShardedLoading:
+    """`load_checkpoint` and `missing_tensors` for a layer (an nn.Module) whose tensors
+    `fused_parts` describes; `loaded` names the tensors it has taken."""
+
+    loaded: set[str]
+
+    def fused_parts(self) -> dict[str, list[Part]]:
+        """The fused tensors' parts, by the module that holds them (`in_proj`, `conv1d`)."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
+        tensor = rank_share(name, tensor, tp, self.fused_parts())
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        if isinstance(module, Linear):
+            module.load(kind, tensor)
+        else:
+            target = getattr(module, kind, None)
+            if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:
+                want = None if target is None else tuple(target.shape)
+                raise ValueError(f"layer tensor {name!r}: this rank expects {want}")
+            with torch.no_grad():
+                target.copy_(tensor)
+        self.loaded.add(name)
+
+    def missing_tensors(self) -> list[str]:
+        assert isinstance(self, nn.Module)
+        expected = {n.replace(".weight_t", ".weight") for n, _ in self.named_parameters()}
+        return sorted(expected - self.loaded)
