@@ -30,7 +30,7 @@ class JambaForCausalLM(HybridCausalLM):
         return Attention(self.cfg, kv_index, self.tp, LayerAttention(), rope=None)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return Mamba1Mixer(jamba_shape(self.hf), i, self.states)
+        return Mamba1Mixer(jamba_shape(self.hf), i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size

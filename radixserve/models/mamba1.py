@@ -12,7 +12,7 @@ chunk's start, y_t = sum_{s<=t} (exp(L_t - L_s) * B_s) . C_t dt_s x_s + (exp(L_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..distributed import TPGroup
 from .layers import Linear, RMSNorm
+from .rank_shards import RankShardedLoading
 from .recipe import UnweightedNorm
 from .recurrent import RecurrentStates
 
@@ -114,14 +116,24 @@ def mamba_shape(hf: dict) -> Mamba1Shape:
     )
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(nn.Module, RankShardedLoading):
     """in_proj -> (x, z); x through the causal convolution and SiLU; x_proj -> (dt, B, C)
     (each RMS-normed where the shape says), dt through dt_proj; the scan; times SiLU(z);
     out_proj. The convolution's and the scan's states are resumed per request
-    (`recurrent.RecurrentStates`)."""
+    (`recurrent.RecurrentStates`). Under tensor parallelism each rank keeps its share of the
+    channels: x_proj's outputs and out_proj's are summed over the ranks."""
 
-    def __init__(self, shape: Mamba1Shape, index: int, states: RecurrentStates):
+    by_columns = ("out_proj", "x_proj")
+    kept_whole = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+    def __init__(
+        self, shape: Mamba1Shape, index: int, states: RecurrentStates, tp: TPGroup = TPGroup()
+    ):
         super().__init__()
+        if shape.inner % tp.size:
+            raise ValueError(f"tp_size {tp.size} does not divide the Mamba layer's channels")
+        self.full_inner, self.tp, self.loaded = shape.inner, tp, set()
+        shape = replace(shape, inner=shape.inner // tp.size)
         self.shape, self.index, self.states = shape, index, states
         inner, rank, size = shape.inner, shape.dt_rank, shape.state_size
         self.in_proj = Linear(shape.hidden, 2 * inner, bias=shape.proj_bias)
@@ -150,7 +162,8 @@ class Mamba1Mixer(nn.Module):
             self.index, xs.contiguous(), self.conv1d.weight[:, 0], self.conv1d.bias, inputs
         )
         xs = F.silu(xs)
-        dt, b, c = self.x_proj(xs).split([shape.dt_rank, shape.state_size, shape.state_size], -1)
+        projected = self.tp.all_reduce(self.x_proj(xs))
+        dt, b, c = projected.split([shape.dt_rank, shape.state_size, shape.state_size], -1)
         if shape.norms is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.softplus(self.dt_proj(dt).float())
@@ -168,4 +181,7 @@ class Mamba1Mixer(nn.Module):
             b,
             c,
         )
-        return self.out_proj((y * F.silu(z)).to(x.dtype))
+        return self.tp.all_reduce(self.out_proj((y * F.silu(z)).to(x.dtype)))
+
+    def fused_parts(self):
+        return {"in_proj": [(self.full_inner, False)] * 2}

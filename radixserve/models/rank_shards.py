@@ -14,16 +14,28 @@ from .layers import Linear
 Part = tuple[int, bool]  # (rows, kept whole by every rank)
 
 
-def rank_share(name: str, tensor: torch.Tensor, tp: TPGroup, fused: dict[str, list[Part]]):
-    """This rank's part of the layer's tensor `name` (relative to the layer)."""
-    parts = fused.get(name.partition(".")[0])
+def rank_share(
+    name: str,
+    tensor: torch.Tensor,
+    tp: TPGroup,
+    fused: dict[str, list[Part]],
+    by_columns: tuple[str, ...] = ("out_proj",),
+    whole: tuple[str, ...] = (),
+):
+    """This rank's part of the layer's tensor `name` (relative to the layer): `fused` ones part
+    by part, the `by_columns` modules' weights by columns (their bias on rank 0), the `whole`
+    modules' every rank's, the rest by rows."""
+    module, _, kind = name.rpartition(".")
+    parts = fused.get(module.partition(".")[0] or kind)
     if parts is not None:
         pieces = tensor.split([rows for rows, _ in parts])
         kept = [p if whole else tp.shard(p, 0) for p, (_, whole) in zip(pieces, parts)]
         return torch.cat(kept)
-    if name == "out_proj.weight":
-        return tp.shard(tensor, 1)
-    if name == "out_proj.bias":
+    if module in whole:
+        return tensor
+    if module in by_columns:
+        if kind == "weight":
+            return tp.shard(tensor, 1)
         return torch.zeros_like(tensor) if tp.rank else tensor
     return tp.shard(tensor, 0)
 
@@ -33,13 +45,15 @@ class RankShardedLoading:
     `fused_parts` describes; `loaded` names the tensors it has taken."""
 
     loaded: set[str]
+    by_columns: tuple[str, ...] = ("out_proj",)  # inputs sharded: outputs summed over ranks
+    kept_whole: tuple[str, ...] = ()  # modules every rank keeps whole
 
     def fused_parts(self) -> dict[str, list[Part]]:
         """The fused tensors' parts, by the module that holds them (`in_proj`, `conv1d`)."""
         raise NotImplementedError
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        tensor = rank_share(name, tensor, tp, self.fused_parts())
+        tensor = rank_share(name, tensor, tp, self.fused_parts(), self.by_columns, self.kept_whole)
         module_name, _, kind = name.rpartition(".")
         module = self.get_submodule(module_name) if module_name else self
         if isinstance(module, Linear):

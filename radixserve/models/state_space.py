@@ -54,7 +54,7 @@ class StateSpaceLM(HybridCausalLM):
 
 class MambaForCausalLM(StateSpaceLM):
     def make_mixer(self, i: int) -> nn.Module:
-        return Mamba1Mixer(mamba_shape(self.hf), i, self.states)
+        return Mamba1Mixer(mamba_shape(self.hf), i, self.states, self.tp)
 
 
 def codestral_shape(hf: dict) -> Mamba2Shape:
@@ -78,4 +78,4 @@ def codestral_shape(hf: dict) -> Mamba2Shape:
 
 class Mamba2ForCausalLM(StateSpaceLM):
     def make_mixer(self, i: int) -> nn.Module:
-        return Mamba2Mixer(codestral_shape(self.hf), i, self.states)
+        return Mamba2Mixer(codestral_shape(self.hf), i, self.states, self.tp)
