@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, LayerAttention
+from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer
 from .decoder import Attention
 from .hybrid import HybridCausalLM
@@ -24,6 +25,7 @@ from .layers import Linear, RMSNorm, fused
 from .mamba2 import mamba2_scan, mamba2_step, mamba2_step_in_place
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE
+from .rank_shards import RankShardedLoading
 from .recurrent import RecurrentStates
 
 DECAY_TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")  # HF's buffers
@@ -37,17 +39,20 @@ def slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
     return base ** (torch.arange(heads, dtype=torch.float64) + 1) * depth
 
 
-class LightningAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, states: RecurrentStates):
+class LightningAttention(nn.Module, RankShardedLoading):
+    """`cfg`: this rank's heads (under tensor parallelism each rank keeps a block of them, their
+    decay rates among all heads', and norms the output over all ranks' channels)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, states: RecurrentStates, tp: TPGroup):
         super().__init__()
-        self.index, self.states = layer, states
+        self.index, self.states, self.tp, self.loaded = layer, states, tp, set()
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         width = self.heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, 3 * width)
         self.output_gate = Linear(cfg.hidden_size, width)
         self.norm = RMSNorm(width, 1e-6)
         self.out_proj = Linear(width, cfg.hidden_size)
-        decay = -slopes(self.heads, layer, cfg.num_layers)
+        decay = tp.shard(-slopes(self.heads * tp.size, layer, cfg.num_layers), 0)
         self.register_buffer("decay", decay.float(), persistent=False)
         self.register_buffer("no_skip", torch.zeros(self.heads), persistent=False)
         self.cpu_ops = None
@@ -78,16 +83,28 @@ class LightningAttention(nn.Module):
                 kernels, s, rows, x, dt, a, b, c, d
             ),
         )
-        y = self.norm(y.reshape(tokens, -1).to(x.dtype))
-        return self.out_proj(torch.sigmoid(self.output_gate(x)) * y)
+        y = self.normed(y.reshape(tokens, -1).to(x.dtype))
+        return self.tp.all_reduce(self.out_proj(torch.sigmoid(self.output_gate(x)) * y))
+
+    def normed(self, y: torch.Tensor) -> torch.Tensor:
+        """The output RMS-normed over all heads' channels (their squares summed over ranks)."""
+        if self.tp.size == 1:
+            return self.norm(y)
+        squares = self.tp.all_reduce(y.float().pow(2).sum(-1, keepdim=True))
+        scale = torch.rsqrt(squares / (y.shape[-1] * self.tp.size) + self.norm.eps)
+        return (self.norm.weight.float() * y.float() * scale).to(y.dtype)
+
+    def fused_parts(self):
+        return {}
 
 
 class WeightedResidualLayer(nn.Module):
     """x <- a * norm(x) + b * sublayer(norm(x)), for the mixer and then the MLP, each with its
     own (a, b)."""
 
-    def __init__(self, cfg: ModelConfig, mixer, mlp, mixer_factors, mlp_factors):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, mixer, mlp, mixer_factors, mlp_factors):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = mixer
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -98,7 +115,7 @@ class WeightedResidualLayer(nn.Module):
         (a, b), (c, d) = self.mixer_factors, self.mlp_factors
         mixed = normed * a + self.self_attn(normed, ropes, backend) * b
         normed = self.post_attention_layernorm(mixed)
-        out = normed * c + self.mlp(normed) * d
+        out = normed * c + self.tp.all_reduce(self.mlp(normed)) * d
         return out, next_norm(out)
 
 
@@ -108,7 +125,7 @@ class MiniMaxForCausalLM(HybridCausalLM):
         return Attention(self.cfg, kv_index, self.tp, how)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return LightningAttention(self.cfg, i, self.states)
+        return LightningAttention(self.cfg, i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         hf, hidden = self.hf, self.cfg.hidden_size
@@ -122,7 +139,8 @@ class MiniMaxForCausalLM(HybridCausalLM):
         kind = "full_attn" if is_attention_layer(hf["layer_types"][i]) else "linear_attn"
         mixer_factors = (hf.get(f"{kind}_alpha_factor", 1), hf.get(f"{kind}_beta_factor", 1))
         mlp_factors = (hf.get("mlp_alpha_factor", 1), hf.get("mlp_beta_factor", 1))
-        return WeightedResidualLayer(self.cfg, mixer, self.make_mlp(i), mixer_factors, mlp_factors)
+        mlp = self.make_mlp(i)
+        return WeightedResidualLayer(self.cfg, self.tp, mixer, mlp, mixer_factors, mlp_factors)
 
     def rename(self, name: str) -> str | None:
         if name.rpartition(".")[2] in DECAY_TABLES:
