@@ -155,10 +155,8 @@ class Mamba2Mixer(nn.Module, RankShardedLoading):
         self.A_log = nn.Parameter(torch.zeros(shape.heads))
         self.D = nn.Parameter(torch.ones(shape.heads))
         spread = None if self.split_groups else tp  # one group spans the ranks' channels
-        norm = (
-            GroupedGatedNorm(inner, shape.groups, shape.eps, spread) if shape.gated_norm else None
-        )
-        self.norm = norm
+        gated = shape.gated_norm
+        self.norm = GroupedGatedNorm(inner, shape.groups, shape.eps, spread) if gated else None
         self.out_proj = Linear(inner, shape.hidden, bias=shape.out_bias)
         self.cpu_ops = None
 
