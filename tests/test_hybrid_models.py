@@ -404,7 +404,7 @@ def test_a_long_conversation_resumes_and_its_branches_resume_where_they_branch(t
     "family",
     ["qwen3_5_moe_text", "qwen3_next", "lara_mini", "nemotron_h", "nemotron_h_moe", "falcon_h1"]
     + ["granitemoehybrid", "bamba", "lfm2", "lfm2_moe", "lfm3", "jamba", "falcon_mamba", "mamba2"]
-    + ["minimax"],
+    + ["minimax", "kimi_linear", "olmo_hybrid"],
 )
 def test_sharded_hybrids_at_tensor_parallel_2_match_hf_and_resume(tmp_path, family):
     """Two ranks, each with half of every Gated DeltaNet's key and value heads, of every

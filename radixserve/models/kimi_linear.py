@@ -19,23 +19,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..distributed import TPGroup
 from ..model_config import ModelConfig
 from .deepseek_v3 import LatentAttention, deepseek_mlp, latent_rotary
 from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm, fused
 from .mixtral import mixtral_name
+from .rank_shards import RankShardedLoading
 from .recurrent import RecurrentStates
 from .rotary import RotaryEmbedding
 
 FORGET_GATE = re.compile(r"\.forget_gate\.")  # transformers' module for the decay's tensors
 
 
-class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
+class KimiDeltaAttention(nn.Module, RankShardedLoading):
+    """Under tensor parallelism each rank keeps a block of the heads (their projections,
+    convolution channels, decays and states) and all-reduces its output."""
+
+    by_columns = ("o_proj",)
+    kept_whole = ("f_a_proj", "g_a_proj", "o_norm")
+    shard_dims = {"A_log": 2}
+    fused_names = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates, tp: TPGroup):
         super().__init__()
         hf = cfg.hf_config
-        self.index, self.states = index, states
-        self.heads, self.head_dim = hf["linear_num_heads"], hf["linear_head_dim"]
+        if hf["linear_num_heads"] % tp.size:
+            raise ValueError(f"tp_size {tp.size} does not divide the linear attention's heads")
+        self.index, self.states, self.tp, self.loaded = index, states, tp, set()
+        self.full_width = hf["linear_num_heads"] * hf["linear_head_dim"]
+        self.heads, self.head_dim = hf["linear_num_heads"] // tp.size, hf["linear_head_dim"]
         width, hidden = self.heads * self.head_dim, cfg.hidden_size
         taps = hf["linear_conv_kernel_dim"]
         self.qkv_proj = Linear(hidden, 3 * width, parts=(width, width, width))
@@ -69,7 +82,10 @@ class KimiDeltaAttention(nn.Module):
         out = self.states.delta_rule(self.index, q, k, v, decay, beta, inputs, fused(self.cpu_ops))
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(-1, self.head_dim)
         out = self.o_norm(out.reshape(-1, self.head_dim)) * torch.sigmoid(gate.float())
-        return self.o_proj(out.to(x.dtype).reshape(tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.to(x.dtype).reshape(tokens, -1)))
+
+    def fused_parts(self):
+        return {"conv1d": [(self.full_width, False)] * 3}
 
 
 class KimiLinearForCausalLM(HybridCausalLM):
@@ -78,7 +94,7 @@ class KimiLinearForCausalLM(HybridCausalLM):
         return LatentAttention(self.cfg, kv_index, self.tp, rotate=rotate)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return KimiDeltaAttention(self.cfg, i, self.states)
+        return KimiDeltaAttention(self.cfg, i, self.states, self.tp)
 
     def make_mlp(self, i: int) -> nn.Module:
         return deepseek_mlp(self.cfg, i, self.tp)

@@ -19,8 +19,8 @@ from ..model_config import ModelConfig
 from .dense_families import POST_NORMS
 from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm
-from .qwen3_5 import GatedDeltaNet
-from .recipe import LayerRecipe, RecipeAttention, RecipeLayer
+from .qwen3_5 import GatedDeltaNet, delta_net_shard
+from .recipe import LayerRecipe, RecipeAttention, RecipeLayer, all_heads_norm_share
 from .recurrent import RecurrentStates
 from .rotary import RotaryEmbedding
 
@@ -40,8 +40,8 @@ MIXER_NAMES = {
 
 
 class SeparateGatedDeltaNet(GatedDeltaNet):
-    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates):
-        super().__init__(cfg, index, states)
+    def __init__(self, cfg: ModelConfig, index: int, states: RecurrentStates, tp: TPGroup):
+        super().__init__(cfg, index, states, tp)
         del self.in_proj_qkv
         self.qkv_proj = Linear(cfg.hidden_size, sum(self.widths), parts=tuple(self.widths))
         self.norm = RMSNorm(self.value_dim, 1e-5)
@@ -62,7 +62,7 @@ class OlmoHybridForCausalLM(HybridCausalLM):
         return RecipeAttention(self.cfg, kv_index, self.tp, self.attention_recipe)
 
     def make_mixer(self, i: int) -> nn.Module:
-        return SeparateGatedDeltaNet(self.cfg, i, self.states)
+        return SeparateGatedDeltaNet(self.cfg, i, self.states, self.tp)
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
         recipe = self.attention_recipe if isinstance(mixer, RecipeAttention) else LayerRecipe()
@@ -83,5 +83,12 @@ class OlmoHybridForCausalLM(HybridCausalLM):
             name = name.replace(released, hf_name)
         return LINEAR_ATTENTION.sub(ours, name)
 
+    def tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        shared = all_heads_norm_share(module_name, tensor, self.cfg.head_dim, self.tp)
+        return super().tp_slice(module_name, kind, tensor) if shared is None else shared
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(joined_convolutions(weights))
+        """Convolutions joined, names made ours, then each rank's share of the Gated DeltaNet's
+        tensors (q, k and v are sliced by the loader as attention's are)."""
+        renamed = ((self.rename(name), tensor) for name, tensor in joined_convolutions(weights))
+        super().load_weights(delta_net_shard(renamed, self.hf, self.tp))

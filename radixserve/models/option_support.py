@@ -63,13 +63,13 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
 
 # hybrids whose recurrent layers shard over tensor-parallel ranks (Gated DeltaNet's heads,
 # Mamba's channels, Mamba2's heads and groups, short convolutions' channels, lightning
-# attention's heads)
+# attention's and Kimi Delta Attention's heads)
 SHARDED_HYBRIDS = frozenset(
     {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "LaraMiniForCausalLM"}
     | {"NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM"}
     | {"BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM"}
     | {"JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
-    | {"MiniMaxForCausalLM"}
+    | {"MiniMaxForCausalLM", "KimiLinearForCausalLM", "OlmoHybridForCausalLM"}
 )
 
 

@@ -106,8 +106,8 @@ class GatedDeltaNet(nn.Module):
 # a Gated DeltaNet's tensors -> how a rank takes its share: by rows in the parts q, k, v
 # (their widths: key, key, value), by rows, by columns
 DELTA_NET_TENSOR = re.compile(
-    r".*\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_[zab]\.weight|dt_bias|A_log"
-    r"|out_proj\.weight)"
+    r".*\.(?:linear_attn|self_attn)\.(in_proj_qkv\.weight|conv1d\.weight|in_proj_[zab]\.weight"
+    r"|dt_bias|A_log|out_proj\.weight)"
 )
 
 

@@ -21,11 +21,14 @@ def rank_share(
     fused: dict[str, list[Part]],
     by_columns: tuple[str, ...] = ("out_proj",),
     whole: tuple[str, ...] = (),
+    dims: dict[str, int] | None = None,
 ):
     """This rank's part of the layer's tensor `name` (relative to the layer): `fused` ones part
     by part, the `by_columns` modules' weights by columns (their bias on rank 0), the `whole`
-    modules' every rank's, the rest by rows."""
+    modules' every rank's, those `dims` names along their dim, the rest by rows."""
     module, _, kind = name.rpartition(".")
+    if dims and name in dims:
+        return tp.shard(tensor, dims[name])
     parts = fused.get(module.partition(".")[0] or kind)
     if parts is not None:
         pieces = tensor.split([rows for rows, _ in parts])
@@ -47,17 +50,24 @@ class RankShardedLoading:
     loaded: set[str]
     by_columns: tuple[str, ...] = ("out_proj",)  # inputs sharded: outputs summed over ranks
     kept_whole: tuple[str, ...] = ()  # modules every rank keeps whole
+    shard_dims: dict[str, int] = {}  # parameters split along another dim than their first
+    # checkpoint projections that are parts of one of ours: name -> (ours, part)
+    fused_names: dict[str, tuple[str, int]] = {}
 
     def fused_parts(self) -> dict[str, list[Part]]:
         """The fused tensors' parts, by the module that holds them (`in_proj`, `conv1d`)."""
         raise NotImplementedError
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor, tp: TPGroup) -> None:
-        tensor = rank_share(name, tensor, tp, self.fused_parts(), self.by_columns, self.kept_whole)
+        tensor = rank_share(
+            name, tensor, tp, self.fused_parts(), self.by_columns, self.kept_whole, self.shard_dims
+        )
         module_name, _, kind = name.rpartition(".")
+        module_name, part = self.fused_names.get(module_name, (module_name, None))
         module = self.get_submodule(module_name) if module_name else self
         if isinstance(module, Linear):
-            module.load(kind, tensor)
+            module.load(kind, tensor, sum(module.parts[:part]) if part else 0)
+            name = f"{module_name}.{kind}"
         else:
             target = getattr(module, kind, None)
             if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:

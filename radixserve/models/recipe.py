@@ -288,10 +288,8 @@ class RecipeCausalLM(CausalLM):
         return logits if self.recipe.logit_scale == 1.0 else logits * self.recipe.logit_scale
 
     def tp_slice(self, module_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        leaf = module_name.rpartition(".")[2]
-        if leaf in ("q_norm", "k_norm") and tensor.shape[0] != self.cfg.head_dim:
-            return self.tp.shard(tensor, 0)  # a norm over all heads: each rank its heads'
-        return super().tp_slice(module_name, kind, tensor)
+        shared = all_heads_norm_share(module_name, tensor, self.cfg.head_dim, self.tp)
+        return super().tp_slice(module_name, kind, tensor) if shared is None else shared
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.recipe.interleaved_rope:
@@ -313,3 +311,12 @@ class RecipeCausalLM(CausalLM):
             elif leaf in ("q_norm", "k_norm"):  # one weight for all heads, or a row per head
                 tensor = tensor.reshape(-1, head)[:, order].reshape(tensor.shape)
             yield name, tensor
+
+
+def all_heads_norm_share(module_name: str, tensor: torch.Tensor, head_dim: int, tp: TPGroup):
+    """A q or k norm over all heads (`qk_norm` "all"): this rank's heads' rows; None for any
+    other tensor."""
+    leaf = module_name.rpartition(".")[2]
+    if leaf in ("q_norm", "k_norm") and tensor.shape[0] != head_dim:
+        return tp.shard(tensor, 0)
+    return None
