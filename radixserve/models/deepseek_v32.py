@@ -90,6 +90,8 @@ class SparseLatentAttention(LatentAttention):
         selections: dict,
         own: bool,
         indexer_eps: float = 1e-6,
+        indexer_rope_last: bool = False,
+        indexer_interleaved: bool | None = None,
     ):
         super().__init__(cfg, layer, tp)
         hf = cfg.hf_config
@@ -98,10 +100,13 @@ class SparseLatentAttention(LatentAttention):
             hf["index_topk"],
             hf["index_head_dim"],
         )
-        interleaved = hf.get("model_type") in ("glm_moe_dsa", "hy_v4")
-        rope_last = hf.get("model_type") == "hy_v4"
+        interleaved = indexer_interleaved
+        if interleaved is None:  # GLM-5's pairs; DeepSeek-V3.2's halves
+            interleaved = hf.get("model_type") == "glm_moe_dsa"
         self.indexer = (
-            Indexer(hf, cfg.hidden_size, interleaved, rope_last, indexer_eps) if own else None
+            Indexer(hf, cfg.hidden_size, interleaved, indexer_rope_last, indexer_eps)
+            if own
+            else None
         )
         self.sinks: nn.Parameter | None = None  # a learnt sink logit per head (Hunyuan v4)
 

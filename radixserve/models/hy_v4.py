@@ -38,7 +38,9 @@ NAMES = tuple(
 class GatedSparseLatentAttention(SparseLatentAttention):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, selections: dict, own: bool):
         eps = cfg.hf_config["rms_norm_eps"]
-        super().__init__(cfg, layer, tp, selections, own, indexer_eps=eps)
+        super().__init__(
+            cfg, layer, tp, selections, own, eps, indexer_rope_last=True, indexer_interleaved=True
+        )
         self.gate_proj = Linear(cfg.hidden_size, self.heads * self.v_dim)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
 
