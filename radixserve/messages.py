@@ -206,17 +206,31 @@ class KVDestination:
     start: int  # prompt tokens the decode server has cached itself: not sent
     landing: int  # the address of its buffer for the tokens [start, prompt_len)
     valid_s: float  # how long it waits: no write may start later
+    state_bytes: int = 0  # a hybrid model's state, landed after the KV
+
+
+@dataclass
+class StateTensor:
+    """One part of a hybrid model's per-request state as it travels between servers: the
+    state of `kind` ("conv", "delta", ...) of `layer`, one request's `shape` in `dtype`."""
+
+    kind: str
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass
 class KVArrived:
     """A prefill server to a decode server: the room's KV is written (or why not), with the
-    first output token (-1: none was asked for)."""
+    first output token (-1: none was asked for) and, for a hybrid model, what the state written
+    after the KV is made of."""
 
     room: int
     first_token: int
     cached_tokens: int  # prompt tokens the prefill server found in its cache
     error: str | None = None
+    states: list[StateTensor] = field(default_factory=list)
 
 
 @dataclass

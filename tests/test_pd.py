@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from quant_checkpoints import random_llama
@@ -292,21 +293,7 @@ def test_images_and_videos_through_a_disaggregated_pair_match_hf(tmp_path, model
     )
 
     model, path = build_vl_checkpoint(tmp_path, "qwen2_5_vl", model_dir)
-    flags = ("--model", str(path), *FLAGS)
-    port, servers = free_port(), []
-    try:
-        prefill = start_server(
-            tmp_path, *flags, "--disaggregation-mode", "prefill",
-            "--disaggregation-bootstrap-port", str(port),
-        )  # fmt: skip
-        servers.append(prefill)
-        decode = start_server(tmp_path, *flags, "--disaggregation-mode", "decode")
-        servers.append(decode)
-        router = start_router(
-            tmp_path, "--pd-disaggregation", "--prefill", prefill.url, str(port),
-            "--decode", decode.url,
-        )  # fmt: skip
-        servers.append(router)
+    with disaggregated_pair(tmp_path, "--model", str(path), *FLAGS) as (prefill, _, router):
         image = picture(11, (150, 120))
         ids = list(range(100, 120)) + marker(model) + list(range(300, 330))
         want, _ = hf_greedy(model, path, ids, [image], 8)
@@ -317,6 +304,76 @@ def test_images_and_videos_through_a_disaggregated_pair_match_hf(tmp_path, model
         video = video_file(tmp_path, 12, 8, frame_size(model))
         chat_about_video(router, model, path, video, "And?")
         assert metric(prefill.client(), "radixserve:kv_transfers_total") >= 4
+
+
+@contextmanager
+def disaggregated_pair(tmp_path, *flags: str, decode_flags: tuple[str, ...] = ()):
+    """A prefill server, a decode server and a router in front of them, with these flags
+    (and `decode_flags` on the decode server)."""
+    port, servers = free_port(), []
+    try:
+        prefill = start_server(
+            tmp_path, *flags, "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", str(port),
+        )  # fmt: skip
+        servers.append(prefill)
+        decode = start_server(tmp_path, *flags, *decode_flags, "--disaggregation-mode", "decode")
+        servers.append(decode)
+        router = start_router(
+            tmp_path, "--pd-disaggregation", "--prefill", prefill.url, str(port),
+            "--decode", decode.url,
+        )  # fmt: skip
+        servers.append(router)
+        yield prefill, decode, router
     finally:
         for server in reversed(servers):
             server.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "mamba2"])
+def test_hybrid_models_through_a_disaggregated_pair_match_hf_and_resume(tmp_path, family):
+    """A hybrid model (Gated DeltaNet or Mamba2 beside attention; Mamba2 alone, which keeps no
+    KV): the prefill server sends the prompt's KV and, after it in the same write, the state at
+    the prompt's end, which the decode server continues from. HF's greedy tokens, fresh and
+    again (the prefill server resumes from its state snapshots), and on a conversation's next
+    turn; the decode server keeps the state where each answer ends as a snapshot of its own."""
+    import test_hybrid_models as hybrids
+
+    model, path = hybrids.build_checkpoint(tmp_path, family)
+    prompts = hybrids.PROMPTS
+    want = [hybrids.hf_greedy(model, ids) for ids in prompts]
+    flags = ("--model", str(path), *FLAGS, "--mamba-track-interval", "24")
+    with disaggregated_pair(tmp_path, *flags) as (prefill, decode, router):
+        with router.client(timeout=60) as r:
+            rounds = [[generate(r, ids, sampling_params=hybrids.GREEDY) for ids in prompts]]
+            rounds.append([generate(r, ids, sampling_params=hybrids.GREEDY) for ids in prompts])
+            turn = prompts[1] + want[1] + [11, 12, 13]
+            second = generate(r, turn, sampling_params=hybrids.GREEDY).json()
+        assert [[g.json()["output_ids"] for g in got] for got in rounds] == [want, want], [
+            g.text for got in rounds for g in got
+        ]
+        assert [g.json()["meta_info"]["cached_tokens"] for g in rounds[1]] == [0, 72, 48]
+        assert second["output_ids"] == hybrids.hf_greedy(model, turn)
+        assert second["meta_info"]["cached_tokens"] == len(prompts[1]) + hybrids.NEW_TOKENS - 1
+        with decode.client() as d:
+            assert metric(d, "radixserve:kv_transfer_failures_total") == 0
+            wait_idle(d)
+            assert metric(d, "radixserve:state_snapshots") >= 3
+        with prefill.client() as p:
+            assert metric(p, "radixserve:kv_transfers_total") == 7
+
+
+def test_a_decode_server_whose_states_differ_fails_the_request_by_name(tmp_path):
+    """The decode server stores recurrent states in bf16, the prefill server in float32: the
+    request fails alone with a 503 naming the states, and neither side holds anything after."""
+    import test_hybrid_models as hybrids
+
+    _, path = hybrids.build_checkpoint(tmp_path, "nemotron_h")
+    flags, odd = ("--model", str(path), *FLAGS), ("--mamba-ssm-dtype", "bfloat16")
+    with disaggregated_pair(tmp_path, *flags, decode_flags=odd) as (prefill, decode, router):
+        with router.client(timeout=60) as r:
+            failed = generate(r, hybrids.PROMPTS[1])
+        assert failed.status_code == 503 and "request states differ" in failed.text, failed.text
+        for server in (prefill, decode):
+            with server.client() as s:
+                wait_idle(s)

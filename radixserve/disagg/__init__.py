@@ -8,30 +8,35 @@ with the same `bootstrap_room`:
    it is (`KVDestination`);
 2. the prefill server runs the prompt (its radix tree skips shared prefixes), samples the
    first token, gathers the KV rows the decode server lacks and writes them into the landing
-   buffer in one transfer (`transfer`), then tells it the first token (`KVArrived`) and
-   answers the router;
-3. the decode server copies the rows into its reserved slots, puts the prompt into its radix
-   tree (so follow-ups hit there) and decodes the rest.
+   buffer in one transfer (`transfer`; a hybrid model's state at the prompt's end follows the
+   rows in the same buffer), then tells it the first token (`KVArrived`) and answers the
+   router;
+3. the decode server copies the rows into its reserved slots (the state into the request's
+   row), puts the prompt into its radix tree (so follow-ups hit there) and decodes the rest.
 A transfer that does not finish within `--disaggregation-transfer-timeout` fails its request
 with a 503 on both sides; a late write can only land in the abandoned landing buffer, which
 the decode server frees one timeout later.
 """
 
 
-def start_transfers(args, pool, ctx):
-    """This side's transfers (`prefill.PrefillTransfers` or `decode.DecodeTransfers`), or None
-    when the server is not disaggregated. ValueError: the engine or the bootstrap cannot start."""
+def start_transfers(args, runner, ctx):
+    """This side's transfers (`prefill.PrefillTransfers` or `decode.DecodeTransfers`) of the
+    model runner's KV pool (and a hybrid model's states), or None when the server is not
+    disaggregated. ValueError: the engine or the bootstrap cannot start."""
     import zmq
 
     from .decode import DecodeTransfers
     from .prefill import PrefillTransfers
+    from .transfer import RowStates
 
     sides = {"prefill": PrefillTransfers, "decode": DecodeTransfers}
     side = sides.get(args.disaggregation_mode)
     if side is None:
         return None
+    info = runner.info.state_pool
+    states = None if info is None else RowStates(runner.model.states, info.state_bytes)
     try:
-        return side(args, pool, ctx)
+        return side(args, runner.pool, ctx, states)
     except zmq.ZMQError as exc:
         raise ValueError(
             f"disaggregation: cannot listen on {args.disaggregation_host} "

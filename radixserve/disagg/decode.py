@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from ..messages import Bootstrap, KVArrived, KVDestination
-from .transfer import PoolShape, make_engine, scatter_kv
+from .transfer import PoolShape, RowStates, make_engine, scatter_kv
 from .wire import Senders, receive_forever
 
 log = logging.getLogger(__name__)
@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 class Landing:
     buffer: torch.Tensor
     slots: list[int]  # where it goes in the pool
+    row: int  # the request's row (a hybrid model's state goes there)
     until: float = 0.0  # once abandoned: when it can be freed
 
 
 class DecodeTransfers:
-    def __init__(self, args, pool, ctx: zmq.Context):
+    def __init__(self, args, pool, ctx: zmq.Context, states: RowStates | None = None):
         host = args.disaggregation_host
+        self.states = states
+        self.state_bytes = 0 if states is None else states.size
         self.engine = make_engine(args.disaggregation_transfer_backend, host)
         self.pool, self.shape = pool, PoolShape.of(pool.k)
         self.timeout = args.disaggregation_transfer_timeout
@@ -54,11 +57,15 @@ class DecodeTransfers:
             self.engine.session,
         )
 
-    def ask(self, where: Bootstrap, prompt_len: int, start: int, slots: list[int]) -> None:
-        """Ask the prefill server at `where` for tokens [start, prompt_len), bound for `slots`."""
-        buffer = torch.empty(self.shape.bytes_for(len(slots)), dtype=torch.uint8)
+    def ask(
+        self, where: Bootstrap, prompt_len: int, start: int, slots: list[int], row: int
+    ) -> None:
+        """Ask the prefill server at `where` for tokens [start, prompt_len), bound for `slots`
+        (and a hybrid model's state at the prompt's end, bound for `row`)."""
+        size = self.shape.bytes_for(len(slots)) + self.state_bytes
+        buffer = torch.empty(size, dtype=torch.uint8)
         self.engine.register(buffer)
-        self.landings[where.room] = Landing(buffer, slots)
+        self.landings[where.room] = Landing(buffer, slots, row)
         dest = KVDestination(
             where.room,
             self.engine.session,
@@ -69,14 +76,23 @@ class DecodeTransfers:
             start,
             buffer.data_ptr(),
             self.timeout,
+            self.state_bytes,
         )
         self.bootstraps.send(f"tcp://{where.host}:{where.port}", dest)
 
-    def land(self, room: int) -> None:
-        """Copy the room's landed KV into its slots and free the buffer."""
-        landing = self.landings.pop(room)
-        scatter_kv(self.pool.k, self.pool.v, landing.slots, landing.buffer)
-        self.engine.unregister(landing.buffer)
+    def land(self, arrived: KVArrived) -> None:
+        """Copy the room's landed KV into its slots (a hybrid model's state into its row) and
+        free the buffer. ValueError: the state sent is not this model's."""
+        landing = self.landings.pop(arrived.room)
+        try:
+            kv = self.shape.bytes_for(len(landing.slots))
+            if landing.slots and self.shape.layers:
+                scatter_kv(self.pool.k, self.pool.v, landing.slots, landing.buffer[:kv])
+            if self.states is not None:
+                state = landing.buffer[kv:]
+                self.states.states.put_row(landing.row, arrived.states, state, self.pool.device)
+        finally:
+            self.engine.unregister(landing.buffer)
 
     def abandon(self, room: int) -> None:
         """The room's request gave up (or failed): free its buffer once no write can come."""

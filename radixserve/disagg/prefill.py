@@ -8,13 +8,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import zmq
 
 from ..ipc import pull_socket
-from ..messages import KVArrived, KVDestination
-from .transfer import PoolShape, gather_kv, make_engine
+from ..messages import KVArrived, KVDestination, StateTensor
+from .transfer import PoolShape, RowStates, gather_kv, make_engine
 from .wire import Senders, receive_forever
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ class TransferJob:
     first_token: int
     cached_tokens: int
     deadline: float  # monotonic: give up waiting for the destination then
+    row: int | None = None  # a hybrid model's: the request's state row
+    layout: list[StateTensor] = field(default_factory=list)  # what `state` is made of
+    state: torch.Tensor | None = None  # its state at the prompt's end, as bytes
 
 
 @dataclass
@@ -38,8 +42,9 @@ class TransferDone:
 
 
 class PrefillTransfers:
-    def __init__(self, args, pool, ctx: zmq.Context):
+    def __init__(self, args, pool, ctx: zmq.Context, states: RowStates | None = None):
         host = args.disaggregation_host
+        self.states = states
         self.engine = make_engine(args.disaggregation_transfer_backend, host)
         self.pool, self.shape = pool, PoolShape.of(pool.k)
         self.timeout = args.disaggregation_transfer_timeout
@@ -60,6 +65,9 @@ class PrefillTransfers:
         )
 
     def submit(self, job: TransferJob) -> None:
+        """Queue the job; a hybrid model's state is read now, while the scheduler waits."""
+        if self.states is not None:
+            job.layout, job.state = self.states.states.row_bytes(job.row)
         self.jobs.put(job)
 
     def finished(self) -> list[TransferDone]:
@@ -94,7 +102,7 @@ class PrefillTransfers:
                 error = f"the KV transfer failed: {type(exc).__name__}: {exc}"
             if dest is not None:
                 first = job.first_token
-                notice = KVArrived(job.room, first, job.cached_tokens, error)
+                notice = KVArrived(job.room, first, job.cached_tokens, error, job.layout)
                 try:
                     self.notifiers.send(dest[0].notify, notice)
                 except zmq.ZMQError as exc:  # a destination naming no usable address
@@ -123,10 +131,18 @@ class PrefillTransfers:
             )
         if time.monotonic() > arrived + dest.valid_s:
             raise ValueError("the decode server stopped waiting for this room's KV")
+        state = job.state if job.state is not None else torch.empty(0, dtype=torch.uint8)
+        if dest.state_bytes != state.numel():
+            raise ValueError(
+                f"the servers' request states differ: {state.numel()} bytes here, "
+                f"{dest.state_bytes} there (the same model and --mamba-ssm-dtype are needed)"
+            )
         slots = job.slots[dest.start :]
-        if not slots:
+        kv = slots and self.shape.layers
+        rows = [gather_kv(self.pool.k, self.pool.v, slots).view(-1)] if kv else []
+        staged = torch.cat([*rows, state])
+        if not staged.numel():
             return 0
-        staged = gather_kv(self.pool.k, self.pool.v, slots)
         self.engine.register(staged)
         try:
             self.engine.write(dest.session, staged, dest.landing)

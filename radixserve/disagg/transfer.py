@@ -15,7 +15,7 @@ the pool (page size 1): a write per slot run would cost more than the prompt (be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,7 +35,8 @@ class PoolShape:
 
     @classmethod
     def of(cls, k: list[torch.Tensor]) -> PoolShape:
-        return cls(len(k), k[0].stride(0) * k[0].element_size())
+        """(A model without attention keeps no KV: 0 layers.)"""
+        return cls(len(k), k[0].stride(0) * k[0].element_size() if k else 0)
 
     def problem_with(self, other: PoolShape) -> str | None:
         """Why KV cannot move between this pool and `other` (None: it can)."""
@@ -73,6 +74,15 @@ def scatter_kv(
     for layer, (kt, vt) in enumerate(zip(k, v)):
         _slot_bytes(kt).index_copy_(0, index, rows[layer, 0])
         _slot_bytes(vt).index_copy_(0, index, rows[layer, 1])
+
+
+@dataclass(frozen=True)
+class RowStates:
+    """A hybrid model's per-request states (`models.recurrent.RecurrentStates`), which move
+    with the KV: `size` bytes a request, written after its KV rows in the same buffer."""
+
+    states: Any
+    size: int
 
 
 class TransferEngine(Protocol):

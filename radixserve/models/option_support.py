@@ -82,7 +82,6 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
         ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
         ("speculative_algorithm", args.speculative_algorithm is not None),
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
-        ("disaggregation_mode", args.disaggregation_mode != "null"),
         ("enable_deterministic_inference", args.enable_deterministic_inference),
         ("enable_torch_compile", args.enable_torch_compile),
         ("kv_cache_dtype", args.kv_cache_dtype != "auto"),

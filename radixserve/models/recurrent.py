@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionInputs
+from ..messages import StateTensor
 
 CHUNK = 64  # tokens a chunk of the gated delta rule solves at once
 L2_EPS = 1e-6
@@ -173,8 +174,54 @@ class RecurrentStates:
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer) -> [slots, ...]
+        self.rows = 0  # the requests' rows (--max-running-requests)
         self.snapshot_slots = 0
         self.ssm_dtype = torch.float32  # how recurrent states are stored (--mamba-ssm-dtype)
+
+    def _tensor(self, key: tuple[str, int], shape, dtype, device) -> torch.Tensor:
+        """Layer and kind `key`'s states, a slot for each row and snapshot, made on first use."""
+        states = self.held.get(key)
+        if states is None:
+            slots = self.rows + self.snapshot_slots
+            states = torch.zeros((slots, *shape), dtype=dtype, device=device)
+            self.held[key] = states
+        return states
+
+    def row_bytes(self, row: int) -> tuple[list[StateTensor], torch.Tensor]:
+        """Every layer's state in `row` as raw bytes in one buffer (what a prefill server sends
+        a decode server), and what each part of it is."""
+        keys = sorted(self.held)
+        layout = [
+            StateTensor(
+                kind, layer, tuple(self.held[kind, layer].shape[1:]), _name(self.held[kind, layer])
+            )
+            for kind, layer in keys
+        ]
+        parts = [_raw(self.held[key][row]) for key in keys]
+        return layout, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def put_row(self, row: int, layout: list[StateTensor], data: torch.Tensor, device) -> None:
+        """Fill `row` from another server's `row_bytes`; ValueError when its states are not
+        this model's (another model, --mamba-ssm-dtype or dtype)."""
+        offset = 0
+        for part in layout:
+            dtype = getattr(torch, part.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"a state of dtype {part.dtype!r}")
+            states = self._tensor((part.kind, part.layer), part.shape, dtype, device)
+            if tuple(states.shape[1:]) != tuple(part.shape) or states.dtype != dtype:
+                raise ValueError(
+                    f"the {part.kind} state of layer {part.layer} is {tuple(part.shape)} "
+                    f"{part.dtype} there, {tuple(states.shape[1:])} {_name(states)} here"
+                )
+            target = _raw(states[row])
+            target.copy_(data[offset : offset + target.numel()])
+            offset += target.numel()
+        if offset != data.numel() or len(layout) != len(self.held):
+            raise ValueError(
+                f"the states sent take {data.numel()} bytes in {len(layout)} tensors, this "
+                f"model's {offset} bytes in {len(self.held)}"
+            )
 
     def copy(self, src: int, dst: int) -> None:
         """Every layer's state in slot `src` into slot `dst`."""
@@ -196,11 +243,7 @@ class RecurrentStates:
         """Run a recurrent op (`each_request`) over the step's segments, from and into this
         layer's states of that kind, each of `shape`; `in_place(states, rows, *tensors)`: a
         decode step on float32 states by row (the CPU kernels), where there is one."""
-        states = self.held.get((kind, layer))
-        if states is None:
-            slots = inputs.req_to_token.shape[0] + self.snapshot_slots
-            states = torch.zeros((slots, *shape), dtype=dtype, device=tensors[0].device)
-            self.held[(kind, layer)] = states
+        states = self._tensor((kind, layer), shape, dtype, tensors[0].device)
         if in_place is not None and states.dtype == torch.float32 and is_decode_step(inputs):
             return in_place(states, inputs.rows, *tensors)
         return each_request(states, inputs, step, whole, *tensors)
@@ -261,6 +304,15 @@ class RecurrentStates:
             if kernels is None or g.dim() == 3
             else partial(delta_step_in_place, kernels),
         )
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.view(torch.uint8).view(-1)
+
+
+def _name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def delta_step_in_place(kernels, states, rows, q, k, v, g, beta) -> torch.Tensor:

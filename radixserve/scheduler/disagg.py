@@ -45,7 +45,7 @@ class PrefillStage:
         first = req.output_ids[0] if req.output_ids else -1
         deadline = time.monotonic() + self.timeout
         job = TransferJob(
-            req.bootstrap.room, req.kv_slots[:prompt], first, req.cached_tokens, deadline
+            req.bootstrap.room, req.kv_slots[:prompt], first, req.cached_tokens, deadline, req.row
         )
         self.handed[req.bootstrap.room] = req
         self.transfers.submit(job)
@@ -148,7 +148,8 @@ class DecodeStage:
             self.awaiting[room] = (req, time.monotonic() + self.timeout)
             start = len(slots)
             try:
-                self.transfers.ask(req.bootstrap, len(req.input_ids), start, req.kv_slots[start:])
+                prompt, slots = len(req.input_ids), req.kv_slots[start:]
+                self.transfers.ask(req.bootstrap, prompt, start, slots, req.row)
             except (OSError, ValueError, zmq.ZMQError) as exc:
                 del self.awaiting[room]
                 self._give_up(req, room)
@@ -164,7 +165,13 @@ class DecodeStage:
             self._give_up(req, arrived.room)
             self._end(req, unavailable(f"prefill server: {arrived.error}"))
             return
-        self.transfers.land(arrived.room)
+        try:
+            self.transfers.land(arrived)
+        except ValueError as exc:
+            self.stats.kv_transfer_failures_total += 1
+            self._give_up(req, arrived.room)
+            self._end(req, unavailable(f"the prefill server's state: {exc}"))
+            return
         self.stats.kv_transfers_total += 1
         self.stats.kv_received_tokens_total += len(req.input_ids) - req.cached_len
         req.cached_tokens = max(arrived.cached_tokens, req.cached_len)

@@ -64,7 +64,7 @@ def run_scheduler(args: EngineArgs, endpoints: Endpoints, heartbeat: Heartbeat) 
         eos_ids(tokenizer),
         grammar_backend(tokenizer, runner.info),
         draft_runner,
-        start_transfers(args, runner.pool, ctx),
+        start_transfers(args, runner, ctx),
     )
     outbox.send(encode(SchedulerReady(runner.info, source.name, tuple(scheduler.adapters.names()))))
     threading.Thread(

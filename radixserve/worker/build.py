@@ -139,7 +139,7 @@ def state_pool(
         return None
     model.states.ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
     size = model.state_bytes(dtype)
-    rows = args.max_running_requests
+    rows = model.states.rows = args.max_running_requests
     count = args.max_mamba_cache_size
     if count is None and args.mamba_full_memory_ratio is not None:
         count = max(
