@@ -481,7 +481,7 @@ def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(
     [
         (dict(speculative_algorithm="ngram"), "speculative_algorithm"),
         (dict(enable_hierarchical_cache=True), "enable_hierarchical_cache"),
-        (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+        (dict(enable_torch_compile=True), "enable_torch_compile"),
     ],
 )
 def test_what_hybrid_models_do_not_run_yet_is_refused_by_name(tmp_path, option, flag):
@@ -547,6 +547,44 @@ def test_recurrent_states_stored_in_bfloat16_take_half_the_memory(tmp_path, capl
     torch.testing.assert_close(got["bfloat16"][0], got["float32"][0], rtol=1e-3, atol=1e-3)
     assert len(got["bfloat16"][1]) == NEW_TOKENS
     assert got["bfloat16"][1][0] == got["float32"][1][0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrids_attention_keeps_fp8_kv_beside_its_states(tmp_path, family):
+    """--kv-cache-dtype fp8_e4m3: the attention layers' KV takes a byte an element (a quarter
+    of float32's), the recurrent states stay float32; tokens resumed from snapshots equal the
+    fresh ones, near HF's (FP8 rounding of K and V may move a late near-tie), and the prompt's
+    logprobs move by less than 1% of their size on average from a float32 pool's."""
+    model, path = build_checkpoint(tmp_path, family)
+    want = hf_greedy(model, PROMPTS[1])
+    got = {}
+    for kv in ("auto", "fp8_e4m3"):
+        with Engine(
+            model=str(path),
+            max_total_tokens=1024,
+            chunked_prefill_size=32,
+            dtype="float32",
+            mamba_track_interval=24,
+            kv_cache_dtype=kv,
+        ) as eng:
+            runs = [eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY) for _ in range(2)]
+            scored = eng.generate(
+                input_ids=PROMPTS[1],
+                sampling_params=GREEDY,
+                return_logprob=True,
+                logprob_start_len=0,
+            )
+            plan = eng.runner.info.memory_plan()
+            eng.check_memory()
+        assert runs[0]["output_ids"] == runs[1]["output_ids"] == scored["output_ids"]
+        assert runs[1]["meta_info"]["cached_tokens"] == 72
+        lps = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][1:]]
+        got[kv] = (torch.tensor(lps), runs[0]["output_ids"], plan)
+    assert got["auto"][1] == want
+    assert sum(a == b for a, b in zip(got["fp8_e4m3"][1], want)) >= 6
+    assert got["fp8_e4m3"][2].kv_bytes_per_token * 4 == got["auto"][2].kv_bytes_per_token
+    moved = (got["fp8_e4m3"][0] - got["auto"][0]).abs().mean()
+    assert moved < 0.01 * got["auto"][0].abs().mean()  # 0.2-0.5% measured
 
 
 def test_the_state_pool_sized_as_a_share_of_the_kv_pool(tmp_path, caplog):

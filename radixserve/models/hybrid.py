@@ -39,6 +39,12 @@ class HybridCausalLM(CausalLM):
         """Attention layer i's place in the KV pool (among the attention layers)."""
         return sum(is_attention_layer(t) for t in layer_types_of(self.hf)[:i])
 
+    def kv_cache_scales(self) -> list[tuple[float, float]]:
+        """The attention layers' FP8 KV scales, in their places in the KV pool."""
+        scales = super().kv_cache_scales()
+        types = layer_types_of(self.hf)
+        return [scales[i] for i, kind in enumerate(types) if is_attention_layer(kind)]
+
     def state_bytes(self, dtype: torch.dtype) -> int:
         """The bytes of one request's state over all its layers (convolutions in `dtype`,
         recurrent states in float32)."""

@@ -84,7 +84,6 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
         ("enable_deterministic_inference", args.enable_deterministic_inference),
         ("enable_torch_compile", args.enable_torch_compile),
-        ("kv_cache_dtype", args.kv_cache_dtype != "auto"),
     ):
         if on:
             yield f"{name} with {cfg.architecture}'s recurrent layers is not supported yet"
