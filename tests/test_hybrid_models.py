@@ -14,6 +14,7 @@ import transformers as hf
 from server_utils import start_server
 
 from radixserve import Engine
+from radixserve.scheduler.speculative import StepCost
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 180)), [7, 7, 7] + list(range(200, 260))]
 NEW_TOKENS = 12
@@ -270,6 +271,16 @@ FAMILIES = {
 }
 
 
+class FlatStepCost(StepCost):
+    """A step costs the same at any row count: drafts are always worth verifying."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, rows: int) -> float:
+        return 0.03
+
+
 def build_checkpoint(path, family: str):
     return families.build_checkpoint(path, family, FAMILIES, COMMON)
 
@@ -479,7 +490,6 @@ def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(
 @pytest.mark.parametrize(
     "option,flag",
     [
-        (dict(speculative_algorithm="ngram"), "speculative_algorithm"),
         (dict(enable_hierarchical_cache=True), "enable_hierarchical_cache"),
         (dict(enable_torch_compile=True), "enable_torch_compile"),
     ],
@@ -488,6 +498,25 @@ def test_what_hybrid_models_do_not_run_yet_is_refused_by_name(tmp_path, option, 
     _, path = build_checkpoint(tmp_path, "lfm2")
     with pytest.raises(ValueError, match=flag):
         Engine(model=str(path), dtype="float32", **option)
+
+
+def test_speculation_with_a_recurrent_draft_model_or_at_tp_2_is_refused_by_name(tmp_path):
+    _, path = build_checkpoint(tmp_path, "lfm2")
+    draft = dict(speculative_algorithm="draft", speculative_draft_model=str(path))
+    with pytest.raises(ValueError, match="speculative-draft-model .* recurrent layers"):
+        Engine(model=str(path), dtype="float32", **draft)
+    flags = ["--model", str(path), "--tp-size", "2", "--speculative-algorithm", "ngram"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "radixserve: invalid model arguments: speculative_algorithm at tp_size > 1 with "
+        "Lfm2ForCausalLM's recurrent layers is not supported yet"
+    )
 
 
 def test_a_hybrid_server_reports_its_snapshots_in_metrics_and_the_dashboard(tmp_path):
@@ -547,6 +576,62 @@ def test_recurrent_states_stored_in_bfloat16_take_half_the_memory(tmp_path, capl
     torch.testing.assert_close(got["bfloat16"][0], got["float32"][0], rtol=1e-3, atol=1e-3)
     assert len(got["bfloat16"][1]) == NEW_TOKENS
     assert got["bfloat16"][1][0] == got["float32"][1][0]
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3_5_text", "nemotron_h", "lfm2", "mamba", "minimax", "kimi_linear"]
+)
+def test_ngram_speculation_on_a_hybrid_keeps_the_state_after_the_tokens_kept(tmp_path, family):
+    """--speculative-algorithm ngram on a hybrid (Gated DeltaNet, Mamba2, short convolutions,
+    Mamba, lightning attention, Kimi Delta Attention): a verified segment runs a token at a
+    time and the request keeps the state after the tokens it keeps. A first answer fills the
+    n-gram table; the same context asked again drafts the rest of that answer, all accepted,
+    but stops at a token in the middle of them, and the conversation's next turn resumes from
+    the snapshot where it stopped; with that token banned (`logit_bias`) the same drafts are
+    accepted up to it and rejected there. Every answer is HF's."""
+    model, path = build_checkpoint(tmp_path, family)
+    prompt = list(range(100, 140))
+    with Engine(
+        model=str(path),
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        dtype="float32",
+        mamba_track_interval=24,
+        speculative_algorithm="ngram",
+    ) as eng:
+        eng.scheduler.decode.step_cost = FlatStepCost()  # drafts always worth their rows
+
+        def answer(ids, **params):
+            params = {"temperature": 0, "max_new_tokens": 16, **params}
+            return eng.generate(input_ids=ids, sampling_params=params)
+
+        first = answer(prompt, ignore_eos=True)["output_ids"]
+        again = prompt + first[:6]
+        stop = next(i for i in range(9, 16) if first[i] not in first[6:i])
+        stopped = answer(again, stop_token_ids=[first[stop]])
+        turn = again + stopped["output_ids"] + [11, 12, 13]
+        second = answer(turn, max_new_tokens=12, ignore_eos=True)
+        banned = answer(again, max_new_tokens=10, ignore_eos=True, logit_bias={first[stop]: -100})
+        stats = eng.get_stats()
+        eng.check_memory()
+    assert first == families.hf_greedy(model, prompt, 16)
+    assert stopped["output_ids"] == first[6 : stop + 1]
+    assert stopped["meta_info"]["spec_verify_ct"] >= 1
+    assert second["output_ids"] == families.hf_greedy(model, turn, 12)
+    assert second["meta_info"]["cached_tokens"] == len(again) + stop - 6
+    assert banned["output_ids"] == hf_greedy_without(model, again, 10, first[stop])
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+
+
+def hf_greedy_without(model, ids: list[int], n: int, banned: int) -> list[int]:
+    """HF's greedy tokens with one token never chosen."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            logits[banned] = float("-inf")
+            out.append(int(logits.argmax()))
+    return out
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .huge_pages import anonymous_zeros, populate_in_background
+from .huge_pages import anonymous_zeros, populate_in_background, release_pages
 
 
 class KVPool:
@@ -61,6 +61,14 @@ class KVPool:
         if not self.is_fp8:
             return rows
         return (rows.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(dtype)
+
+    def release_pages(self) -> None:
+        """Give the pool's memory back to the system (CPU only): its addresses stay, reading as
+        zeros."""
+        if self.device.type != "cpu":
+            raise ValueError("releasing the KV cache is implemented on CPU only")
+        for tensor in self.k + self.v:
+            release_pages(tensor)
 
     @staticmethod
     def bytes_per_token(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> int:

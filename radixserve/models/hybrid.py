@@ -14,7 +14,7 @@ from torch import nn
 from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import CausalLM, DecoderLayer
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 
 SPLIT_CONVOLUTION = re.compile(r"(.*)\.([qkv])_conv1d\.weight")
 

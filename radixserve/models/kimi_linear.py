@@ -26,7 +26,7 @@ from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm, fused
 from .mixtral import mixtral_name
 from .rank_shards import RankShardedLoading
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 from .rotary import RotaryEmbedding
 
 FORGET_GATE = re.compile(r"\.forget_gate\.")  # transformers' module for the decay's tensors

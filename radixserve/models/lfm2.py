@@ -25,7 +25,7 @@ from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE, unstack_experts
 from .rank_shards import RankShardedLoading
 from .recipe import GatedOutputAttention, LayerRecipe, RecipeAttention, RecipeLayer
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 from .rotary import LAYER_KINDS, RotaryEmbedding, rotaries_by_kind
 
 # checkpoint names of an attention layer -> ours

@@ -24,7 +24,7 @@ from ..distributed import TPGroup
 from .layers import Linear, RMSNorm
 from .rank_shards import RankShardedLoading
 from .recipe import UnweightedNorm
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 
 CHUNK = 16  # tokens a chunk of the scan computes at once ([CHUNK, CHUNK, channels, state])
 

@@ -22,7 +22,7 @@ from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from .layers import Linear, fused
 from .rank_shards import Part, RankShardedLoading
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 
 CHUNK = 64  # tokens a chunk of the scan computes at once
 

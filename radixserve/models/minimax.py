@@ -26,7 +26,7 @@ from .mamba2 import mamba2_scan, mamba2_step, mamba2_step_in_place
 from .mixtral import mixtral_name
 from .moe import Experts, Routing, SparseMoE
 from .rank_shards import RankShardedLoading
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 
 DECAY_TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")  # HF's buffers
 

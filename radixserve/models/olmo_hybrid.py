@@ -21,7 +21,7 @@ from .hybrid import HybridCausalLM, joined_convolutions
 from .layers import Linear, RMSNorm
 from .qwen3_5 import GatedDeltaNet, delta_net_shard
 from .recipe import LayerRecipe, RecipeAttention, RecipeLayer, all_heads_norm_share
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 from .rotary import RotaryEmbedding
 
 LINEAR_ATTENTION = re.compile(r"(model\.layers\.\d+)\.linear_attn\.(\w+)")

@@ -78,9 +78,10 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     option name; nothing for other models."""
     if not cfg.keeps_state:
         return
+    spec = args.speculative_algorithm is not None
     for name, on in (
         ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
-        ("speculative_algorithm", args.speculative_algorithm is not None),
+        ("speculative_algorithm at tp_size > 1", spec and args.tp_size > 1),
         ("enable_hierarchical_cache", args.enable_hierarchical_cache),
         ("enable_deterministic_inference", args.enable_deterministic_inference),
         ("enable_torch_compile", args.enable_torch_compile),

@@ -33,7 +33,7 @@ from .moe import (
     shared_expert_name,
     unstack_experts,
 )
-from .recurrent import RecurrentStates
+from .recurrent_states import RecurrentStates
 from .rotary import RotaryEmbedding, apply_rotary
 
 ZeroCentredNorm = partial(RMSNorm, weight_offset=1.0)

@@ -4,7 +4,8 @@ Gated DeltaNet, Mamba and short-conv layers, and the gated delta rule (Qwen3.5, 
 
 Prompts run the chunked form (a chunk's updates solved as one triangular system), decode steps
 the one-step recurrence over a batch. Both compute in float32 and agree with HF transformers'
-torch references (`tests/test_recurrent_ops.py`).
+torch references (`tests/test_recurrent_ops.py`). The requests' states they run from and into
+are kept by `recurrent_states`.
 
 The gated delta rule, per value head, with the state S of shape [key dim, value dim]:
     S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
@@ -19,13 +20,8 @@ with the running sums per channel."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
-
-from ..attention import AttentionInputs
-from ..messages import StateTensor
 
 CHUNK = 64  # tokens a chunk of the gated delta rule solves at once
 L2_EPS = 1e-6
@@ -162,159 +158,6 @@ def gated_delta_rule_step(
     return (states * q.unsqueeze(-1)).sum(-2).to(v.dtype)
 
 
-# ---- the state of running requests ---------------------------------------------------
-class RecurrentStates:
-    """Each recurrent layer's states for every running request, by the request's row (its row of
-    `req_to_token`), allocated at the first step for every row and kept by (kind, layer). A
-    step's segment that starts at position 0 starts from a zero state; one that continues a
-    request (a later prompt chunk, a decode token) starts from the state its previous step left
-    in the row. A cached prefix is resumed from a snapshot: `snapshot_slots` slots after the
-    rows hold states copied there (`copy`) at the ends of cached prefixes
-    (`scheduler/snapshots.py`)."""
-
-    def __init__(self) -> None:
-        self.held: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer) -> [slots, ...]
-        self.rows = 0  # the requests' rows (--max-running-requests)
-        self.snapshot_slots = 0
-        self.ssm_dtype = torch.float32  # how recurrent states are stored (--mamba-ssm-dtype)
-
-    def _tensor(self, key: tuple[str, int], shape, dtype, device) -> torch.Tensor:
-        """Layer and kind `key`'s states, a slot for each row and snapshot, made on first use."""
-        states = self.held.get(key)
-        if states is None:
-            slots = self.rows + self.snapshot_slots
-            states = torch.zeros((slots, *shape), dtype=dtype, device=device)
-            self.held[key] = states
-        return states
-
-    def row_bytes(self, row: int) -> tuple[list[StateTensor], torch.Tensor]:
-        """Every layer's state in `row` as raw bytes in one buffer (what a prefill server sends
-        a decode server), and what each part of it is."""
-        keys = sorted(self.held)
-        layout = [
-            StateTensor(
-                kind, layer, tuple(self.held[kind, layer].shape[1:]), _name(self.held[kind, layer])
-            )
-            for kind, layer in keys
-        ]
-        parts = [_raw(self.held[key][row]) for key in keys]
-        return layout, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-    def put_row(self, row: int, layout: list[StateTensor], data: torch.Tensor, device) -> None:
-        """Fill `row` from another server's `row_bytes`; ValueError when its states are not
-        this model's (another model, --mamba-ssm-dtype or dtype)."""
-        offset = 0
-        for part in layout:
-            dtype = getattr(torch, part.dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"a state of dtype {part.dtype!r}")
-            states = self._tensor((part.kind, part.layer), part.shape, dtype, device)
-            if tuple(states.shape[1:]) != tuple(part.shape) or states.dtype != dtype:
-                raise ValueError(
-                    f"the {part.kind} state of layer {part.layer} is {tuple(part.shape)} "
-                    f"{part.dtype} there, {tuple(states.shape[1:])} {_name(states)} here"
-                )
-            target = _raw(states[row])
-            target.copy_(data[offset : offset + target.numel()])
-            offset += target.numel()
-        if offset != data.numel() or len(layout) != len(self.held):
-            raise ValueError(
-                f"the states sent take {data.numel()} bytes in {len(layout)} tensors, this "
-                f"model's {offset} bytes in {len(self.held)}"
-            )
-
-    def copy(self, src: int, dst: int) -> None:
-        """Every layer's state in slot `src` into slot `dst`."""
-        for states in self.held.values():
-            states[dst] = states[src]
-
-    def resume(
-        self,
-        kind: str,
-        layer: int,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        inputs: AttentionInputs,
-        step,
-        whole,
-        *tensors: torch.Tensor,
-        in_place=None,
-    ) -> torch.Tensor:
-        """Run a recurrent op (`each_request`) over the step's segments, from and into this
-        layer's states of that kind, each of `shape`; `in_place(states, rows, *tensors)`: a
-        decode step on float32 states by row (the CPU kernels), where there is one."""
-        states = self._tensor((kind, layer), shape, dtype, tensors[0].device)
-        if in_place is not None and states.dtype == torch.float32 and is_decode_step(inputs):
-            return in_place(states, inputs.rows, *tensors)
-        return each_request(states, inputs, step, whole, *tensors)
-
-    def convolve(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        inputs: AttentionInputs,
-    ) -> torch.Tensor:
-        """`x` [tokens, channels], the step's segments one after another; returns the causal
-        convolution of each segment, continued from its request's state, and keeps the state
-        each segment leaves."""
-        return self.resume(
-            "conv",
-            layer,
-            (x.shape[1], weight.shape[1] - 1),
-            x.dtype,
-            inputs,
-            lambda x, s: causal_conv1d_step(x, weight, bias, s),
-            lambda x, s: causal_conv1d(x, weight, bias, s),
-            x,
-        )
-
-    def delta_rule(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        inputs: AttentionInputs,
-        kernels=None,
-    ) -> torch.Tensor:
-        """The gated delta rule over the step's segments (`q`, `k` [tokens, key heads, key
-        dim], `v` [tokens, value heads, value dim], `g`, `beta` [tokens, value heads]; `g`
-        [tokens, value heads, key dim] decays each key channel on its own), each continued
-        from its request's state, which it then keeps (stored as `ssm_dtype`, computed in
-        float32). The CPU kernel steps decode where the decay is per head."""
-        shape = (v.shape[1], k.shape[2], v.shape[2])
-        return self.resume(
-            "delta",
-            layer,
-            shape,
-            self.ssm_dtype,
-            inputs,
-            gated_delta_rule_step,
-            gated_delta_rule,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            in_place=None
-            if kernels is None or g.dim() == 3
-            else partial(delta_step_in_place, kernels),
-        )
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a flat uint8 view."""
-    return t.view(torch.uint8).view(-1)
-
-
-def _name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def delta_step_in_place(kernels, states, rows, q, k, v, g, beta) -> torch.Tensor:
     """`gated_delta_rule_step` through the CPU kernel, on `states[rows]` in place."""
     q, k, v32, g, beta = _prepare(q, k, v, g, beta, v.shape[-2])
@@ -322,32 +165,3 @@ def delta_step_in_place(kernels, states, rows, q, k, v, g, beta) -> torch.Tensor
         states, rows, q.contiguous(), k.contiguous(), v32.contiguous(), g.exp(), beta.contiguous()
     )
     return out.to(v.dtype)
-
-
-def is_decode_step(inputs: AttentionInputs) -> bool:
-    """One new token for every request, each continuing its state."""
-    return inputs.max_extend_len == 1 and bool((inputs.prefix_lens > 0).all())
-
-
-def each_request(states: torch.Tensor, inputs: AttentionInputs, step, whole, *tensors):
-    """Run a recurrent op over a step's segments (`tensors`, tokens first, one segment per
-    request), each from its request's state in `states` (by row; zeros where the segment starts
-    at position 0), keeping the state it leaves. A decode step (one continued token each) runs
-    `step(*tensors, states)` on all rows at once; otherwise each segment runs
-    `whole(*segment, state) -> (output, state)`."""
-    prefixes = inputs.prefix_lens
-    if is_decode_step(inputs):
-        picked = states[inputs.rows]
-        picked = picked.float() if picked.dtype in (torch.bfloat16, torch.float16) else picked
-        out = step(*tensors, picked)
-        states[inputs.rows] = picked.to(states.dtype)
-        return out
-    outputs, start = [], 0
-    for row, length, prefix in zip(
-        inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist()
-    ):
-        segment = [t[start : start + length] for t in tensors]
-        out, states[row] = whole(*segment, states[row] if prefix > 0 else None)
-        outputs.append(out)
-        start += length
-    return torch.cat(outputs)

@@ -129,6 +129,11 @@ def resolve_draft_model(spec: str, target: ModelSource) -> ModelSource:
             "tokens, "
             f"the served model's {target.config.vocab_size}; a draft model needs the same tokenizer"
         )
+    if draft.config.keeps_state:
+        raise ValueError(
+            f"--speculative-draft-model {spec}: a draft model with recurrent layers is not "
+            "supported yet (draft with an attention-only model, or --speculative-algorithm ngram)"
+        )
     return draft
 
 

@@ -35,6 +35,7 @@ class KVManager:
         self.tiers = Tiers(args, executor, self) if args.enable_hierarchical_cache else None
         write_back = self.tiers is not None and args.hicache_write_policy == "write_back"
         states = info.state_pool
+        self.keeps_state = states is not None
         self.snapshots = (
             StateSnapshots(info.max_running_requests, states.snapshots, states.interval)
             if states is not None and states.snapshots
@@ -150,6 +151,12 @@ class KVManager:
         """Give back the request's own slots past its first `keep` (draft slots not used)."""
         self.free_slots(req.kv_slots[keep:])
         del req.kv_slots[keep:]
+
+    def keep_verified(self, req: Req, fed: int, keep: int) -> None:
+        """After a verify step whose segment started at position `fed - 1`, a hybrid model's
+        request keeps its state at `keep` tokens, as it keeps its KV."""
+        if self.keeps_state:
+            self.executor.keep_state(req.row, keep - fed + 1)
 
     def cache_prefix(self, req: Req, ending: bool = False) -> None:
         """Put the request's computed, page-aligned KV into the tree and lock it there. A

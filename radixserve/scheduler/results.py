@@ -119,6 +119,7 @@ class ResultProcessor:
                 break
         keep = len(req.fill_ids) - 1  # the newest token's KV is computed next step
         self.kv.free_tail(req, keep)
+        self.kv.keep_verified(req, fed, keep)
         req.synced = min(req.synced, keep)
         req.spec.draft_len = min(req.spec.draft_len, fed + len(accepted), keep)
         req.spec.record(proposed, len(accepted), len(req.output_ids))

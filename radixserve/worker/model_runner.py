@@ -13,7 +13,6 @@ from ..attention import AttentionInputs
 from ..config import EngineArgs
 from ..distributed import TPGroup
 from ..lora import AdapterConfig, lora_spec
-from ..mem.huge_pages import release_pages
 from ..mem.kv_pool import kv_storage_dtype
 from ..memory_plan import context_problem
 from ..messages import ForwardBatch, ForwardMode, ForwardResult
@@ -23,7 +22,7 @@ from ..models.source import ModelSource, resolve_model
 from ..worker_info import WorkerInfo
 from .build import kv_num_pages, prepare_forward, state_pool
 from .device import default_device, resolve_dtype
-from .outputs import drafts_of, output_logprobs, pooled, prompt_logprobs
+from .outputs import drafted_rows, drafts_of, output_logprobs, pooled, prompt_logprobs
 from .sampler import sample, verify
 from .step_inputs import StepInputs, receive_step, send_step
 from .vision import VisionEncoder
@@ -191,6 +190,11 @@ class ModelRunner:
         if self.tp.size > 1:
             self.state_copies.append((src, dst))
 
+    def keep_state(self, row: int, tokens: int) -> None:
+        """A hybrid model's request in `row` keeps its state after the first `tokens` tokens
+        of the segment its last step verified (its newest token and the drafts accepted)."""
+        self.model.states.keep_verified(row, tokens)
+
     def vision_figures(self) -> dict:
         return self.vision.figures() if self.vision is not None else {}
 
@@ -208,10 +212,7 @@ class ModelRunner:
         zeros) and/or the `weights` (the model is dropped; `resume_memory` loads it again from
         its checkpoint). No step may run until `resume_memory`."""
         if "kv_cache" in tags:
-            if self.device.type != "cpu":
-                raise ValueError("releasing the KV cache is implemented on CPU only")
-            for tensor in self.pool.k + self.pool.v:
-                release_pages(tensor)
+            self.pool.release_pages()
         if "weights" in tags:
             if self.tp.size > 1:
                 raise ValueError("releasing weights with --tp-size > 1 is not supported")
@@ -236,6 +237,8 @@ class ModelRunner:
             self.backend.map_window(*(torch.tensor(s, dtype=torch.long) for s in fb.window_map))
         if self.lora is not None:
             self.lora.prepare_step(fb.lora_names or [None] * fb.batch_size, fb.extend_lens)
+        if self.config.keeps_state:
+            self.model.states.start_step(drafted_rows(fb))
         if self.tp.size > 1:
             send_step(self.tp, inputs, self.state_copies)
         logits, hidden = self.run_model(inputs)

@@ -21,6 +21,11 @@ def drafts_of(fb: ForwardBatch) -> list[list[int]]:
     return drafts
 
 
+def drafted_rows(fb: ForwardBatch) -> frozenset[int]:
+    """The rows whose segment in this step ends with drafts to verify."""
+    return frozenset(row for row, k in zip(fb.rows, fb.draft_lens or ()) if k)
+
+
 def output_logprobs(
     logits, next_ids: list[int], accepted: list[list[int]] | None, rows, fb: ForwardBatch
 ) -> list[TokenLogprobs | None]:
