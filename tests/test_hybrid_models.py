@@ -490,7 +490,7 @@ def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(
 @pytest.mark.parametrize(
     "option,flag",
     [
-        (dict(enable_hierarchical_cache=True), "enable_hierarchical_cache"),
+        (dict(enable_deterministic_inference=True), "enable_deterministic_inference"),
         (dict(enable_torch_compile=True), "enable_torch_compile"),
     ],
 )
@@ -632,6 +632,54 @@ def hf_greedy_without(model, ids: list[int], n: int, banned: int) -> list[int]:
             logits[banned] = float("-inf")
             out.append(int(logits.argmax()))
     return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrids_snapshots_go_to_the_host_and_file_tiers_and_survive_a_restart(tmp_path, family):
+    """--enable-hierarchical-cache with a file tier: snapshots at block ends (the interval
+    rounded up to the tiers' 64-token blocks) follow their KV into the host tier and the files.
+    With the device cache flushed a prompt resumes from the host tier's state at 128; a new
+    engine over the same files resumes from the disk's; HF's tokens, and on the next turn."""
+    model, path = build_checkpoint(tmp_path, family)
+    prompt = list(
+        range(100, 230)
+    )  # 130 tokens: states kept at 64 and 128, resumed close to the end
+    want = hf_greedy(model, prompt)
+    tiers = dict(
+        model=str(path),
+        dtype="float32",
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        mamba_track_interval=24,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "store"),
+    )
+    with Engine(**tiers) as eng:
+        first = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert eng.flush_cache()
+        again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        eng.check_memory()
+        eng.scheduler.kv.hicache.storage.flush()
+    assert first["output_ids"] == again["output_ids"] == want
+    assert again["meta_info"]["cached_tokens"] == 128
+    with Engine(**tiers) as eng:
+        restarted = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        turn = prompt + want + [11, 12, 13]
+        second = eng.generate(input_ids=turn, sampling_params=GREEDY)
+        hits = eng.scheduler.snapshot().hicache
+        eng.check_memory()
+    assert restarted["output_ids"] == want
+    assert restarted["meta_info"]["cached_tokens"] == 128
+    assert hits["storage_hit_tokens"] >= 128
+    assert second["output_ids"] == hf_greedy(model, turn)
+    assert second["meta_info"]["cached_tokens"] == len(prompt) + NEW_TOKENS - 1
+
+
+def test_hierarchical_cache_with_a_model_that_keeps_no_kv_is_refused(tmp_path):
+    _, path = build_checkpoint(tmp_path, "mamba2")
+    with pytest.raises(ValueError, match="enable_hierarchical_cache with .* keeps no KV"):
+        Engine(model=str(path), dtype="float32", enable_hierarchical_cache=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])

@@ -34,7 +34,7 @@ def start_transfers(args, runner, ctx):
     if side is None:
         return None
     info = runner.info.state_pool
-    states = None if info is None else RowStates(runner.model.states, info.state_bytes)
+    states = None if info is None else RowStates(runner.states, info.state_bytes)
     try:
         return side(args, runner.pool, ctx, states)
     except zmq.ZMQError as exc:

@@ -18,7 +18,9 @@ block carries its token ids and a checksum: a corrupt, truncated or foreign file
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,11 +29,13 @@ from typing import Callable
 import torch
 
 from ..kv_events import chain_hashes, salted_parent
+from ..messages import StateTensor
 from .hicache_storage import FileStore, TierStats
 from .kv_pool import KVPool, _zeros
 
 log = logging.getLogger(__name__)
 BLOCK_TOKENS = 64
+STATE_KEY = 0x5EED57A7E0000001  # xor'ed into a block's hash: the name of the state at its end
 
 
 def block_size(page_size: int) -> int:
@@ -99,6 +103,51 @@ class HostStore:
 
 
 @dataclass
+class TierState:
+    """A hybrid model's per-request state at a block's end, as the tiers keep it: what each
+    part is (`models.recurrent_states.RecurrentStates.row_bytes`) and the bytes."""
+
+    layout: list[StateTensor]
+    data: torch.Tensor  # uint8
+
+    def payload(self) -> bytes:
+        """A length-prefixed JSON layout, then the bytes (a storage file's payload)."""
+        parts = [[p.kind, p.layer, list(p.shape), p.dtype] for p in self.layout]
+        head = json.dumps(parts).encode()
+        return struct.pack("<I", len(head)) + head + self.data.numpy().tobytes()
+
+    @classmethod
+    def parse(cls, payload: bytes) -> TierState:
+        (size,) = struct.unpack_from("<I", payload)
+        parts = json.loads(payload[4 : 4 + size])
+        layout = [
+            StateTensor(kind, layer, tuple(shape), dtype) for kind, layer, shape, dtype in parts
+        ]
+        return cls(layout, torch.frombuffer(bytearray(payload[4 + size :]), dtype=torch.uint8))
+
+
+class HostStates:
+    """L2 for a hybrid model's states: up to `capacity` of them by the hash of the block they
+    end, least recently used out first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.index: OrderedDict[int, TierState] = OrderedDict()
+
+    def get(self, h: int) -> TierState | None:
+        state = self.index.get(h)
+        if state is not None:
+            self.index.move_to_end(h)
+        return state
+
+    def put(self, h: int, state: TierState) -> None:
+        self.index[h] = state
+        self.index.move_to_end(h)
+        while len(self.index) > self.capacity:
+            self.index.popitem(last=False)
+
+
+@dataclass
 class HiCache:
     """Moves KV between the device pool and the tiers below it; the scheduler decides when."""
 
@@ -109,6 +158,7 @@ class HiCache:
     storage: FileStore | None = None
     load_timeout_s: float = 5.0
     stats: TierStats = field(default_factory=TierStats)
+    states: HostStates | None = None  # a hybrid model's
 
     @classmethod
     def create(
@@ -119,6 +169,7 @@ class HiCache:
         fingerprint_hex: str,
         storage_dir: str | None,
         load_timeout_s: float = 5.0,
+        host_states: int = 0,
     ) -> "HiCache":
         block = block_size(page_size)
         stats = TierStats()
@@ -131,6 +182,7 @@ class HiCache:
             storage,
             load_timeout_s,
             stats,
+            HostStates(host_states) if host_states else None,
         )
 
     @property
@@ -259,6 +311,28 @@ class HiCache:
         rows = self.host.rows(number)
         for tensor, part in zip(tensors, data.split(sizes)):
             tensor.index_copy_(0, rows, part.view(self.block, *tensor.shape[1:]))
+
+    def backup_state(self, tokens: list[int], state: TierState, salt: str | None = None) -> None:
+        """Keep a hybrid model's state at the end of `tokens` (whole blocks) in L2 and L3."""
+        h = self.hashes(tokens, salt)[-1]
+        if h in self.states.index:
+            self.states.index.move_to_end(h)
+            return
+        self.states.put(h, state)
+        if self.storage is not None and not self.storage.contains(h ^ STATE_KEY):
+            self.storage.put(h ^ STATE_KEY, tokens[-self.block :], state.payload())
+
+    def find_state(self, h: int, tokens: list[int]) -> TierState | None:
+        """The state at the end of the block hashed `h` (its `tokens`), from L2 or else L3."""
+        state = self.states.get(h)
+        if state is not None or self.storage is None:
+            return state
+        payload = self.storage.read(h ^ STATE_KEY, tokens, None)
+        if payload is None:
+            return None
+        state = TierState.parse(payload)
+        self.states.put(h, state)
+        return state
 
     def hashes(self, tokens: list[int], salt: str | None = None) -> list[int]:
         """The chained block hashes the tiers key `tokens` by (a salt heads the chain)."""

@@ -106,8 +106,9 @@ class FileStore:
         self.stats.storage_written_blocks += 1
         return True
 
-    def read(self, h: int, tokens: list[int], payload_bytes: int) -> bytes | None:
-        """The block's payload, or None when it is missing or fails a check (then it is deleted)."""
+    def read(self, h: int, tokens: list[int], payload_bytes: int | None) -> bytes | None:
+        """The block's payload, or None when it is missing or fails a check (then it is deleted).
+        `payload_bytes`: its size (None: any, as its header says)."""
         path = self.path(h)
         try:
             data = path.read_bytes()
@@ -121,13 +122,17 @@ class FileStore:
         path.unlink(missing_ok=True)
         return None
 
-    def _problem(self, data: bytes, h: int, tokens: list[int], payload_bytes: int) -> str | None:
+    def _problem(
+        self, data: bytes, h: int, tokens: list[int], payload_bytes: int | None
+    ) -> str | None:
         if len(data) < HEADER.size:
             return "truncated header"
         magic, fp, stored_hash, n, size, checksum = HEADER.unpack_from(data)
         if magic != MAGIC or fp != self.fingerprint or stored_hash != h:
             return "not this model's block"
-        if n != len(tokens) or size != payload_bytes or len(data) != HEADER.size + 4 * n + size:
+        if payload_bytes is not None and size != payload_bytes:
+            return "wrong size"
+        if n != len(tokens) or len(data) != HEADER.size + 4 * n + size:
             return "truncated or wrong size"
         ids = data[HEADER.size : HEADER.size + 4 * n]
         if ids != struct.pack(f"<{n}I", *tokens):

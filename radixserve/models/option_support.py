@@ -79,10 +79,11 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
     if not cfg.keeps_state:
         return
     spec = args.speculative_algorithm is not None
+    tiers = args.enable_hierarchical_cache
     for name, on in (
         ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
         ("speculative_algorithm at tp_size > 1", spec and args.tp_size > 1),
-        ("enable_hierarchical_cache", args.enable_hierarchical_cache),
+        ("enable_hierarchical_cache at tp_size > 1", tiers and args.tp_size > 1),
         ("enable_deterministic_inference", args.enable_deterministic_inference),
         ("enable_torch_compile", args.enable_torch_compile),
     ):
@@ -93,3 +94,5 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
             f"mamba_full_memory_ratio with {cfg.architecture}, which keeps no KV to size its "
             "states against; use max_mamba_cache_size"
         )
+    if cfg.num_kv_layers == 0 and tiers:
+        yield f"enable_hierarchical_cache with {cfg.architecture}, which keeps no KV"

@@ -3,7 +3,7 @@ suite's fake one), so the scheduler runs and is tested without a model."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..lora import AdapterConfig
 from ..mem.kv_pool import KVPool
@@ -17,12 +17,13 @@ class Executor(Protocol):
 
     info: WorkerInfo
     pool: KVPool
+    # a hybrid model's per-request states (`models.recurrent_states.RecurrentStates`), which
+    # the scheduler reads and writes by row or slot (PD, the tiers, speculation); None else
+    states: Any
 
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
     def copy_state(self, src: int, dst: int) -> None: ...
-
-    def keep_state(self, row: int, tokens: int) -> None: ...
 
     def vision_figures(self) -> dict: ...
 

@@ -15,6 +15,7 @@ from ..mem.hicache import HiCache
 from ..mem.radix_cache import RadixCache, TreeNode
 from ..mem.radix_node import top_prefixes, walk
 from ..messages import SchedulerStats
+from ..worker_info import WorkerInfo
 from .executor import Executor
 from .req import Req
 from .snapshots import StateSnapshots, at_snapshot
@@ -34,13 +35,8 @@ class KVManager:
         self.rows = ReqToTokenRows(info.max_running_requests)
         self.tiers = Tiers(args, executor, self) if args.enable_hierarchical_cache else None
         write_back = self.tiers is not None and args.hicache_write_policy == "write_back"
-        states = info.state_pool
-        self.keeps_state = states is not None
-        self.snapshots = (
-            StateSnapshots(info.max_running_requests, states.snapshots, states.interval)
-            if states is not None and states.snapshots
-            else None
-        )
+        self.keeps_state = info.state_pool is not None
+        self.snapshots = state_snapshots(info, self.tiers)
         self.windows = (
             WindowMemory(self.allocator.num_slots + info.page_size, info.window_kv)
             if info.window_kv is not None
@@ -71,6 +67,8 @@ class KVManager:
             slots, node = self.cache.match_prefix(prefix[:edge], req.cache_salt)
         matched = len(slots)
         if self.snapshots is not None:  # (the tree keeps the window before each snapshot)
+            if self.tiers is not None:
+                self.tiers.resume_state(prefix, slots, node, req.cache_salt, self.snapshots)
             slots, node = at_snapshot(slots, node)
         if self.windows is not None:
             slots, node = self.windows.cut(req, prefix, slots, node, self.cache)
@@ -156,7 +154,7 @@ class KVManager:
         """After a verify step whose segment started at position `fed - 1`, a hybrid model's
         request keeps its state at `keep` tokens, as it keeps its KV."""
         if self.keeps_state:
-            self.executor.keep_state(req.row, keep - fed + 1)
+            self.executor.states.keep_verified(req.row, keep - fed + 1)
 
     def cache_prefix(self, req: Req, ending: bool = False) -> None:
         """Put the request's computed, page-aligned KV into the tree and lock it there. A
@@ -271,3 +269,15 @@ class KVManager:
             self.windows.kv.check()
         if self.hicache is not None:
             self.hicache.host.check()
+
+
+def state_snapshots(info: WorkerInfo, tiers: Tiers | None) -> StateSnapshots | None:
+    """A hybrid model's snapshot slots (None: no hybrid, or no slots), their interval a whole
+    number of the tiers' blocks where there are tiers (they keep states at blocks' ends)."""
+    states = info.state_pool
+    if states is None or not states.snapshots:
+        return None
+    interval = states.interval
+    if tiers is not None and interval:
+        interval = -(-interval // tiers.hicache.block) * tiers.hicache.block
+    return StateSnapshots(info.max_running_requests, states.snapshots, interval)

@@ -1,6 +1,7 @@
 """The host and storage tiers under the device radix tree (`mem/hicache`) as the scheduler
 uses them: a match extended from the tiers, prefixes backed up by the write policy, the tiers
-named for the served weights."""
+named for the served weights. A hybrid model's state snapshots at block ends go with their
+KV, and a match resumes from one the tiers hold past the device's deepest snapshot."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Protocol
 
 from ..config import EngineArgs
 from ..mem.allocator import SlotAllocator
-from ..mem.hicache import HiCache, block_size, fingerprint
+from ..mem.hicache import HiCache, TierState, block_size, fingerprint
 from ..mem.radix_cache import RadixCache, TreeNode
 from ..mem.radix_node import path_of, salt_of
 from .executor import Executor
+from .snapshots import StateSnapshots, at_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,50 @@ class Tiers:
             return None
         return allocator.alloc_extend(0, None, n)
 
+    def resume_state(
+        self,
+        prefix: list[int],
+        slots: list[int],
+        node: TreeNode,
+        salt: str | None,
+        snapshots: StateSnapshots,
+    ) -> None:
+        """A hybrid model's match: where the tiers hold a state at a block's end past the
+        deepest snapshot on the matched path, the deepest such state takes a snapshot slot at
+        that point of the path (the match then resumes there)."""
+        block, held = self.hicache.block, len(at_snapshot(slots, node)[0])
+        ends = len(slots) - len(slots) % block
+        if ends <= held:
+            return
+        hashes = self.hicache.hashes(prefix[:ends], salt)
+        for end in range(ends, held, -block):
+            state = self.hicache.find_state(hashes[end // block - 1], prefix[end - block : end])
+            if state is None:
+                continue
+            _, at = self.kv.cache.match_prefix(prefix[:end], salt)
+            slot = snapshots.take(at, evict=True)
+            if slot is None:
+                return
+            device = self.executor.pool.device
+            try:
+                self.executor.states.put_row(slot, state.layout, state.data, device)
+            except ValueError as exc:  # another model's states under this one's name
+                log.warning("hicache: a state in the tiers does not fit this model: %s", exc)
+                snapshots.drop(slot)
+                at.snapshot = None
+            return
+
+    def back_up_state(self, tokens: list[int], node: TreeNode, salt: str | None) -> None:
+        """A hybrid model's snapshot at `node`, the end of `tokens`, follows its KV into the
+        tiers where that is a block's end."""
+        if node.snapshot is not None and tokens and len(tokens) % self.hicache.block == 0:
+            layout, data = self.executor.states.row_bytes(node.snapshot)
+            self.hicache.backup_state(tokens, TierState(layout, data), salt)
+
     def back_up_leaf(self, leaf: TreeNode) -> None:
         tokens, slots = path_of(leaf)
         self.hicache.backup(tokens, slots, salt_of(leaf))
+        self.back_up_state(tokens, leaf, salt_of(leaf))
 
     def back_up_prefix(
         self, tokens: list[int], slots: list[int], node: TreeNode, salt: str | None
@@ -75,6 +118,7 @@ class Tiers:
             policy == "write_through_selective" and node.hit_count >= 2
         ):
             self.hicache.backup(tokens, slots, salt)
+            self.back_up_state(tokens, node, salt)
 
     def renew(self, model_path: str) -> None:
         """New weights: the tiers start afresh, their blocks named for the new weights (a
@@ -103,9 +147,13 @@ def make_hicache(args: EngineArgs, executor: Executor, weight_updates: int = 0) 
         tuple(tuple(k.shape[1:]) for k in pool.k),
         args.tp_size,
         *([weight_updates] if weight_updates else []),
+        *([args.mamba_ssm_dtype] if info.state_pool else []),
     )
     storage = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
-    hicache = HiCache.create(pool, info.page_size, host_tokens, identity, storage)
+    states = max(int(args.hicache_ratio * info.state_pool.snapshots), 1) if info.state_pool else 0
+    hicache = HiCache.create(
+        pool, info.page_size, host_tokens, identity, storage, host_states=states
+    )
     log.info(
         "hierarchical cache: host tier %d tokens (%.1f MB), %s%s",
         hicache.capacity_tokens(),

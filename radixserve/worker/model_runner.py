@@ -22,8 +22,7 @@ from ..models.source import ModelSource, resolve_model
 from ..worker_info import WorkerInfo
 from .build import kv_num_pages, prepare_forward, state_pool
 from .device import default_device, resolve_dtype
-from .outputs import drafted_rows, drafts_of, output_logprobs, pooled, prompt_logprobs
-from .sampler import sample, verify
+from .outputs import drafted_rows, next_tokens, output_logprobs, pooled, prompt_logprobs
 from .step_inputs import StepInputs, receive_step, send_step
 from .vision import VisionEncoder
 from .window_pools import make_pools, pool_bytes, window_info, window_layers
@@ -190,10 +189,10 @@ class ModelRunner:
         if self.tp.size > 1:
             self.state_copies.append((src, dst))
 
-    def keep_state(self, row: int, tokens: int) -> None:
-        """A hybrid model's request in `row` keeps its state after the first `tokens` tokens
-        of the segment its last step verified (its newest token and the drafts accepted)."""
-        self.model.states.keep_verified(row, tokens)
+    @property
+    def states(self):
+        """A hybrid model's per-request states (rank 0's), else None."""
+        return self.model.states if self.config.keeps_state else None
 
     def vision_figures(self) -> dict:
         return self.vision.figures() if self.vision is not None else {}
@@ -242,13 +241,7 @@ class ModelRunner:
         if self.tp.size > 1:
             send_step(self.tp, inputs, self.state_copies)
         logits, hidden = self.run_model(inputs)
-        accepted = None
-        if fb.pooling is not None and None not in fb.pooling:  # nothing to sample
-            next_ids, rows = [0] * fb.batch_size, range(fb.batch_size)
-        elif fb.draft_lens is None:
-            next_ids, rows = sample(logits, fb.sampling).tolist(), range(fb.batch_size)
-        else:
-            next_ids, accepted, rows = verify(logits, fb.sampling, drafts_of(fb))
+        next_ids, accepted, rows = next_tokens(logits, fb)
         prompt_lps = (
             [None] * fb.batch_size
             if hidden is None

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ..messages import ForwardBatch, TokenLogprobs
+from .sampler import sample, verify
 
 Logits = Callable[[torch.Tensor], torch.Tensor]  # hidden states -> logits (the model's head)
 
@@ -19,6 +20,16 @@ def drafts_of(fb: ForwardBatch) -> list[list[int]]:
         end += n
         drafts.append(fb.input_ids[end - k : end])
     return drafts
+
+
+def next_tokens(logits: torch.Tensor, fb: ForwardBatch):
+    """Each request's next token, sampled or verified against its drafts: (the tokens, the
+    drafts accepted per request or None without drafts, each token's logits row)."""
+    if fb.pooling is not None and None not in fb.pooling:  # nothing to sample
+        return [0] * fb.batch_size, None, range(fb.batch_size)
+    if fb.draft_lens is None:
+        return sample(logits, fb.sampling).tolist(), None, range(fb.batch_size)
+    return verify(logits, fb.sampling, drafts_of(fb))
 
 
 def drafted_rows(fb: ForwardBatch) -> frozenset[int]:
