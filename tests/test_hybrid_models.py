@@ -281,6 +281,18 @@ class FlatStepCost(StepCost):
         return 0.03
 
 
+def hybrid_engine(path, **options) -> Engine:
+    """The checkpoint at `path` in float32, prompts in 32-token chunks, snapshots every 24."""
+    return Engine(
+        model=str(path),
+        max_total_tokens=1024,
+        chunked_prefill_size=32,
+        dtype="float32",
+        mamba_track_interval=24,
+        **options,
+    )
+
+
 def build_checkpoint(path, family: str):
     return families.build_checkpoint(path, family, FAMILIES, COMMON)
 
@@ -293,13 +305,7 @@ def hf_greedy(model, ids):
 def test_hybrid_family_matches_hf(tmp_path, family):
     model, path = build_checkpoint(tmp_path, family)
     want = [hf_greedy(model, ids) for ids in PROMPTS]
-    with Engine(
-        model=str(path),
-        max_total_tokens=1024,
-        chunked_prefill_size=32,
-        dtype="float32",
-        mamba_track_interval=24,
-    ) as eng:
+    with hybrid_engine(path) as eng:
         fresh = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [r["output_ids"] for r in fresh] == want
         assert all(r["meta_info"]["cached_tokens"] == 0 for r in fresh)
@@ -334,13 +340,7 @@ def test_a_hybrids_window_layers_free_kv_and_keep_it_before_each_snapshot(tmp_pa
     model, path = build_checkpoint(tmp_path, "lfm3")
     branch = PROMPTS[1][:60] + list(range(400, 420))
     again = PROMPTS[1][:60] + list(range(300, 310))
-    with Engine(
-        model=str(path),
-        max_total_tokens=1024,
-        chunked_prefill_size=32,
-        dtype="float32",
-        mamba_track_interval=24,
-    ) as eng:
+    with hybrid_engine(path) as eng:
         first = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
         second = eng.generate(input_ids=branch, sampling_params=GREEDY)
         third = eng.generate(input_ids=again, sampling_params=GREEDY)
@@ -591,14 +591,7 @@ def test_ngram_speculation_on_a_hybrid_keeps_the_state_after_the_tokens_kept(tmp
     accepted up to it and rejected there. Every answer is HF's."""
     model, path = build_checkpoint(tmp_path, family)
     prompt = list(range(100, 140))
-    with Engine(
-        model=str(path),
-        max_total_tokens=1024,
-        chunked_prefill_size=32,
-        dtype="float32",
-        mamba_track_interval=24,
-        speculative_algorithm="ngram",
-    ) as eng:
+    with hybrid_engine(path, speculative_algorithm="ngram") as eng:
         eng.scheduler.decode.step_cost = FlatStepCost()  # drafts always worth their rows
 
         def answer(ids, **params):
@@ -646,16 +639,11 @@ def test_a_hybrids_snapshots_go_to_the_host_and_file_tiers_and_survive_a_restart
     )  # 130 tokens: states kept at 64 and 128, resumed close to the end
     want = hf_greedy(model, prompt)
     tiers = dict(
-        model=str(path),
-        dtype="float32",
-        max_total_tokens=1024,
-        chunked_prefill_size=32,
-        mamba_track_interval=24,
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path / "store"),
     )
-    with Engine(**tiers) as eng:
+    with hybrid_engine(path, **tiers) as eng:
         first = eng.generate(input_ids=prompt, sampling_params=GREEDY)
         assert eng.flush_cache()
         again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -663,7 +651,7 @@ def test_a_hybrids_snapshots_go_to_the_host_and_file_tiers_and_survive_a_restart
         eng.scheduler.kv.hicache.storage.flush()
     assert first["output_ids"] == again["output_ids"] == want
     assert again["meta_info"]["cached_tokens"] == 128
-    with Engine(**tiers) as eng:
+    with hybrid_engine(path, **tiers) as eng:
         restarted = eng.generate(input_ids=prompt, sampling_params=GREEDY)
         turn = prompt + want + [11, 12, 13]
         second = eng.generate(input_ids=turn, sampling_params=GREEDY)
@@ -692,14 +680,7 @@ def test_a_hybrids_attention_keeps_fp8_kv_beside_its_states(tmp_path, family):
     want = hf_greedy(model, PROMPTS[1])
     got = {}
     for kv in ("auto", "fp8_e4m3"):
-        with Engine(
-            model=str(path),
-            max_total_tokens=1024,
-            chunked_prefill_size=32,
-            dtype="float32",
-            mamba_track_interval=24,
-            kv_cache_dtype=kv,
-        ) as eng:
+        with hybrid_engine(path, kv_cache_dtype=kv) as eng:
             runs = [eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY) for _ in range(2)]
             scored = eng.generate(
                 input_ids=PROMPTS[1],
