@@ -269,7 +269,7 @@ def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
     assert got == want
 
 
-@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
     """`--tp-size 2`: rank 0 runs the tower and sends the other rank each step's image
     features with the step (with Qwen-VL's 3-D positions and DeepStack features, Gemma 4's

@@ -66,6 +66,7 @@ def _vision_problems(cfg: ModelConfig, args: EngineArgs):
 # attention's and Kimi Delta Attention's heads)
 SHARDED_HYBRIDS = frozenset(
     {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "LaraMiniForCausalLM"}
+    | {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
     | {"NemotronHForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM"}
     | {"BambaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM"}
     | {"JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
