@@ -82,15 +82,19 @@ class Mamba1Shape:
     eps: float
 
 
+def dt_rank(rank: int | str, hidden: int) -> int:
+    """The rank of dt's projection: as configured, or "auto", hidden / 16 rounded up."""
+    return -(-hidden // 16) if rank == "auto" else rank
+
+
 def jamba_shape(hf: dict) -> Mamba1Shape:
     hidden = hf["hidden_size"]
-    rank = hf.get("mamba_dt_rank", "auto")
     return Mamba1Shape(
         hidden=hidden,
         inner=hf.get("mamba_expand", 2) * hidden,
         state_size=hf.get("mamba_d_state", 16),
         conv_taps=hf.get("mamba_d_conv", 4),
-        dt_rank=-(-hidden // 16) if rank == "auto" else rank,
+        dt_rank=dt_rank(hf.get("mamba_dt_rank", "auto"), hidden),
         conv_bias=hf.get("mamba_conv_bias", True),
         proj_bias=hf.get("mamba_proj_bias", False),
         norms="weighted",
@@ -101,14 +105,13 @@ def jamba_shape(hf: dict) -> Mamba1Shape:
 def mamba_shape(hf: dict) -> Mamba1Shape:
     """Mamba's and Falcon Mamba's (`mixer_rms_eps`: weightless norms on dt, B and C)."""
     hidden = hf["hidden_size"]
-    rank = hf.get("time_step_rank", "auto")
     falcon = hf.get("model_type") == "falcon_mamba"
     return Mamba1Shape(
         hidden=hidden,
         inner=hf.get("intermediate_size") or hf.get("expand", 2) * hidden,
         state_size=hf.get("state_size", 16),
         conv_taps=hf.get("conv_kernel", 4),
-        dt_rank=-(-hidden // 16) if rank == "auto" else rank,
+        dt_rank=dt_rank(hf.get("time_step_rank", "auto"), hidden),
         conv_bias=hf.get("use_conv_bias", True),
         proj_bias=hf.get("use_bias", False),
         norms="weightless" if falcon else None,
