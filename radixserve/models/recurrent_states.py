@@ -124,10 +124,10 @@ class RecurrentStates:
         states = self._tensor((kind, layer), shape, dtype, tensors[0].device)
         if in_place is not None and states.dtype == torch.float32 and is_decode_step(inputs):
             return in_place(states, inputs.rows, *tensors)
-        if self.verifying:
-            verified = self.after_each.setdefault((kind, layer), {})
-            return each_request(states, inputs, step, whole, *tensors, verified=verified)
-        return each_request(states, inputs, step, whole, *tensors)
+        verified = self.after_each.setdefault((kind, layer), {}) if self.verifying else None
+        return each_request(
+            states, inputs, step, whole, *tensors, verifying=self.verifying, verified=verified
+        )
 
     def convolve(
         self,
@@ -207,15 +207,16 @@ def each_request(
     step,
     whole,
     *tensors,
+    verifying: frozenset[int] = frozenset(),
     verified: dict[int, torch.Tensor] | None = None,
 ):
     """Run a recurrent op over a step's segments (`tensors`, tokens first, one segment per
     request), each from its request's state in `states` (by row; zeros where the segment starts
     at position 0), keeping the state it leaves. A decode step (one continued token each) runs
     `step(*tensors, states)` on all rows at once; otherwise each segment runs
-    `whole(*segment, state) -> (output, state)`. In a step that verifies drafts (`verified`
-    given), a continued segment of more than one token (a token and its drafts) runs `step` a
-    token at a time and leaves its states after each in `verified[row]`."""
+    `whole(*segment, state) -> (output, state)`, but the segment of a row in `verifying` (a
+    token and its drafts) runs `step` a token at a time and leaves its states after each in
+    `verified[row]`."""
     prefixes = inputs.prefix_lens
     if is_decode_step(inputs):
         picked = states[inputs.rows]
@@ -228,7 +229,7 @@ def each_request(
         inputs.rows.tolist(), inputs.extend_lens.tolist(), prefixes.tolist()
     ):
         segment = [t[start : start + length] for t in tensors]
-        if verified is not None and prefix > 0 and length > 1:
+        if row in verifying:
             out, verified[row] = each_token(step, segment, states[row])
             states[row] = verified[row][-1]
         else:
