@@ -18,7 +18,6 @@ block carries its token ids and a checksum: a corrupt, truncated or foreign file
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import struct
 import time
@@ -26,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import torch
 
 from ..kv_events import chain_hashes, salted_parent
@@ -36,6 +36,7 @@ from .kv_pool import KVPool, _zeros
 log = logging.getLogger(__name__)
 BLOCK_TOKENS = 64
 STATE_KEY = 0x5EED57A7E0000001  # xor'ed into a block's hash: the name of the state at its end
+LAYOUT = msgspec.msgpack.Decoder(list[StateTensor])  # a stored state's parts, type-checked
 
 
 def block_size(page_size: int) -> int:
@@ -111,18 +112,14 @@ class TierState:
     data: torch.Tensor  # uint8
 
     def payload(self) -> bytes:
-        """A length-prefixed JSON layout, then the bytes (a storage file's payload)."""
-        parts = [[p.kind, p.layer, list(p.shape), p.dtype] for p in self.layout]
-        head = json.dumps(parts).encode()
+        """The layout as length-prefixed msgpack, then the bytes (a storage file's payload)."""
+        head = msgspec.msgpack.encode(self.layout)
         return struct.pack("<I", len(head)) + head + self.data.numpy().tobytes()
 
     @classmethod
     def parse(cls, payload: bytes) -> TierState:
         (size,) = struct.unpack_from("<I", payload)
-        parts = json.loads(payload[4 : 4 + size])
-        layout = [
-            StateTensor(kind, layer, tuple(shape), dtype) for kind, layer, shape, dtype in parts
-        ]
+        layout = LAYOUT.decode(payload[4 : 4 + size])
         return cls(layout, torch.frombuffer(bytearray(payload[4 + size :]), dtype=torch.uint8))
 
 
@@ -190,11 +187,13 @@ class HiCache:
         tensors = (*self.host.k, *self.host.v)
         return sum(self.block * t[0].numel() * t.element_size() for t in tensors)
 
-    def backup(self, tokens: list[int], slots: list[int], salt: str | None = None) -> None:
+    def backup(self, tokens: list[int], slots: list[int], salt: str | None = None) -> list[int]:
         """Copy the whole blocks of a cached prefix (its device `slots`) that L2 lacks, all in
-        one gather per layer. A `salt` keys its blocks apart from everyone else's."""
+        one gather per layer. A `salt` keys its blocks apart from everyone else's. Returns the
+        blocks' hashes."""
+        hashes = self.hashes(tokens, salt)
         new: list[tuple[int, int, int]] = []  # (block index, hash, host block number)
-        for i, h in enumerate(self.hashes(tokens, salt)):
+        for i, h in enumerate(hashes):
             if h in self.host.index:
                 self.host.index.move_to_end(h)
                 continue
@@ -205,7 +204,7 @@ class HiCache:
                 break
             new.append((i, h, number))
         if not new:
-            return
+            return hashes
         device = torch.tensor(
             [s for i, _, _ in new for s in slots[i * self.block : (i + 1) * self.block]],
             device=self.pool.k[0].device,
@@ -226,6 +225,7 @@ class HiCache:
                     self.storage.put(
                         h, tokens[i * self.block : (i + 1) * self.block], self._payload(number)
                     )
+        return hashes
 
     def load(
         self,
@@ -312,15 +312,16 @@ class HiCache:
         for tensor, part in zip(tensors, data.split(sizes)):
             tensor.index_copy_(0, rows, part.view(self.block, *tensor.shape[1:]))
 
-    def backup_state(self, tokens: list[int], state: TierState, salt: str | None = None) -> None:
-        """Keep a hybrid model's state at the end of `tokens` (whole blocks) in L2 and L3."""
-        h = self.hashes(tokens, salt)[-1]
+    def backup_state(self, h: int, tokens: list[int], read: Callable[[], TierState]) -> None:
+        """Keep a hybrid model's state at the end of the block hashed `h` (its `tokens`) in L2
+        and L3; `read` takes it from the device, only when L2 lacks it."""
         if h in self.states.index:
             self.states.index.move_to_end(h)
             return
+        state = read()
         self.states.put(h, state)
         if self.storage is not None and not self.storage.contains(h ^ STATE_KEY):
-            self.storage.put(h ^ STATE_KEY, tokens[-self.block :], state.payload())
+            self.storage.put(h ^ STATE_KEY, tokens, state.payload())
 
     def find_state(self, h: int, tokens: list[int]) -> TierState | None:
         """The state at the end of the block hashed `h` (its `tokens`), from L2 or else L3."""
@@ -330,7 +331,11 @@ class HiCache:
         payload = self.storage.read(h ^ STATE_KEY, tokens, None)
         if payload is None:
             return None
-        state = TierState.parse(payload)
+        try:
+            state = TierState.parse(payload)
+        except (msgspec.DecodeError, struct.error) as exc:  # a file of another layout
+            log.warning("hicache: a stored state is unreadable (%s); recomputing it", exc)
+            return None
         self.states.put(h, state)
         return state
 

@@ -96,17 +96,20 @@ class Tiers:
                 at.snapshot = None
             return
 
-    def back_up_state(self, tokens: list[int], node: TreeNode, salt: str | None) -> None:
-        """A hybrid model's snapshot at `node`, the end of `tokens`, follows its KV into the
-        tiers where that is a block's end."""
-        if node.snapshot is not None and tokens and len(tokens) % self.hicache.block == 0:
-            layout, data = self.executor.states.row_bytes(node.snapshot)
-            self.hicache.backup_state(tokens, TierState(layout, data), salt)
+    def back_up_state(self, tokens: list[int], hashes: list[int], node: TreeNode) -> None:
+        """A hybrid model's snapshot at `node`, the end of `tokens` (their block `hashes`),
+        follows its KV into the tiers where that is a block's end."""
+        block, slot = self.hicache.block, node.snapshot
+        if slot is not None and tokens and len(tokens) % block == 0:
+            states = self.executor.states
+            self.hicache.backup_state(
+                hashes[-1], tokens[-block:], lambda: TierState(*states.row_bytes(slot))
+            )
 
     def back_up_leaf(self, leaf: TreeNode) -> None:
         tokens, slots = path_of(leaf)
-        self.hicache.backup(tokens, slots, salt_of(leaf))
-        self.back_up_state(tokens, leaf, salt_of(leaf))
+        hashes = self.hicache.backup(tokens, slots, salt_of(leaf))
+        self.back_up_state(tokens, hashes, leaf)
 
     def back_up_prefix(
         self, tokens: list[int], slots: list[int], node: TreeNode, salt: str | None
@@ -117,8 +120,8 @@ class Tiers:
         if policy == "write_through" or (
             policy == "write_through_selective" and node.hit_count >= 2
         ):
-            self.hicache.backup(tokens, slots, salt)
-            self.back_up_state(tokens, node, salt)
+            hashes = self.hicache.backup(tokens, slots, salt)
+            self.back_up_state(tokens, hashes, node)
 
     def renew(self, model_path: str) -> None:
         """New weights: the tiers start afresh, their blocks named for the new weights (a
