@@ -37,6 +37,8 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
         "gemma4",
         "pixtral",
         "pixtral_mistral4",
+        "glm4v",
+        "glm4v_moe",
     ],
 )
 def served(request, tmp_path_factory, model_dir):
@@ -142,7 +144,7 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
 
 def test_a_video_to_a_family_without_videos_is_a_400_naming_the_part(served):
     model, _, server = served
-    if model.config.model_type not in ("gemma3", "mistral3"):
+    if model.config.model_type not in ("gemma3", "mistral3", "glm4v", "glm4v_moe"):
         pytest.skip("Qwen-VL and Gemma 4 take videos (tests/test_video_inputs.py)")
     content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
@@ -177,7 +179,7 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
     assert "radixserve:image_tokens_cached_total" in metrics
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral", "glm4v"])
 def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, model_dir, family):
     """The api process decodes, resizes, normalizes and cuts patches in numpy and Pillow (no
     torch there): the same float32 pixels as HF's PIL image processor class, for odd sizes and
@@ -269,7 +271,9 @@ def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
     assert got == want
 
 
-@pytest.mark.parametrize("family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize(
+    "family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v"]
+)
 def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
     """`--tp-size 2`: rank 0 runs the tower and sends the other rank each step's image
     features with the step (with Qwen-VL's 3-D positions and DeepStack features, Gemma 4's

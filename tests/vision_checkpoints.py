@@ -15,6 +15,7 @@ from PIL import Image
 from test_model_families import BETA_SCALED_YARN, MLA_MOE
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -149,6 +150,34 @@ PIXTRAL_PRE = {
     "patch_size": 8,  # the tower's; the processor cuts at patch x spatial_merge_size
     "size": {"longest_edge": 128},
 }
+GLM4V_MARKERS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"]
+GLM4V_TEXT = dict(
+    TEXT,
+    rope_parameters={
+        "rope_type": "default",
+        "mrope_section": [2, 1, 1],
+        "partial_rotary_factor": 0.5,
+    },
+)
+GLM4V_MOE_TEXT = dict(
+    GLM4V_TEXT,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+GLM4V_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+    image_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+)  # fmt: skip
+GLM4V_PRE = {
+    "image_processor_type": "Glm4vImageProcessor",
+    "size": {"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * MAX_PIXELS},  # two frames
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+}
 CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
@@ -160,6 +189,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_gemma4_checkpoint(root, model_dir)
     if family.startswith("pixtral"):
         return build_pixtral_checkpoint(root, model_dir, family)
+    if family.startswith("glm4v"):
+        return build_glm4v_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -296,6 +327,27 @@ def build_pixtral_checkpoint(root, model_dir, name: str = "pixtral"):
     return built(root, name, model_cls, config, tokenizer, PIXTRAL_PRE, norm_around_one)
 
 
+def build_glm4v_checkpoint(root, model_dir, name: str = "glm4v"):
+    """GLM-4.1V: GLM-4's language model with M-RoPE over half of each head, its tower with
+    bicubically resampled learned positions and a merging convolution; as `glm4v_moe`,
+    GLM-4.5V's (GLM-4.5's MoE language model)."""
+    moe = name == "glm4v_moe"
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": GLM4V_MARKERS})
+    start, image, end = tokenizer.convert_tokens_to_ids(GLM4V_MARKERS)
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = (hf.Glm4vMoeConfig if moe else hf.Glm4vConfig)(
+        text_config={**(GLM4V_MOE_TEXT if moe else GLM4V_TEXT), **ends},
+        vision_config=GLM4V_VISION,
+        image_token_id=image,
+        image_start_token_id=start,
+        image_end_token_id=end,
+        **ends,
+    )
+    model_cls = hf.Glm4vMoeForConditionalGeneration if moe else hf.Glm4vForConditionalGeneration
+    return built(root, name, model_cls, config, tokenizer, GLM4V_PRE, norm_around_one)
+
+
 def norm_around_one(name: str, tensor: torch.Tensor) -> None:
     tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
 
@@ -329,6 +381,8 @@ def image_processor(path):
         return Gemma3ImageProcessorPil(**pre)
     if kind == "Gemma4ImageProcessor":
         return Gemma4ImageProcessorPil(**pre)
+    if kind == "Glm4vImageProcessor":
+        return Glm4vImageProcessorPil(**pre)
     if kind == "PixtralImageProcessor":  # as PixtralProcessor calls it: patches of merged size
         merged = (
             pre.pop("patch_size")
@@ -345,6 +399,8 @@ def marker(model) -> list[int]:
         return [c.boi_token_index]
     if c.model_type in ("gemma4", "mistral3"):
         return [c.image_token_id]
+    if c.model_type in ("glm4v", "glm4v_moe"):
+        return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
     return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
 
 

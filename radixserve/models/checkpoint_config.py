@@ -19,6 +19,8 @@ VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {},
     "Gemma4ForConditionalGeneration": {},
     "Mistral3ForConditionalGeneration": {},
+    "Glm4vForConditionalGeneration": {"attention_bias": True},  # transformers always adds it
+    "Glm4vMoeForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }
@@ -27,6 +29,8 @@ VISION_KEYS = (
     "image_token_id",
     "vision_start_token_id",
     "vision_end_token_id",
+    "image_start_token_id",
+    "image_end_token_id",
     "video_token_id",
     "image_token_index",
     "boi_token_index",

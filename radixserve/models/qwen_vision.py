@@ -36,11 +36,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
     def forward(self, x: torch.Tensor, bounds: list[int], cos, sin) -> torch.Tensor:
         n = x.shape[0]
@@ -54,11 +54,11 @@ class VisionAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden)
-        self.up_proj = nn.Linear(dim, hidden)
-        self.down_proj = nn.Linear(hidden, dim)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act = activation(act)
 
     def forward(self, x):
@@ -89,10 +89,10 @@ def activation(name: str):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp: nn.Module, norm):
+    def __init__(self, dim: int, heads: int, mlp: nn.Module, norm, attention_biases=(True, True)):
         super().__init__()
         self.norm1, self.norm2 = norm(dim), norm(dim)
-        self.attn = VisionAttention(dim, heads)
+        self.attn = VisionAttention(dim, heads, *attention_biases)
         self.mlp = mlp
 
     def forward(self, x, bounds, cos, sin):

@@ -116,6 +116,8 @@ ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
     "Gemma4ForConditionalGeneration": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
     "Mistral3ForConditionalGeneration": ("pixtral", "Mistral3ForConditionalGeneration"),
+    "Glm4vForConditionalGeneration": ("glm4v", "Glm4vForConditionalGeneration"),
+    "Glm4vMoeForConditionalGeneration": ("glm4v", "Glm4vMoeForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
@@ -234,6 +236,8 @@ PARTIAL_ROTARY = {
     "Qwen3_5MoeForConditionalGeneration",
     "Glm4ForCausalLM",
     "GlmForCausalLM",
+    "Glm4vForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration",
     "PhiForCausalLM",
     "GPTNeoXForCausalLM",
     "NemotronForCausalLM",

@@ -1,12 +1,12 @@
 """An image as the vision tower takes it, and the ids that name it in a prompt.
 
 Each family's preprocessing is its HF image processor's (PIL backend) step by step: the size it
-picks (`LAYOUTS`: Qwen-VL's sides rounded to multiples of patch x merge within the pixel budget,
-Gemma 3's square, Gemma 4's token budget, Pixtral's longest edge), a PIL resize, x 1/255 in
-float64 then float32, normalized, cut into patches in the order its tower reads them. Its
-content hash (over the processed pixels and their grid) names the image everywhere: in the
-radix tree its tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal images share a
-cached prefix and different ones part at their first token."""
+picks (`LAYOUTS`: Qwen-VL's and GLM-4.xV's sides rounded to multiples of patch x merge within
+the pixel budget, Gemma 3's square, Gemma 4's token budget, Pixtral's longest edge), a PIL
+resize, x 1/255 in float64 then float32, normalized, cut into patches in the order its tower
+reads them. Its content hash (over the processed pixels and their grid) names the image
+everywhere: in the radix tree its tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal
+images share a cached prefix and different ones part at their first token."""
 
 from __future__ import annotations
 
@@ -129,6 +129,28 @@ def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
         w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < spec.min_pixels:
         beta = math.sqrt(spec.min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def glm4v_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """GLM-4.xV's `smart_resize`: Qwen-VL's, but a side shorter than `spec.factor` is scaled
+    up first (the aspect ratio kept, truncated), an aspect ratio past 200 is a ValueError, and
+    the pixel budget counts the image once per frame of its temporal patch."""
+    factor, frames = spec.factor, spec.temporal_patch_size
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"a {width}x{height} image has an aspect ratio past 200")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if frames * h * w > spec.max_pixels:
+        beta = math.sqrt(frames * height * width / spec.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif frames * h * w < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (frames * height * width))
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
     return h, w
@@ -268,6 +290,7 @@ LAYOUTS = {
     "gemma3": Layout(square_size, whole_image),
     "gemma4": Layout(gemma4_size, pooled_patches),
     "pixtral": Layout(pixtral_size, patch_rows_with_breaks),
+    "glm4v": Layout(glm4v_size, merged_patches),
 }
 
 

@@ -20,11 +20,16 @@ FAMILIES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
     "Mistral3ForConditionalGeneration": "pixtral",
+    "Glm4vForConditionalGeneration": "glm4v",
+    "Glm4vMoeForConditionalGeneration": "glm4v",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC, BILINEAR = 3, 2  # PIL's resampling filter numbers
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma4")
+# HF's image processors' pixel budgets (min, max) where the config names none (GLM-4.xV's
+# counts each image twice: as two frames of one temporal patch)
+PIXEL_BUDGETS = {"glm4v": (112 * 112, 28 * 28 * 15000)}
 SECONDS, CLOCK = "seconds", "clock"  # how a video's parts are timed in the prompt
 
 
@@ -145,20 +150,21 @@ class VisionSpec:
             return cls._pixtral(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
+        low, high = PIXEL_BUDGETS.get(family, (56 * 56, 28 * 28 * 1280))
         # HF reads a video's settings from the image's config where there is no video one
         video = _json_file(folder, "video_preprocessor_config.json") or pre
         return cls(
             family=family,
             image_token_id=int(hf["image_token_id"]),
-            start_token_id=hf.get("vision_start_token_id"),
-            end_token_id=hf.get("vision_end_token_id"),
+            start_token_id=hf.get("vision_start_token_id", hf.get("image_start_token_id")),
+            end_token_id=hf.get("vision_end_token_id", hf.get("image_end_token_id")),
             patch_size=int(pre.get("patch_size", vision.get("patch_size", default_patch))),
             temporal_patch_size=int(
                 pre.get("temporal_patch_size", vision.get("temporal_patch_size", 2))
             ),
             merge_size=int(pre.get("merge_size", vision.get("spatial_merge_size", 2))),
-            min_pixels=int(pre.get("min_pixels", size.get("shortest_edge", 56 * 56))),
-            max_pixels=int(pre.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))),
+            min_pixels=int(pre.get("min_pixels", size.get("shortest_edge", low))),
+            max_pixels=int(pre.get("max_pixels", size.get("longest_edge", high))),
             mean=tuple(pre.get("image_mean", CLIP_MEAN)),
             std=tuple(pre.get("image_std", CLIP_STD)),
             resample=int(pre.get("resample", BICUBIC)),
