@@ -39,6 +39,7 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
         "pixtral_mistral4",
         "glm4v",
         "glm4v_moe",
+        "glm46v",
     ],
 )
 def served(request, tmp_path_factory, model_dir):
@@ -144,7 +145,7 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
 
 def test_a_video_to_a_family_without_videos_is_a_400_naming_the_part(served):
     model, _, server = served
-    if model.config.model_type not in ("gemma3", "mistral3", "glm4v", "glm4v_moe"):
+    if model.config.model_type not in ("gemma3", "mistral3", "glm4v", "glm4v_moe", "glm46v"):
         pytest.skip("Qwen-VL and Gemma 4 take videos (tests/test_video_inputs.py)")
     content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}

@@ -167,6 +167,11 @@ GLM4V_MOE_TEXT = dict(
     n_shared_experts=1,
     first_k_dense_replace=1,
 )
+GLM4V_CLASSES = {
+    "glm4v": (hf.Glm4vConfig, hf.Glm4vForConditionalGeneration),
+    "glm4v_moe": (hf.Glm4vMoeConfig, hf.Glm4vMoeForConditionalGeneration),
+    "glm46v": (hf.Glm46VConfig, hf.Glm46VForConditionalGeneration),
+}
 GLM4V_VISION = dict(
     depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
     image_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
@@ -189,7 +194,7 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_gemma4_checkpoint(root, model_dir)
     if family.startswith("pixtral"):
         return build_pixtral_checkpoint(root, model_dir, family)
-    if family.startswith("glm4v"):
+    if family in GLM4V_CLASSES:
         return build_glm4v_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
@@ -330,21 +335,23 @@ def build_pixtral_checkpoint(root, model_dir, name: str = "pixtral"):
 def build_glm4v_checkpoint(root, model_dir, name: str = "glm4v"):
     """GLM-4.1V: GLM-4's language model with M-RoPE over half of each head, its tower with
     bicubically resampled learned positions and a merging convolution; as `glm4v_moe`,
-    GLM-4.5V's (GLM-4.5's MoE language model)."""
-    moe = name == "glm4v_moe"
+    GLM-4.5V's (GLM-4.5's MoE language model); as `glm46v`, GLM-4.6V's (its own config class,
+    over GLM-4.5's MoE)."""
+    moe = name in ("glm4v_moe", "glm46v")
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": GLM4V_MARKERS})
     start, image, end = tokenizer.convert_tokens_to_ids(GLM4V_MARKERS)
     ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = (hf.Glm4vMoeConfig if moe else hf.Glm4vConfig)(
-        text_config={**(GLM4V_MOE_TEXT if moe else GLM4V_TEXT), **ends},
+    text = dict(GLM4V_MOE_TEXT, model_type="glm4v_moe_text") if moe else GLM4V_TEXT
+    config_cls, model_cls = GLM4V_CLASSES[name]
+    config = config_cls(
+        text_config={**text, **ends},
         vision_config=GLM4V_VISION,
         image_token_id=image,
         image_start_token_id=start,
         image_end_token_id=end,
         **ends,
     )
-    model_cls = hf.Glm4vMoeForConditionalGeneration if moe else hf.Glm4vForConditionalGeneration
     return built(root, name, model_cls, config, tokenizer, GLM4V_PRE, norm_around_one)
 
 
@@ -399,7 +406,7 @@ def marker(model) -> list[int]:
         return [c.boi_token_index]
     if c.model_type in ("gemma4", "mistral3"):
         return [c.image_token_id]
-    if c.model_type in ("glm4v", "glm4v_moe"):
+    if c.model_type in GLM4V_CLASSES:
         return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
     return [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id]
 

@@ -19,8 +19,9 @@ VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {},
     "Gemma4ForConditionalGeneration": {},
     "Mistral3ForConditionalGeneration": {},
-    "Glm4vForConditionalGeneration": {"attention_bias": True},  # transformers always adds it
+    "Glm4vForConditionalGeneration": {},
     "Glm4vMoeForConditionalGeneration": {},
+    "Glm46VForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }

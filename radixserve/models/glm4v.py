@@ -87,12 +87,19 @@ class Glm4vVisionTower(QwenVisionTower):
 
 
 class Glm4vForConditionalGeneration(VisionLanguage, Glm4ForCausalLM):
+    """Also GLM-4.6V's checkpoints (`Glm46VForConditionalGeneration`) over GLM-4.1V's language
+    model; over GLM-4.5's MoE they are `Glm4vMoeForConditionalGeneration`'s
+    (`registry.BY_TEXT_MODEL`)."""
+
     tower_class = Glm4vVisionTower
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
         """transformers turns the whole head where the config names no partial rotary."""
         return ModelRecipe(interleaved_rope=True, rotary_fraction=rotary_fraction(hf, 1.0))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return replace(super().layer_recipe(i), qkv_bias=True)  # whatever the config says
 
     def make_rotaries(self, max_positions: int):
         cfg = self.cfg

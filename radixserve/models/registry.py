@@ -118,6 +118,7 @@ ARCHITECTURES = {
     "Mistral3ForConditionalGeneration": ("pixtral", "Mistral3ForConditionalGeneration"),
     "Glm4vForConditionalGeneration": ("glm4v", "Glm4vForConditionalGeneration"),
     "Glm4vMoeForConditionalGeneration": ("glm4v", "Glm4vMoeForConditionalGeneration"),
+    "Glm46VForConditionalGeneration": ("glm4v", "Glm4vForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
@@ -226,6 +227,7 @@ MODEL_TYPES = {
 # architecture's module: (architecture, text model_type) -> class
 BY_TEXT_MODEL = {
     ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4VisionForConditionalGeneration",
+    ("Glm46VForConditionalGeneration", "glm4v_moe_text"): "Glm4vMoeForConditionalGeneration",
 }
 # architectures (or the classes BY_TEXT_MODEL names) that rotate part of each head
 PARTIAL_ROTARY = {
@@ -238,6 +240,7 @@ PARTIAL_ROTARY = {
     "GlmForCausalLM",
     "Glm4vForConditionalGeneration",
     "Glm4vMoeForConditionalGeneration",
+    "Glm46VForConditionalGeneration",
     "PhiForCausalLM",
     "GPTNeoXForCausalLM",
     "NemotronForCausalLM",

@@ -22,6 +22,7 @@ FAMILIES = {
     "Mistral3ForConditionalGeneration": "pixtral",
     "Glm4vForConditionalGeneration": "glm4v",
     "Glm4vMoeForConditionalGeneration": "glm4v",
+    "Glm46VForConditionalGeneration": "glm4v",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
