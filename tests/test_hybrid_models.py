@@ -664,6 +664,34 @@ def test_a_hybrids_snapshots_go_to_the_host_and_file_tiers_and_survive_a_restart
     assert second["meta_info"]["cached_tokens"] == len(prompt) + NEW_TOKENS - 1
 
 
+def test_the_host_tier_keeps_the_most_recently_used_states_within_its_slots(tmp_path):
+    """`--hicache-ratio` sizes the host tier's states (here one; the KV sized apart by
+    `--hicache-size`): each state backed up pushes out the least recently used. Two prompts,
+    then short ones (no whole block, so nothing backed up) until the device has evicted both:
+    the second resumes from host memory at its last block's end, the first, whose states were
+    pushed out, is computed again, to the same tokens. A flush empties host memory too."""
+    _, path = build_checkpoint(tmp_path, "qwen3_5_text")
+    first, second = list(range(100, 230)), list(range(300, 430))
+    tiers = dict(enable_hierarchical_cache=True, hicache_size=1, hicache_ratio=1e-4)
+    with hybrid_engine(path, **tiers) as eng:
+        hicache = eng.scheduler.kv.hicache
+        assert hicache.states.capacity == 1
+        fresh = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in (first, second)]
+        for start in range(0, 24 * 40, 40):  # 52 tokens each, 1,248 in all
+            short = [(start + i) % 97 + 2 for i in range(40)]
+            eng.generate(input_ids=short, sampling_params=GREEDY)
+        assert eng.scheduler.kv.cache.match_length(first, None)[0] == 0  # off the device
+        again_second = eng.generate(input_ids=second, sampling_params=GREEDY)
+        again_first = eng.generate(input_ids=first, sampling_params=GREEDY)
+        eng.check_memory()
+        assert eng.flush_cache()
+        assert not hicache.states.index and not hicache.host.index
+    assert again_second["meta_info"]["cached_tokens"] == 128
+    assert again_first["meta_info"]["cached_tokens"] == 0
+    assert again_first["output_ids"] == fresh[0]["output_ids"]
+    assert again_second["output_ids"] == fresh[1]["output_ids"]
+
+
 def test_hierarchical_cache_with_a_model_that_keeps_no_kv_is_refused(tmp_path):
     _, path = build_checkpoint(tmp_path, "mamba2")
     with pytest.raises(ValueError, match="enable_hierarchical_cache with .* keeps no KV"):

@@ -323,6 +323,12 @@ class HiCache:
         if self.storage is not None and not self.storage.contains(h ^ STATE_KEY):
             self.storage.put(h ^ STATE_KEY, tokens, state.payload())
 
+    def clear_host(self) -> None:
+        """Empty host memory: its KV blocks and a hybrid model's states."""
+        self.host.clear()
+        if self.states is not None:
+            self.states.index.clear()
+
     def find_state(self, h: int, tokens: list[int]) -> TierState | None:
         """The state at the end of the block hashed `h` (its `tokens`), from L2 or else L3."""
         state = self.states.get(h)

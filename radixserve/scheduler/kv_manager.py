@@ -236,7 +236,7 @@ class KVManager:
         if self.snapshots is not None:
             self.snapshots.clear()
         if self.hicache is not None:
-            self.hicache.host.clear()
+            self.hicache.clear_host()
 
     def renew(self, model_path: str) -> None:
         """New weights: drop every cached prefix and start the tiers below afresh, their blocks
