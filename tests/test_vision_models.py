@@ -23,6 +23,7 @@ from vision_checkpoints import (
 NEW = 8
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma4")
 
 
 @pytest.fixture(
@@ -40,6 +41,7 @@ BEFORE, AFTER = list(range(100, 120)), list(range(300, 330))
         "glm4v",
         "glm4v_moe",
         "glm46v",
+        "internvl",
     ],
 )
 def served(request, tmp_path_factory, model_dir):
@@ -145,7 +147,7 @@ def test_chat_route_with_image_parts_in_one_message_answers_as_hf(served, count)
 
 def test_a_video_to_a_family_without_videos_is_a_400_naming_the_part(served):
     model, _, server = served
-    if model.config.model_type not in ("gemma3", "mistral3", "glm4v", "glm4v_moe", "glm46v"):
+    if model.config.model_type in VIDEO_FAMILIES:
         pytest.skip("Qwen-VL and Gemma 4 take videos (tests/test_video_inputs.py)")
     content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
@@ -180,7 +182,9 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
     assert "radixserve:image_tokens_cached_total" in metrics
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral", "glm4v"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral", "glm4v", "internvl"]
+)
 def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, model_dir, family):
     """The api process decodes, resizes, normalizes and cuts patches in numpy and Pillow (no
     torch there): the same float32 pixels as HF's PIL image processor class, for odd sizes and
@@ -273,7 +277,7 @@ def test_qwen3_vl_moe_experts_load_in_the_hubs_layout_too(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v"]
+    "family", ["gemma4", "pixtral", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]
 )
 def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
     """`--tp-size 2`: rank 0 runs the tower and sends the other rank each step's image
@@ -301,6 +305,37 @@ def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
         assert server.client().post("/generate", json=body).json()["output_ids"] == want_text
     finally:
         assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("family", ["internvl_qwen2", "internvl_qwen3_moe"])
+def test_internvl_over_qwen2_and_qwen3_moe_matches_hf(tmp_path, model_dir, family):
+    """InternVL 3 (Qwen2) and InternVL 3.5's MoE (Qwen3-MoE): the class picked by the text
+    config's type; an image of several tiles and a thumbnail, fresh and cached, equals HF."""
+    from radixserve import Engine
+
+    model, path = build_vl_checkpoint(tmp_path, family, model_dir)
+    image = picture(12, (230, 100))
+    ids = BEFORE + marker(model) + AFTER
+    want, _ = hf_greedy(model, path, ids, [image], NEW)
+    settings = dict(dtype="float32", chunked_prefill_size=16, max_total_tokens=2048)
+    with Engine(model=str(path), **settings) as engine:
+        for _ in range(2):
+            got = engine.generate(input_ids=ids, image_data=data_url(image), sampling_params=GREEDY)
+            assert got["output_ids"] == want
+        assert got["meta_info"]["cached_tokens"] > len(ids)
+
+
+def test_internvl_over_a_language_model_not_implemented_is_refused_by_name(tmp_path, model_dir):
+    import json
+
+    from radixserve import Engine
+
+    _, path = build_vl_checkpoint(tmp_path, "internvl", model_dir)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["model_type"] = "gpt_oss"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="InternVL over a 'gpt_oss' language model is not"):
+        Engine(model=str(path), dtype="float32")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])

@@ -16,6 +16,7 @@ from test_model_families import BETA_SCALED_YARN, MLA_MOE
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -183,6 +184,20 @@ GLM4V_PRE = {
     "merge_size": 2,
     "temporal_patch_size": 2,
 }
+INTERNVL_MARKERS = ["<img>", "</img>", "<IMG_CONTEXT>"]
+INTERNVL_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    image_size=112, patch_size=14, use_qk_norm=True, norm_type="rms_norm", use_mean_pooling=False,
+)  # fmt: skip
+INTERNVL_PRE = {
+    "image_processor_type": "GotOcr2ImageProcessor",
+    "crop_to_patches": True,
+    "min_patches": 1,
+    "max_patches": 4,
+    "size": {"height": 112, "width": 112},
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+}
 CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
@@ -196,6 +211,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_pixtral_checkpoint(root, model_dir, family)
     if family in GLM4V_CLASSES:
         return build_glm4v_checkpoint(root, model_dir, family)
+    if family.startswith("internvl"):
+        return build_internvl_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -355,6 +372,38 @@ def build_glm4v_checkpoint(root, model_dir, name: str = "glm4v"):
     return built(root, name, model_cls, config, tokenizer, GLM4V_PRE, norm_around_one)
 
 
+INTERNVL_LANGUAGE_MODELS = {  # the language model under each InternVL checkpoint of the tests
+    "internvl": {"model_type": "qwen3"},
+    "internvl_qwen2": {"model_type": "qwen2"},
+    "internvl_qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+    },
+}
+
+
+def build_internvl_checkpoint(root, model_dir, name: str = "internvl"):
+    """InternVL 3.5: InternViT (q/k norms, RMSNorms, a final norm) over tiles of 112 pixels (up
+    to four and a thumbnail), 2x2 pixel shuffle, a Qwen3 language model; as `internvl_qwen2`
+    and `internvl_qwen3_moe`, over those."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": INTERNVL_MARKERS})
+    context = tokenizer.convert_tokens_to_ids(INTERNVL_MARKERS[2])
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = hf.InternVLConfig(
+        text_config={**TEXT, **ends, **INTERNVL_LANGUAGE_MODELS[name]},
+        vision_config=INTERNVL_VISION,
+        image_token_id=context,
+        image_seq_length=16,
+        tie_word_embeddings=False,
+        **ends,
+    )
+    model_cls = hf.InternVLForConditionalGeneration
+    return built(root, name, model_cls, config, tokenizer, INTERNVL_PRE, norm_around_one)
+
+
 def norm_around_one(name: str, tensor: torch.Tensor) -> None:
     tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
 
@@ -388,6 +437,8 @@ def image_processor(path):
         return Gemma3ImageProcessorPil(**pre)
     if kind == "Gemma4ImageProcessor":
         return Gemma4ImageProcessorPil(**pre)
+    if kind == "GotOcr2ImageProcessor":
+        return GotOcr2ImageProcessorPil(**pre)
     if kind == "Glm4vImageProcessor":
         return Glm4vImageProcessorPil(**pre)
     if kind == "PixtralImageProcessor":  # as PixtralProcessor calls it: patches of merged size
@@ -404,7 +455,7 @@ def marker(model) -> list[int]:
     c = model.config
     if c.model_type == "gemma3":
         return [c.boi_token_index]
-    if c.model_type in ("gemma4", "mistral3"):
+    if c.model_type in ("gemma4", "mistral3", "internvl"):
         return [c.image_token_id]
     if c.model_type in GLM4V_CLASSES:
         return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
@@ -441,7 +492,7 @@ def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: 
         extra["mm_token_type_ids"] = (input_ids == image).long()
     elif model.config.model_type == "mistral3":
         extra["image_sizes"] = out["image_sizes"]
-    else:
+    elif model.config.model_type != "internvl":  # InternVL: the pixels alone
         extra["image_grid_thw"] = out["image_grid_thw"]
         extra["mm_token_type_ids"] = (input_ids == image).int()
     with torch.no_grad():
@@ -468,6 +519,8 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
         return gemma4_expanded(c, prompt_ids, counts)
     elif c.model_type == "mistral3":
         return pixtral_expanded(c, path, prompt_ids, iter(out["image_sizes"].tolist()))
+    elif c.model_type == "internvl":
+        return internvl_expanded(c, path, prompt_ids, iter(out["num_patches"].tolist()))
     else:
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         place, after = c.image_token_id, []
@@ -488,6 +541,20 @@ def gemma4_expanded(c, prompt_ids: list[int], counts) -> list[int]:
     for t in prompt_ids:
         ids += (
             [c.boi_token_id, *[t] * next(counts), c.eoi_token_id] if t == c.image_token_id else [t]
+        )
+    return ids
+
+
+def internvl_expanded(c, path, prompt_ids: list[int], tiles) -> list[int]:
+    """Each image token as InternVLProcessor writes it: `<img>`, the tokens of every tile,
+    `</img>`."""
+    start, end = hf.AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(INTERNVL_MARKERS[:2])
+    ids = []
+    for t in prompt_ids:
+        ids += (
+            [start, *[t] * (c.image_seq_length * next(tiles)), end]
+            if t == c.image_token_id
+            else [t]
         )
     return ids
 

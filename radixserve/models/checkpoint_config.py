@@ -22,6 +22,7 @@ VISION_LANGUAGE = {
     "Glm4vForConditionalGeneration": {},
     "Glm4vMoeForConditionalGeneration": {},
     "Glm46VForConditionalGeneration": {},
+    "InternVLForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }
@@ -43,6 +44,8 @@ VISION_KEYS = (
     "vision_feature_layer",
     "projector_hidden_act",
     "multimodal_projector_bias",
+    "downsample_ratio",
+    "vision_feature_select_strategy",
 )
 # configs that name transformers' fields their own way: model_type -> {their key: HF's}
 CONFIG_ALIASES = {

@@ -119,6 +119,7 @@ ARCHITECTURES = {
     "Glm4vForConditionalGeneration": ("glm4v", "Glm4vForConditionalGeneration"),
     "Glm4vMoeForConditionalGeneration": ("glm4v", "Glm4vMoeForConditionalGeneration"),
     "Glm46VForConditionalGeneration": ("glm4v", "Glm4vForConditionalGeneration"),
+    "InternVLForConditionalGeneration": ("internvl", "InternVLForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)
@@ -228,7 +229,10 @@ MODEL_TYPES = {
 BY_TEXT_MODEL = {
     ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4VisionForConditionalGeneration",
     ("Glm46VForConditionalGeneration", "glm4v_moe_text"): "Glm4vMoeForConditionalGeneration",
+    ("InternVLForConditionalGeneration", "qwen3"): "InternVLQwen3ForConditionalGeneration",
+    ("InternVLForConditionalGeneration", "qwen3_moe"): "InternVLQwen3MoeForConditionalGeneration",
 }
+INTERNVL_TEXT = ("qwen2", "llama", "qwen3", "qwen3_moe")  # the language models under InternVL
 # architectures (or the classes BY_TEXT_MODEL names) that rotate part of each head
 PARTIAL_ROTARY = {
     "Qwen3_5ForCausalLM",
@@ -335,6 +339,12 @@ def check_supported(hf: dict) -> None:
         _check_deepseek_v4(hf)
     if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         _check_gemma4(hf)
+    text_type = hf.get("model_type")
+    if architecture_of(hf) == "InternVLForConditionalGeneration" and text_type not in INTERNVL_TEXT:
+        raise UnsupportedModel(
+            f"config.json: InternVL over a {text_type!r} language model is not implemented; "
+            f"supported: {', '.join(INTERNVL_TEXT)}"
+        )
     known = ACTIVATIONS | OWN_ACTIVATIONS.get(architecture_of(hf), set())
     for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
         if hf.get(key) is not None and hf[key] not in known:

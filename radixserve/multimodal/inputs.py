@@ -136,25 +136,31 @@ class MediaInputs:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+# the tokens a family's images need of the tokenizer: Pixtral's row break and image end,
+# InternVL's start and end around an image
+TOKENIZER_MARKERS = {"pixtral": ("[IMG_BREAK]", "[IMG_END]"), "internvl": ("<img>", "</img>")}
+
+
 def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
     """The spec with the ids only the tokenizer knows: Gemma 3's two newlines around an image,
-    Pixtral's row-break and image-end tokens (ValueError, a start-up error, if it lacks them)."""
-    if spec.family == "pixtral" and tokenizer is None:
-        raise ValueError(
-            "Pixtral's images need the checkpoint's tokenizer ([IMG_BREAK], [IMG_END])"
-        )
+    `TOKENIZER_MARKERS` (ValueError, a start-up error, if it lacks them)."""
+    if spec.family in TOKENIZER_MARKERS and tokenizer is None:
+        names = " and ".join(TOKENIZER_MARKERS[spec.family])
+        raise ValueError(f"{spec.family}'s images need the checkpoint's tokenizer ({names})")
     if tokenizer is None:
         return replace(spec, video=None)  # Qwen3-VL's frame times are words
     if spec.family == "gemma3":
         newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
         return replace(spec, before=newlines + spec.before, after=spec.after + newlines)
-    if spec.family == "pixtral":
-        names = ("[IMG_BREAK]", "[IMG_END]")
-        ids = [tokenizer.convert_tokens_to_ids(name) for name in names]
-        if any(i is None or i == tokenizer.unk_token_id for i in ids):
-            raise ValueError(f"the tokenizer has no {names[0]} and {names[1]} tokens for images")
-        return replace(spec, row_break_id=ids[0], image_end_id=ids[1])
-    return spec
+    if spec.family not in TOKENIZER_MARKERS:
+        return spec
+    names = TOKENIZER_MARKERS[spec.family]
+    ids = [tokenizer.convert_tokens_to_ids(name) for name in names]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"the tokenizer has no {names[0]} and {names[1]} tokens for images")
+    if spec.family == "internvl":
+        return replace(spec, before=(ids[0],), after=(ids[1],))
+    return replace(spec, row_break_id=ids[0], image_end_id=ids[1])
 
 
 def _marker_texts(spec: VisionSpec | None, tokenizer: Any) -> dict[str, str]:

@@ -56,6 +56,11 @@ def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
     height, width = layout.size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
     pixels, grid, tokens = layout.cut(normalized(resized, spec.mean, spec.std), spec)
+    if layout.thumbnail and grid[0] > 1:  # InternVL: the whole image as one more tile
+        side = spec.image_size
+        small = np.asarray(image.resize((side, side), resample=spec.resample))
+        pixels = np.concatenate([pixels, normalized(small, spec.mean, spec.std).reshape(1, -1)])
+        grid, tokens = (grid[0] + 1, *grid[1:]), tokens + spec.tokens_per_image
     pixels = np.ascontiguousarray(pixels)
     return ProcessedImage(pixels, grid, tokens, content_digest(pixels, grid))
 
@@ -86,6 +91,7 @@ class Layout:
 
     size: Callable[[int, int, VisionSpec], tuple[int, int]]
     cut: Callable[[np.ndarray, VisionSpec], Cut]
+    thumbnail: bool = False  # after several tiles, the whole image at one tile's size
 
 
 def merged_patches(image: np.ndarray, spec: VisionSpec) -> Cut:
@@ -111,6 +117,38 @@ def patch_rows_with_breaks(image: np.ndarray, spec: VisionSpec) -> Cut:
     pixels, grid = patch_rows(image, spec.patch_size, channels_first=True)
     rows, columns = grid[1] // spec.merge_size, grid[2] // spec.merge_size
     return pixels, grid, rows * (columns + 1)
+
+
+def square_tiles(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """InternVL: square tiles row by row, each `[C x size x size]`; grid (tiles, side, side) in
+    patches."""
+    channels, height, width = image.shape
+    side = spec.image_size
+    cut = image.reshape(channels, height // side, side, width // side, side)
+    cut = cut.transpose(1, 3, 0, 2, 4)
+    tiles = cut.shape[0] * cut.shape[1]
+    patches = side // spec.patch_size
+    return cut.reshape(tiles, -1), (tiles, patches, patches), tiles * spec.tokens_per_image
+
+
+def tiled_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """InternVL's canvas (transformers' `get_optimal_tiled_canvas`): the grid of columns x rows
+    within `min_tiles`..`max_tiles` whose aspect ratio is nearest the image's; on a tie the
+    later grid (more tiles) where the image's area passes half the grid's."""
+    tile, grids = spec.image_size, []
+    for columns in range(1, spec.max_tiles + 1):
+        for rows in range(1, spec.max_tiles + 1):
+            if spec.min_tiles <= columns * rows <= spec.max_tiles:
+                grids.append((columns, rows))
+    aspect, area = width / height, width * height
+    best, best_gap = (1, 1), float("inf")
+    for columns, rows in sorted(grids, key=lambda g: g[0] * g[1]):
+        gap = abs(aspect - columns / rows)
+        if gap < best_gap:
+            best, best_gap = (columns, rows), gap
+        elif gap == best_gap and area > 0.5 * tile * tile * columns * rows:
+            best = (columns, rows)
+    return best[1] * tile, best[0] * tile
 
 
 def square_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
@@ -291,6 +329,7 @@ LAYOUTS = {
     "gemma4": Layout(gemma4_size, pooled_patches),
     "pixtral": Layout(pixtral_size, patch_rows_with_breaks),
     "glm4v": Layout(glm4v_size, merged_patches),
+    "internvl": Layout(tiled_size, square_tiles, thumbnail=True),
 }
 
 

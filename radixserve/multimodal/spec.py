@@ -23,6 +23,7 @@ FAMILIES = {
     "Glm4vForConditionalGeneration": "glm4v",
     "Glm4vMoeForConditionalGeneration": "glm4v",
     "Glm46VForConditionalGeneration": "glm4v",
+    "InternVLForConditionalGeneration": "internvl",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -118,8 +119,10 @@ class VisionSpec:
     std: tuple[float, ...]
     resample: int = BICUBIC
     mrope: bool = True  # 3-D rotary positions (time, height, width) for image tokens
-    image_size: int = 0  # a fixed square size every image is resized to (Gemma 3)
-    tokens_per_image: int = 0  # a fixed number of tokens an image becomes (Gemma 3)
+    image_size: int = 0  # a fixed square size every image (Gemma 3) or tile (InternVL) takes
+    tokens_per_image: int = 0  # a fixed number of tokens an image (a tile) becomes
+    max_tiles: int = 0  # InternVL: the most tiles an image is cut into (a thumbnail after them)
+    min_tiles: int = 0
     max_soft_tokens: int = 0  # the most tokens an image becomes (Gemma 4; merge_size pools)
     longest_edge: int = 0  # the longest side an image is scaled down to (Pixtral)
     # the tokens ending each row of an image's tokens and the image (Pixtral's row break and
@@ -149,6 +152,8 @@ class VisionSpec:
             return replace(cls._gemma4(hf, vision, pre), video=VideoSpec.of(family, hf, video))
         if family == "pixtral":
             return cls._pixtral(hf, vision, pre)
+        if family == "internvl":
+            return cls._internvl(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         low, high = PIXEL_BUDGETS.get(family, (56 * 56, 28 * 28 * 1280))
@@ -253,6 +258,39 @@ class VisionSpec:
             placeholder_id=image,
         )
 
+    @classmethod
+    def _internvl(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
+        """Square tiles of `size` in the grid whose aspect ratio is nearest the image's within
+        `min_patches`..`max_patches` tiles, a thumbnail of the whole image after several; each
+        tile's patches pixel-shuffled into `tokens_per_image` tokens; a prompt's image token
+        becomes `<img>`, the tokens and `</img>` (the api process fills in their ids)."""
+        tile = int((pre.get("size") or {}).get("height", 448))
+        patch = vision.get("patch_size", 14)
+        patch = int(patch if isinstance(patch, int) else patch[0])
+        shuffle = round(1 / hf.get("downsample_ratio", 0.5))
+        tiled = pre.get("crop_to_patches", False)
+        image = int(hf["image_token_id"])
+        return cls(
+            family="internvl",
+            image_token_id=image,
+            start_token_id=None,
+            end_token_id=None,
+            patch_size=patch,
+            temporal_patch_size=1,
+            merge_size=shuffle,
+            min_pixels=0,
+            max_pixels=0,
+            mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+            std=tuple(pre.get("image_std", CLIP_STD)),
+            resample=int(pre.get("resample", BICUBIC)),
+            mrope=False,
+            image_size=tile,
+            tokens_per_image=(tile // patch // shuffle) ** 2,
+            max_tiles=int(pre.get("max_patches", 12)) if tiled else 1,
+            min_tiles=int(pre.get("min_patches", 1)) if tiled else 1,
+            placeholder_id=image,
+        )
+
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this many pixels."""
@@ -260,7 +298,7 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        if self.family in ("gemma3", "gemma4", "pixtral"):
+        if self.family in ("gemma3", "gemma4", "pixtral", "internvl"):
             return [self.placeholder_id]
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]
