@@ -163,9 +163,10 @@ class InternVLImages:
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor, grids):
-        """Each image's tiles (rows of `3 x size x size` pixels) -> their tokens, image after
-        image, tile after tile."""
-        size = self.vision.tower.patch[0] * self.vision.tower.grid[0]
+        """Each image's tiles (rows of `3 x size x size` pixels, `size` the grid's patches a
+        side: the processor's tile, the tower's positions resampled where it differs) -> their
+        tokens, image after image, tile after tile."""
+        size = grids[0][1] * self.vision.tower.patch[0]
         return self.vision(pixels.view(-1, 3, size, size)), []
 
 
