@@ -338,7 +338,7 @@ def test_internvl_over_a_language_model_not_implemented_is_refused_by_name(tmp_p
         Engine(model=str(path), dtype="float32")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "glm4v"])
 def test_at_ngram_speculative_decoding_images_match_hf(tmp_path, model_dir, family):
     """n-gram speculative decoding with images (the offline Engine, float32, every draft worth
     its rows): the same request twice, the second drafting the first's output from the table
