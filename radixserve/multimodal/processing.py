@@ -173,22 +173,32 @@ def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
 
 
 def glm4v_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
-    """GLM-4.xV's `smart_resize`: Qwen-VL's, but a side shorter than `spec.factor` is scaled
-    up first (the aspect ratio kept, truncated), an aspect ratio past 200 is a ValueError, and
-    the pixel budget counts the image once per frame of its temporal patch."""
-    factor, frames = spec.factor, spec.temporal_patch_size
+    """GLM-4.xV's `smart_resize`: an image as the frames of one temporal patch, an aspect
+    ratio past 200 a ValueError."""
+    frames = spec.temporal_patch_size
+    return frames_size(frames, height, width, spec, spec.min_pixels, spec.max_pixels, 200)
+
+
+def frames_size(
+    frames: int, height: int, width: int, spec: VisionSpec, low: int, high: int, ratio=None
+) -> tuple[int, int]:
+    """`smart_resize` over `frames` frames (GLM-4.xV's images, Qwen3-VL's videos): a side
+    shorter than `spec.factor` scaled up first (the aspect ratio kept, truncated; past `ratio`
+    a ValueError), sides rounded to multiples of it, all frames' pixels within [low, high]."""
+    factor = spec.factor
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"a {width}x{height} image has an aspect ratio past 200")
+    if ratio is not None and max(height, width) / min(height, width) > ratio:
+        raise ValueError(f"a {width}x{height} image has an aspect ratio past {ratio}")
     h, w = round(height / factor) * factor, round(width / factor) * factor
-    if frames * h * w > spec.max_pixels:
-        beta = math.sqrt(frames * height * width / spec.max_pixels)
+    t = round(frames / spec.temporal_patch_size) * spec.temporal_patch_size
+    if t * h * w > high:
+        beta = math.sqrt(frames * height * width / high)
         h = max(factor, math.floor(height / beta / factor) * factor)
         w = max(factor, math.floor(width / beta / factor) * factor)
-    elif frames * h * w < spec.min_pixels:
-        beta = math.sqrt(spec.min_pixels / (frames * height * width))
+    elif t * h * w < low:
+        beta = math.sqrt(low / (frames * height * width))
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
     return h, w

@@ -25,6 +25,7 @@ from .processing import (
     ProcessedVideo,
     content_digest,
     fitted_size,
+    frames_size,
     gemma4_size,
     normalized,
     pooled_patches,
@@ -169,27 +170,12 @@ def frame_size(frames: int, height: int, width: int, spec: VisionSpec) -> tuple[
     sizes each frame as an image within the video's `max_soft_tokens`."""
     vs = spec.video
     assert vs is not None
-    factor = spec.factor
     if vs.timestamps == CLOCK:
         return gemma4_size(height, width, replace(spec, max_soft_tokens=vs.max_soft_tokens))
     if not vs.timestamps:
         bounds = replace(spec, min_pixels=vs.min_pixels, max_pixels=vs.max_pixels)
         return fitted_size(height, width, bounds)
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    t = round(frames / spec.temporal_patch_size) * spec.temporal_patch_size
-    if t * h * w > vs.max_pixels:
-        beta = math.sqrt(frames * height * width / vs.max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif t * h * w < vs.min_pixels:
-        beta = math.sqrt(vs.min_pixels / (frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
+    return frames_size(frames, height, width, spec, vs.min_pixels, vs.max_pixels)
 
 
 def cut_frame_pairs(frames: np.ndarray, spec: VisionSpec) -> np.ndarray:
