@@ -143,6 +143,9 @@ class HostStates:
         while len(self.index) > self.capacity:
             self.index.popitem(last=False)
 
+    def clear(self) -> None:
+        self.index.clear()
+
 
 @dataclass
 class HiCache:
@@ -327,7 +330,7 @@ class HiCache:
         """Empty host memory: its KV blocks and a hybrid model's states."""
         self.host.clear()
         if self.states is not None:
-            self.states.index.clear()
+            self.states.clear()
 
     def find_state(self, h: int, tokens: list[int]) -> TierState | None:
         """The state at the end of the block hashed `h` (its `tokens`), from L2 or else L3."""
