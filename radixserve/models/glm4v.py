@@ -16,7 +16,7 @@ from torch import nn
 
 from .dense_families import Glm4ForCausalLM
 from .moe_families import Glm4MoeForCausalLM
-from .qwen_vision import GatedMLP, QwenVisionTower, VisionBlock, VisionRotary
+from .qwen_vision import GatedMLP, QwenVisionTower, VisionBlock
 from .qwen_vl import MRotaryEmbedding, VisionLanguage
 from .recipe import LayerRecipe, ModelRecipe, rotary_fraction
 
@@ -42,8 +42,6 @@ class Glm4vVisionTower(QwenVisionTower):
     def __init__(self, vc: dict):
         super().__init__(vc)
         eps, out = vc.get("rms_norm_eps", 1e-5), vc["out_hidden_size"]
-        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        self.rotary = VisionRotary(self.dim // vc["num_heads"], theta)
         self.post_conv_layernorm = nn.RMSNorm(self.dim, eps=eps)
         side = vc.get("image_size", 336) // vc.get("patch_size", 14)
         self.embeddings = nn.Module()
@@ -51,6 +49,10 @@ class Glm4vVisionTower(QwenVisionTower):
         self.post_layernorm = nn.RMSNorm(self.dim, eps=eps)
         self.downsample = nn.Conv2d(self.dim, out, self.merge, self.merge)
         self.merger = Glm4vMerger(out, vc["intermediate_size"], vc.get("hidden_act", "silu"))
+
+    @staticmethod
+    def rotary_theta(vc: dict) -> float:
+        return (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
 
     def make_block(self, vc: dict, heads: int) -> nn.Module:
         dim, eps = vc["hidden_size"], vc.get("rms_norm_eps", 1e-5)
@@ -86,20 +88,12 @@ class Glm4vVisionTower(QwenVisionTower):
         return self.merger(x), []
 
 
-class Glm4vForConditionalGeneration(VisionLanguage, Glm4ForCausalLM):
-    """Also GLM-4.6V's checkpoints (`Glm46VForConditionalGeneration`) over GLM-4.1V's language
-    model; over GLM-4.5's MoE they are `Glm4vMoeForConditionalGeneration`'s
-    (`registry.BY_TEXT_MODEL`)."""
+class Glm4vLanguage(VisionLanguage):
+    """What both GLM-4.xV classes add to their language model: the tower, and M-RoPE over the
+    share of each head the language model's recipe turns (transformers' sections where the
+    config names none)."""
 
     tower_class = Glm4vVisionTower
-
-    @classmethod
-    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
-        """transformers turns the whole head where the config names no partial rotary."""
-        return ModelRecipe(interleaved_rope=True, rotary_fraction=rotary_fraction(hf, 1.0))
-
-    def layer_recipe(self, i: int) -> LayerRecipe:
-        return replace(super().layer_recipe(i), qkv_bias=True)  # whatever the config says
 
     def make_rotaries(self, max_positions: int):
         cfg = self.cfg
@@ -111,11 +105,23 @@ class Glm4vForConditionalGeneration(VisionLanguage, Glm4ForCausalLM):
         ]
 
 
-class Glm4vMoeForConditionalGeneration(VisionLanguage, Glm4MoeForCausalLM):
+class Glm4vForConditionalGeneration(Glm4vLanguage, Glm4ForCausalLM):
+    """Also GLM-4.6V's checkpoints (`Glm46VForConditionalGeneration`) over GLM-4.1V's language
+    model; over GLM-4.5's MoE they are `Glm4vMoeForConditionalGeneration`'s
+    (`registry.BY_TEXT_MODEL`)."""
+
+    @classmethod
+    def model_recipe_of(cls, hf: dict) -> ModelRecipe:
+        """transformers turns the whole head where the config names no partial rotary."""
+        return ModelRecipe(interleaved_rope=True, rotary_fraction=rotary_fraction(hf, 1.0))
+
+    def layer_recipe(self, i: int) -> LayerRecipe:
+        return replace(super().layer_recipe(i), qkv_bias=True)  # whatever the config says
+
+
+class Glm4vMoeForConditionalGeneration(Glm4vLanguage, Glm4MoeForCausalLM):
     """GLM-4.5V and GLM-4.6V: the same tower over GLM-4.5's MoE language model (a rotate-half
     rotary over half of each head by default, a q/k/v bias unless the config says none)."""
-
-    tower_class = Glm4vVisionTower
 
     @classmethod
     def model_recipe_of(cls, hf: dict) -> ModelRecipe:
@@ -123,5 +129,3 @@ class Glm4vMoeForConditionalGeneration(VisionLanguage, Glm4MoeForCausalLM):
 
     def layer_recipe(self, i: int) -> LayerRecipe:
         return replace(super().layer_recipe(i), qkv_bias=self.hf.get("attention_bias", True))
-
-    make_rotaries = Glm4vForConditionalGeneration.make_rotaries

@@ -142,10 +142,14 @@ class QwenVisionTower(nn.Module):
         self.patch_embed.proj = nn.Conv3d(
             vc.get("in_channels", 3), self.dim, kernel, kernel, bias=self.patch_bias
         )
-        self.rotary = VisionRotary(self.dim // heads)
+        self.rotary = VisionRotary(self.dim // heads, self.rotary_theta(vc))
         self.blocks = nn.ModuleList(self.make_block(vc, heads) for _ in range(vc["depth"]))
 
     patch_bias = False
+
+    @staticmethod
+    def rotary_theta(vc: dict) -> float:
+        return 10000.0  # what transformers' Qwen-VL towers use, whatever the config says
 
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         proj = self.patch_embed.proj
