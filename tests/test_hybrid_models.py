@@ -792,7 +792,7 @@ def test_nemotron_h_layer_patterns_and_refusals_from_config_json(tmp_path):
     attention, -: MLP, E: experts) as released checkpoints do; a Mamba activation other than
     SiLU is refused in one line naming it."""
     from radixserve.model_config import ModelConfig
-    from radixserve.models.registry import UnsupportedModel, check_supported
+    from radixserve.models.config_checks import UnsupportedModel, check_supported
 
     config = hf.NemotronHConfig(**COMMON, head_dim=16).to_dict()
     config.pop("layers_block_type", None)

@@ -12,7 +12,8 @@ import transformers as hf
 from server_utils import start_server
 
 from radixserve import Engine
-from radixserve.models.registry import ARCHITECTURES, UnsupportedModel, check_supported
+from radixserve.models.config_checks import UnsupportedModel, check_supported
+from radixserve.models.registry import ARCHITECTURES
 
 WINDOW = 16
 COMMON = dict(

@@ -120,15 +120,12 @@ class InternViT(nn.Module):
 
 
 class InternVLVision(nn.Module):
-    """The tower and the projector: each tile's patch features pixel-shuffled (`shuffle` x
-    `shuffle` neighbours into one token, as transformers' `pixel_shuffle` orders them) and
-    projected."""
+    """The tower and the projector: each tile's patch features (its class token dropped, the
+    `default` feature select strategy) pixel-shuffled (`shuffle` x `shuffle` neighbours into
+    one token, as transformers' `pixel_shuffle` orders them) and projected."""
 
     def __init__(self, hf: dict, text_hidden: int):
         super().__init__()
-        if hf.get("vision_feature_select_strategy", "default") not in ("default", "full"):
-            raise ValueError("config.json: vision_feature_select_strategy must be default or full")
-        self.drop_class = hf.get("vision_feature_select_strategy", "default") == "default"
         vc = hf["vision_config"]
         self.tower = InternViT(vc, int(hf.get("vision_feature_layer", -1)))
         self.shuffle = round(1 / hf.get("downsample_ratio", 0.5))
@@ -141,8 +138,7 @@ class InternVLVision(nn.Module):
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         """`[tiles, 3, size, size]` -> the tiles' tokens in turn `[tiles x tokens, hidden]`."""
-        x = self.tower(tiles)
-        x = x[:, 1:] if self.drop_class else x
+        x = self.tower(tiles)[:, 1:]  # the class token dropped (`config_checks.check_supported`)
         n, side, s = x.shape[0], int(x.shape[1] ** 0.5), self.shuffle
         # transformers' pixel_shuffle: token (a, b) joins patches (a*s + i, b*s + j), i outer
         x = x.reshape(n, side // s, s, side // s, s, -1).permute(0, 1, 3, 2, 4, 5)

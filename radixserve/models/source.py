@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..model_config import ModelConfig
 from .checkpoint_config import language_model_config
-from .registry import check_supported
+from .config_checks import check_supported
 
 log = logging.getLogger(__name__)
 
