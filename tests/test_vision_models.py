@@ -1,15 +1,16 @@
 """Vision-language models against HF transformers in float32: tiny random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4, Mistral 3 and Mistral Small 4
-checkpoints built with HF's classes, served, fed images through /generate and the OpenAI chat
-route, greedy tokens compared with HF's model fed by HF's image processor class, fresh and from
-the radix cache, with prefill chunks (16 tokens) that split each image's tokens (Gemma 3's and
-Gemma 4's images, attended both ways, are computed whole: their chunks end before them
-instead)."""
+Qwen3-VL (dense and MoE), Gemma 3, Qwen3.5 (hybrid), Gemma 4, Mistral 3, Mistral Small 4,
+GLM-4.xV, InternVL and SmolVLM checkpoints built with HF's classes, served, fed images through
+/generate and the OpenAI chat route, greedy tokens compared with HF's model fed by HF's image
+processor class, fresh and from the radix cache, with prefill chunks (16 tokens) that split
+each image's tokens (Gemma 3's and Gemma 4's images, attended both ways, are computed whole:
+their chunks end before them instead)."""
 
 import pytest
 import transformers as hf
 from server_utils import start_server
 from vision_checkpoints import (
+    IDEFICS3_VISION,
     build_vl_checkpoint,
     chat_twice_as_hf,
     data_url,
@@ -42,6 +43,7 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5
         "glm4v_moe",
         "glm46v",
         "internvl",
+        "smolvlm",
     ],
 )
 def served(request, tmp_path_factory, model_dir):
@@ -57,6 +59,14 @@ def served(request, tmp_path_factory, model_dir):
 def first_image_token(model, path, ids) -> int:
     out = image_processor(path)(images=[picture(0)], return_tensors="pt")
     return expanded(model, path, ids, out).index(model.config.image_token_id)
+
+
+def tower_inputs(model, path, image) -> int:
+    """What the tower encodes of an image on its own: its tiles and the whole image (SmolVLM),
+    else the image."""
+    if model.config.model_type not in ("smolvlm", "idefics3"):
+        return 1
+    return image_processor(path)(images=[image], return_tensors="pt")["pixel_values"].shape[1]
 
 
 def generate(server, ids, images):
@@ -172,7 +182,8 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
     got = generate(server, ids, [image])
     after = figures()
     assert after["images_encoded_total"] == before["images_encoded_total"]
-    assert after["encoder_cache_hits_total"] == before["encoder_cache_hits_total"] + 1
+    hits = tower_inputs(model, path, image)
+    assert after["encoder_cache_hits_total"] == before["encoder_cache_hits_total"] + hits
     assert got["output_ids"] == hf_greedy(model, path, ids, [image], NEW)[0]
     assert after["image_tokens_total"] > before["image_tokens_total"]
     metrics = client.get("/metrics").text
@@ -222,11 +233,68 @@ def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, mode
         assert np.array_equal(ours.reshape(want.shape), want), image.mode
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_smolvlm_tiles_equal_hf_image_processor_bit_for_bit(tmp_path, model_dir, split):
+    """SmolVLM's (and Idefics3's) three Lanczos resizes, tiles and whole image, with and
+    without `do_image_splitting`: the same float32 pixels and rows and columns of tiles as
+    HF's PIL image processor, for odd sizes, a tall and a wide picture, grey and palette."""
+    import io
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from radixserve.models.source import resolve_model
+    from radixserve.multimodal.media import MediaPolicy, decode_image
+    from radixserve.multimodal.processing import preprocess
+    from radixserve.multimodal.spec import VisionSpec
+
+    _, path = build_vl_checkpoint(tmp_path, "smolvlm", model_dir)
+    pre_file = path / "preprocessor_config.json"
+    pre = {**json.loads(pre_file.read_text()), "do_image_splitting": split}
+    pre_file.write_text(json.dumps(pre))
+    spec = VisionSpec.of(resolve_model(str(path)).config.hf_config, path)
+    base = picture(20, (201, 77))
+    pictures = [base, picture(21, (33, 333)), picture(22, (640, 480)), picture(23, (64, 64)),
+                base.convert("L"), base.convert("P")]  # fmt: skip
+    for image in pictures:
+        encoded = io.BytesIO()
+        image.save(encoded, format="PNG")
+        ours = preprocess(decode_image(encoded.getvalue(), MediaPolicy(), "image"), spec)
+        theirs = image_processor(path)(images=[Image.open(encoded)], return_tensors="np")
+        want = theirs["pixel_values"][0]
+        got = np.concatenate([part.pixels for part in ours.parts]).reshape(want.shape)
+        assert np.array_equal(got, want), image.size
+        assert (ours.rows, ours.columns) == (theirs["rows"][0][0], theirs["cols"][0][0])
+
+
+def test_idefics3_tower_positions_equal_hf_where_rounding_moves_them():
+    """HF buckets each patch's fractional place into the position table even at the tower's
+    own size, where float32 rounding moves some (19 patches a side): the tower's features
+    equal HF's there and where the tiles are larger than the tower's table."""
+    import torch
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer
+
+    from radixserve.models.idefics3 import Idefics3Vision
+
+    vision = dict(IDEFICS3_VISION, image_size=76, patch_size=4)
+    torch.manual_seed(0)
+    theirs = SmolVLMVisionTransformer(hf.SmolVLMVisionConfig(**vision)).eval()
+    ours = Idefics3Vision({"vision_config": vision}, 16).eval()
+    missing = ours.load_state_dict(theirs.state_dict(), strict=False).missing_keys
+    assert missing == ["projection.weight"]
+    for side in (76, 96):
+        tiles = torch.randn(2, 3, side, side)
+        want = theirs(tiles).last_hidden_state
+        got = ours.encode(tiles, ours.bucketed_positions(side // 4))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_every_vision_family_has_a_preprocessing_layout():
     from radixserve.multimodal.processing import LAYOUTS
     from radixserve.multimodal.spec import FAMILIES
 
-    assert set(FAMILIES.values()) == set(LAYOUTS)
+    assert set(FAMILIES.values()) == set(LAYOUTS) | {"idefics3"}  # `split_tiles`
 
 
 def test_the_encoder_cache_keeps_the_recent_features_within_its_bytes():
@@ -307,10 +375,11 @@ def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
         assert server.stop() == 0, server.log()
 
 
-@pytest.mark.parametrize("family", ["internvl_qwen2", "internvl_qwen3_moe"])
-def test_internvl_over_qwen2_and_qwen3_moe_matches_hf(tmp_path, model_dir, family):
+@pytest.mark.parametrize("family", ["internvl_qwen2", "internvl_qwen3_moe", "idefics3"])
+def test_internvl_over_qwen2_and_qwen3_moe_and_idefics3_match_hf(tmp_path, model_dir, family):
     """InternVL 3 (Qwen2) and InternVL 3.5's MoE (Qwen3-MoE): the class picked by the text
-    config's type; an image of several tiles and a thumbnail, fresh and cached, equals HF."""
+    config's type; an image of several tiles and a thumbnail, fresh and cached, equals HF.
+    Idefics3, its tower's positions bucketed (7 x 7 under tiles of 8 x 8 patches), alike."""
     from radixserve import Engine
 
     model, path = build_vl_checkpoint(tmp_path, family, model_dir)
@@ -325,16 +394,19 @@ def test_internvl_over_qwen2_and_qwen3_moe_matches_hf(tmp_path, model_dir, famil
         assert got["meta_info"]["cached_tokens"] > len(ids)
 
 
-def test_internvl_over_a_language_model_not_implemented_is_refused_by_name(tmp_path, model_dir):
+@pytest.mark.parametrize("family, name", [("internvl", "InternVL"), ("smolvlm", "SmolVLM")])
+def test_a_language_model_not_implemented_under_a_tower_is_refused_by_name(
+    tmp_path, model_dir, family, name
+):
     import json
 
     from radixserve import Engine
 
-    _, path = build_vl_checkpoint(tmp_path, "internvl", model_dir)
+    _, path = build_vl_checkpoint(tmp_path, family, model_dir)
     config = json.loads((path / "config.json").read_text())
     config["text_config"]["model_type"] = "gpt_oss"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="InternVL over a 'gpt_oss' language model is not"):
+    with pytest.raises(ValueError, match=f"{name} over a 'gpt_oss' language model is not"):
         Engine(model=str(path), dtype="float32")
 
 

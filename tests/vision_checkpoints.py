@@ -19,6 +19,8 @@ from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProce
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
 MARKERS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 VOCAB = 49280  # SmolLM2's 49152 tokens, the image and video tokens, room to spare
@@ -198,6 +200,23 @@ INTERNVL_PRE = {
     "image_mean": [0.485, 0.456, 0.406],
     "image_std": [0.229, 0.224, 0.225],
 }
+IDEFICS3_MARKERS = ["<fake_token_around_image>", "<image>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+IDEFICS3_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    image_size=64, patch_size=8,
+)  # fmt: skip
+IDEFICS3_PRE = {  # tiles of 64 pixels, each 16 tokens (8 x 8 patches shuffled 2 x 2)
+    "image_processor_type": "SmolVLMImageProcessor",
+    "size": {"longest_edge": 128},
+    "max_image_size": {"longest_edge": 64},
+}
+IDEFICS3_CLASSES = {  # the checkpoints of the tests: (config, model, its tower's settings)
+    "smolvlm": (hf.SmolVLMConfig, hf.SmolVLMForConditionalGeneration, {}),
+    # a tower of 7 x 7 positions under tiles of 8 x 8 patches: positions bucketed
+    "idefics3": (hf.Idefics3Config, hf.Idefics3ForConditionalGeneration, {"image_size": 56}),
+}
 CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
@@ -213,6 +232,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_glm4v_checkpoint(root, model_dir, family)
     if family.startswith("internvl"):
         return build_internvl_checkpoint(root, model_dir, family)
+    if family in IDEFICS3_CLASSES:
+        return build_idefics3_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -404,6 +425,24 @@ def build_internvl_checkpoint(root, model_dir, name: str = "internvl"):
     return built(root, name, model_cls, config, tokenizer, INTERNVL_PRE, norm_around_one)
 
 
+def build_idefics3_checkpoint(root, model_dir, name: str = "smolvlm"):
+    """SmolVLM (as `idefics3`, Idefics3): SigLIP over tiles of 64 pixels (an image scaled to
+    128 on its longer side, cut into two by two or one by two tiles and the whole image), 2x2
+    pixel shuffle, a Llama language model."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_MARKERS})
+    config_cls, model_cls, vision = IDEFICS3_CLASSES[name]
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = config_cls(
+        text_config={**TEXT, **ends, "model_type": "llama"},
+        vision_config={**IDEFICS3_VISION, **vision},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        **ends,
+    )
+    return built(root, name, model_cls, config, tokenizer, IDEFICS3_PRE, norm_around_one)
+
+
 def norm_around_one(name: str, tensor: torch.Tensor) -> None:
     tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
 
@@ -441,6 +480,8 @@ def image_processor(path):
         return GotOcr2ImageProcessorPil(**pre)
     if kind == "Glm4vImageProcessor":
         return Glm4vImageProcessorPil(**pre)
+    if kind == "SmolVLMImageProcessor":  # with each image's rows and columns of tiles
+        return SmolVLMImageProcessorPil(**pre, return_row_col_info=True)
     if kind == "PixtralImageProcessor":  # as PixtralProcessor calls it: patches of merged size
         merged = (
             pre.pop("patch_size")
@@ -455,7 +496,7 @@ def marker(model) -> list[int]:
     c = model.config
     if c.model_type == "gemma3":
         return [c.boi_token_index]
-    if c.model_type in ("gemma4", "mistral3", "internvl"):
+    if c.model_type in ("gemma4", "mistral3", "internvl", "smolvlm", "idefics3"):
         return [c.image_token_id]
     if c.model_type in GLM4V_CLASSES:
         return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
@@ -492,6 +533,8 @@ def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: 
         extra["mm_token_type_ids"] = (input_ids == image).long()
     elif model.config.model_type == "mistral3":
         extra["image_sizes"] = out["image_sizes"]
+    elif model.config.model_type in IDEFICS3_CLASSES:
+        extra["pixel_attention_mask"] = out["pixel_attention_mask"]
     elif model.config.model_type != "internvl":  # InternVL: the pixels alone
         extra["image_grid_thw"] = out["image_grid_thw"]
         extra["mm_token_type_ids"] = (input_ids == image).int()
@@ -521,6 +564,8 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
         return pixtral_expanded(c, path, prompt_ids, iter(out["image_sizes"].tolist()))
     elif c.model_type == "internvl":
         return internvl_expanded(c, path, prompt_ids, iter(out["num_patches"].tolist()))
+    elif c.model_type in IDEFICS3_CLASSES:
+        return idefics3_expanded(c, path, prompt_ids, out)
     else:
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         place, after = c.image_token_id, []
@@ -556,6 +601,23 @@ def internvl_expanded(c, path, prompt_ids: list[int], tiles) -> list[int]:
             if t == c.image_token_id
             else [t]
         )
+    return ids
+
+
+def idefics3_expanded(c, path, prompt_ids: list[int], out) -> list[int]:
+    """Each image token as SmolVLM's (and Idefics3's) processor writes it: its tiles' text from
+    `get_image_prompt_string`, tokenized."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(path)
+    pre = json.loads((path / "preprocessor_config.json").read_text())
+    per_tile = (pre["max_image_size"]["longest_edge"] // c.vision_config.patch_size // 2) ** 2
+    sizes = iter(zip(out["rows"][0], out["cols"][0]))
+    ids = []
+    for t in prompt_ids:
+        if t != c.image_token_id:
+            ids.append(t)
+            continue
+        text = get_image_prompt_string(*next(sizes), per_tile, *IDEFICS3_MARKERS[:3])
+        ids += tokenizer.encode(text, add_special_tokens=False)
     return ids
 
 

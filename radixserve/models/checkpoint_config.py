@@ -23,6 +23,8 @@ VISION_LANGUAGE = {
     "Glm4vMoeForConditionalGeneration": {},
     "Glm46VForConditionalGeneration": {},
     "InternVLForConditionalGeneration": {},
+    "Idefics3ForConditionalGeneration": {},
+    "SmolVLMForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }
@@ -46,6 +48,7 @@ VISION_KEYS = (
     "multimodal_projector_bias",
     "downsample_ratio",
     "vision_feature_select_strategy",
+    "scale_factor",
 )
 # configs that name transformers' fields their own way: model_type -> {their key: HF's}
 CONFIG_ALIASES = {

@@ -6,7 +6,13 @@ from __future__ import annotations
 from ..quant import UnsupportedQuantization, scheme_of
 from .registry import PARTIAL_ROTARY, UnsupportedModel, architecture_of, class_name_of
 
-INTERNVL_TEXT = ("qwen2", "llama", "qwen3", "qwen3_moe")  # the language models under InternVL
+# vision-language architectures over a choice of language models: (name, the text config
+# types implemented)
+LANGUAGE_MODELS = {
+    "InternVLForConditionalGeneration": ("InternVL", ("qwen2", "llama", "qwen3", "qwen3_moe")),
+    "Idefics3ForConditionalGeneration": ("Idefics3", ("llama",)),
+    "SmolVLMForConditionalGeneration": ("SmolVLM", ("llama",)),
+}
 V4_SCORES = ("sqrtsoftplus", "sigmoid")  # DeepSeek-V4's router scores
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu2"}
@@ -43,6 +49,8 @@ def check_supported(hf: dict) -> None:
         _check_deepseek_v4(hf)
     if architecture_of(hf) in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
         _check_gemma4(hf)
+    if architecture_of(hf) in LANGUAGE_MODELS:
+        _check_language_model(hf, *LANGUAGE_MODELS[architecture_of(hf)])
     if architecture_of(hf) == "InternVLForConditionalGeneration":
         _check_internvl(hf)
     known = ACTIVATIONS | OWN_ACTIVATIONS.get(architecture_of(hf), set())
@@ -54,14 +62,17 @@ def check_supported(hf: dict) -> None:
             )
 
 
-def _check_internvl(hf: dict) -> None:
-    """InternVL's language model, and the features it takes of the tower (its patches')."""
+def _check_language_model(hf: dict, name: str, implemented: tuple[str, ...]) -> None:
     text_type = hf.get("model_type")
-    if text_type not in INTERNVL_TEXT:
+    if text_type not in implemented:
         raise UnsupportedModel(
-            f"config.json: InternVL over a {text_type!r} language model is not implemented; "
-            f"supported: {', '.join(INTERNVL_TEXT)}"
+            f"config.json: {name} over a {text_type!r} language model is not implemented; "
+            f"supported: {', '.join(implemented)}"
         )
+
+
+def _check_internvl(hf: dict) -> None:
+    """The features InternVL takes of its tower (its patches')."""
     strategy = hf.get("vision_feature_select_strategy", "default")
     if strategy != "default":
         raise UnsupportedModel(

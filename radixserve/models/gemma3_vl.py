@@ -16,7 +16,7 @@ from ..distributed import TPGroup
 from .decoder import Attention, swap_prefix
 from .gemma import Gemma3ForCausalLM, GemmaNorm, attend_whole_images
 from .layers import StepImages
-from .qwen_vision import activation
+from .siglip import SiglipTower
 
 # the checkpoint's names for its parts (newer and older transformers) -> ours
 PREFIXES = (
@@ -31,60 +31,21 @@ PREFIXES = (
 )
 
 
-class SiglipLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, act: str, eps: float):
-        super().__init__()
-        self.heads = heads
-        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
-        self.self_attn = nn.Module()
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            setattr(self.self_attn, name, nn.Linear(dim, dim))
-        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = nn.Module()
-        self.mlp.fc1, self.mlp.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, (n, t, d) = self.self_attn, x.shape
-        h = self.layer_norm1(x)
-        q, k, v = (
-            p(h).view(n, t, self.heads, -1).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj)
-        )
-        x = x + a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, d))
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.layer_norm2(x))))
-
-
-class Gemma3VisionTower(nn.Module):
+class Gemma3VisionTower(SiglipTower):
     """`vision_tower.*` and `multi_modal_projector.*` of the checkpoint; SigLIP's pooling head
     is not used."""
 
     def __init__(self, vc: dict, text_hidden: int, tokens_per_image: int):
-        super().__init__()
-        dim, eps = vc["hidden_size"], vc.get("layer_norm_eps", 1e-6)
-        self.size, patch = vc.get("image_size", 896), vc.get("patch_size", 14)
-        self.side = self.size // patch
+        super().__init__({"image_size": 896, **vc})
+        dim = vc["hidden_size"]
         self.pool = self.side // int(tokens_per_image**0.5)
-        self.embeddings = nn.Module()
-        self.embeddings.patch_embedding = nn.Conv2d(vc.get("num_channels", 3), dim, patch, patch)
-        self.embeddings.position_embedding = nn.Embedding(self.side * self.side, dim)
-        act = vc.get("hidden_act", "gelu_pytorch_tanh")
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(
-            SiglipLayer(dim, vc["num_attention_heads"], vc["intermediate_size"], act, eps)
-            for _ in range(vc["num_hidden_layers"])
-        )
-        self.post_layernorm = nn.LayerNorm(dim, eps=eps)
-        self.norm = GemmaNorm(dim, eps)
+        self.norm = GemmaNorm(dim, vc.get("layer_norm_eps", 1e-6))
         self.projection = nn.Parameter(torch.zeros(dim, text_hidden))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`[images, C x H x W]` -> `[images x tokens_per_image, text_hidden]`."""
-        conv = self.embeddings.patch_embedding
-        x = conv(pixels.view(-1, conv.in_channels, self.size, self.size).to(conv.weight.dtype))
-        x = x.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight
-        for layer in self.encoder.layers:
-            x = layer(x)
-        x = self.post_layernorm(x)
+        channels = self.embeddings.patch_embedding.in_channels
+        x = self.encode(pixels.view(-1, channels, self.size, self.size))
         n, _, d = x.shape
         grid = x.transpose(1, 2).reshape(n, d, self.side, self.side)
         pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2).reshape(-1, d)

@@ -17,6 +17,7 @@ from .decoder import swap_prefix
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 from .qwen_vision import activation
+from .siglip import pixel_shuffle
 
 # the checkpoint's names for its parts (as transformers loads them, and as it saves them) -> ours
 PREFIXES = (
@@ -139,10 +140,7 @@ class InternVLVision(nn.Module):
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         """`[tiles, 3, size, size]` -> the tiles' tokens in turn `[tiles x tokens, hidden]`."""
         x = self.tower(tiles)[:, 1:]  # the class token dropped (`config_checks.check_supported`)
-        n, side, s = x.shape[0], int(x.shape[1] ** 0.5), self.shuffle
-        # transformers' pixel_shuffle: token (a, b) joins patches (a*s + i, b*s + j), i outer
-        x = x.reshape(n, side // s, s, side // s, s, -1).permute(0, 1, 3, 2, 4, 5)
-        x = x.reshape(n * (side // s) ** 2, -1)
+        x = pixel_shuffle(x, self.shuffle)
         pr = self.projector
         return pr.linear_2(self.act(pr.linear_1(pr.layer_norm(x))))
 

@@ -5,7 +5,7 @@ block concatenated and merged, two linears around an activation) over a Mistral,
 Mistral 4 language model.
 
 An image spans rows of tokens, each row its features then a row-break token, the last break an
-image-end token (`multimodal.processing.image_span`). The break and end tokens stay text: a
+image-end token (`multimodal.expansion.image_span`). The break and end tokens stay text: a
 step's image rows that hold a vocabulary token keep that token's embedding."""
 
 from __future__ import annotations

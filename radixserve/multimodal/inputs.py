@@ -11,8 +11,9 @@ from typing import Any
 
 from ..messages import ImageInput
 from .cache import BoundedCache
+from .expansion import FAKE_TOKEN, GLOBAL_TOKEN, expand_media
 from .media import MediaError, MediaPolicy, decode_image, load_image_plugins
-from .processing import Media, expand_media, preprocess
+from .processing import Media, preprocess
 from .spec import VisionSpec
 from .video import decode_video, preprocess_video
 
@@ -137,8 +138,12 @@ class MediaInputs:
 
 
 # the tokens a family's images need of the tokenizer: Pixtral's row break and image end,
-# InternVL's start and end around an image
-TOKENIZER_MARKERS = {"pixtral": ("[IMG_BREAK]", "[IMG_END]"), "internvl": ("<img>", "</img>")}
+# InternVL's start and end around an image, Idefics3's around each tile and the whole image
+TOKENIZER_MARKERS = {
+    "pixtral": ("[IMG_BREAK]", "[IMG_END]"),
+    "internvl": ("<img>", "</img>"),
+    "idefics3": (FAKE_TOKEN, GLOBAL_TOKEN),
+}
 
 
 def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
@@ -160,6 +165,11 @@ def with_tokenizer_ids(spec: VisionSpec, tokenizer: Any) -> VisionSpec:
         raise ValueError(f"the tokenizer has no {names[0]} and {names[1]} tokens for images")
     if spec.family == "internvl":
         return replace(spec, before=(ids[0],), after=(ids[1],))
+    if spec.family == "idefics3":
+        text = tokenizer.convert_ids_to_tokens(spec.image_token_id)
+        if tokenizer.encode(text, add_special_tokens=False) != [spec.image_token_id]:
+            raise ValueError(f"the tokenizer has no token of its own for image_token_id {text!r}")
+        return replace(spec, image_text=text)
     return replace(spec, row_break_id=ids[0], image_end_id=ids[1])
 
 

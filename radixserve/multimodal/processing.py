@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from .spec import SECONDS, VisionSpec
+from .spec import VisionSpec
 
 IMAGE_ID_BASE = 1 << 30  # above every vocabulary; below 2**31
 IMAGE_ID_SPAN = (1 << 31) - 1 - IMAGE_ID_BASE
@@ -49,9 +49,11 @@ def is_image_token(token: int) -> bool:
     return token >= IMAGE_ID_BASE
 
 
-def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage:
+def preprocess(image: Image.Image, spec: VisionSpec) -> ProcessedImage | ProcessedTiles:
     """The image resized as its family does (`LAYOUTS`), scaled to [0, 1] (x 1/255 in float64,
-    then float32), normalized, and cut into what the tower takes."""
+    then float32), normalized, and cut into what the tower takes (Idefics3: `split_tiles`)."""
+    if spec.family == "idefics3":
+        return split_tiles(image, spec)
     layout = LAYOUTS[spec.family]
     height, width = layout.size(image.height, image.width, spec)
     resized = np.asarray(image.resize((width, height), resample=spec.resample))
@@ -274,61 +276,78 @@ class ProcessedVideo:
         return sum(part.nbytes for part in self.parts)
 
 
-Media = ProcessedImage | ProcessedVideo
+@dataclass(frozen=True)
+class ProcessedTiles:
+    """Idefics3: an image's tiles row by row, then the whole image at one tile's size; each its
+    own part of the prompt (where the image is not cut, the whole image alone: no rows)."""
+
+    parts: list[ProcessedImage]
+    rows: int
+    columns: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
 
-def expand_media(
-    ids: list[int], media: list[Media], spec: VisionSpec, words: Callable[[str], list[int]]
-) -> tuple[list[int], list[tuple[ProcessedImage, int]]]:
-    """The prompt with each image placeholder replaced by `spec.before`, the image's tokens and
-    `spec.after`, each video placeholder by its parts' tokens (Qwen3-VL: each part after the
-    tokens of its time, `words(text)`, between its own start and end tokens); and where each
-    image or part starts. ValueError when the prompt holds another number of placeholders."""
-    images = [m for m in media if isinstance(m, ProcessedImage)]
-    videos = [m for m in media if isinstance(m, ProcessedVideo)]
-    video_id = spec.video.token_id if spec.video is not None else None
-    for kind, items, token in (("image", images, spec.placeholder_id), ("video", videos, video_id)):
-        found = sum(t == token for t in ids) if token is not None else 0
-        if found != len(items):
-            raise ValueError(f"the prompt has {found} {kind} placeholders for {len(items)} {kind}s")
-    out: list[int] = []
-    placed: list[tuple[ProcessedImage, int]] = []
-    next_image, next_video, skip = iter(images), iter(videos), -1
-    for i, t in enumerate(ids):
-        if i == skip:
-            continue
-        if t == spec.placeholder_id:
-            image = next(next_image)
-            out += spec.before
-            placed.append((image, len(out)))
-            out += image_span(image, spec) + list(spec.after)
-        elif t == video_id and spec.video.timestamps:
-            after = ids[i + 1 : i + 2] == [spec.end_token_id]
-            if spec.video.timestamps == SECONDS and out[-1:] == [spec.start_token_id] and after:
-                out.pop()  # the chat's start and end around the video: each part has its own
-                skip = i + 1
-            video = next(next_video)
-            for k, (part, seconds) in enumerate(zip(video.parts, video.timestamps)):
-                out += words(part_time(k, seconds, spec.video.timestamps))
-                out.append(spec.start_token_id)
-                placed.append((part, len(out)))
-                out += [part.token_id] * part.tokens + [spec.end_token_id]
-        elif t == video_id:
-            (part,) = next(next_video).parts
-            placed.append((part, len(out)))
-            out += [part.token_id] * part.tokens
-        else:
-            out.append(t)
-    return out, placed
+Media = ProcessedImage | ProcessedVideo | ProcessedTiles
+MAX_SIDE = 4096  # Idefics3's processor scales a longer side down to this first
 
 
-def part_time(index: int, seconds: float, style: str) -> str:
-    """The text before a video's part: Qwen3-VL's `<1.5 seconds>`; Gemma 4's `00:01 ` (minutes
-    and seconds, after a space from the frame before)."""
-    if style == SECONDS:
-        return f"<{seconds:.1f} seconds>"
-    clock = f"{int(seconds // 60):02d}:{int(seconds % 60):02d} "
-    return clock if index == 0 else " " + clock
+def split_tiles(image: Image.Image, spec: VisionSpec) -> ProcessedTiles:
+    """Idefics3's processor step by step: scaled (Lanczos by default) to `longest_edge`, then
+    (`split_tiles`) up to whole tiles and cut into them, the whole image scaled to one tile
+    after them; without splitting the image is scaled straight to one tile."""
+    height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
+    image = image.resize((width, height), resample=spec.resample)
+    side = spec.image_size
+    if spec.split_tiles:
+        height, width = whole_tiles_size(image.height, image.width, side)
+        image = image.resize((width, height), resample=spec.resample)
+    rows, columns = (height // side, width // side) if spec.split_tiles else (1, 1)
+    pictures = [image] if rows * columns == 1 else []
+    if not pictures:
+        boxes = [(c * side, r * side, (c + 1) * side, (r + 1) * side)
+                 for r in range(rows) for c in range(columns)]  # fmt: skip
+        pictures = [image.crop(box) for box in boxes] + [image]
+    pictures[-1] = pictures[-1].resize((side, side), resample=spec.resample)
+    grid, parts = (1, side // spec.patch_size, side // spec.patch_size), []
+    for picture in pictures:
+        pixels = normalized(np.asarray(picture), spec.mean, spec.std).reshape(1, -1)
+        digest = content_digest(pixels, grid)
+        parts.append(ProcessedImage(pixels, grid, spec.tokens_per_image, digest))
+    return ProcessedTiles(parts, *((rows, columns) if len(parts) > 1 else (0, 0)))
+
+
+def longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """The longer side scaled to `longest` (the other truncated, then made even), then both
+    within `MAX_SIDE`, as Idefics3's processor computes them."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_SIDE:
+        width, height = MAX_SIDE, int(MAX_SIDE / aspect)
+    elif height > width and height > MAX_SIDE:
+        height, width = MAX_SIDE, int(MAX_SIDE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def whole_tiles_size(height: int, width: int, side: int) -> tuple[int, int]:
+    """Both sides up to whole tiles: the longer first, the other from the aspect ratio."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / side) * side
+        height = math.ceil(int(width / aspect) / side) * side
+    else:
+        height = math.ceil(height / side) * side
+        width = math.ceil(int(height * aspect) / side) * side
+    return height, width
 
 
 # each family's Layout (multimodal.spec.FAMILIES names the families)
@@ -341,14 +360,3 @@ LAYOUTS = {
     "glm4v": Layout(glm4v_size, merged_patches),
     "internvl": Layout(tiled_size, square_tiles, thumbnail=True),
 }
-
-
-def image_span(image: ProcessedImage, spec: VisionSpec) -> list[int]:
-    """The prompt tokens an image becomes: its hash token `image.tokens` times, or (Pixtral)
-    rows of them each ended by the row-break token, the last row by the image-end token."""
-    if spec.row_break_id is None:
-        return [image.token_id] * image.tokens
-    columns = image.grid[2] // spec.merge_size
-    rows = image.tokens // (columns + 1)
-    span = ([image.token_id] * columns + [spec.row_break_id]) * rows
-    return span[:-1] + [spec.image_end_id]

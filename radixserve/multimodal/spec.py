@@ -24,10 +24,12 @@ FAMILIES = {
     "Glm4vMoeForConditionalGeneration": "glm4v",
     "Glm46VForConditionalGeneration": "glm4v",
     "InternVLForConditionalGeneration": "internvl",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "SmolVLMForConditionalGeneration": "idefics3",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-BICUBIC, BILINEAR = 3, 2  # PIL's resampling filter numbers
+LANCZOS, BICUBIC, BILINEAR = 1, 3, 2  # PIL's resampling filter numbers
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma4")
 # HF's image processors' pixel budgets (min, max) where the config names none (GLM-4.xV's
 # counts each image twice: as two frames of one temporal patch)
@@ -123,8 +125,11 @@ class VisionSpec:
     tokens_per_image: int = 0  # a fixed number of tokens an image (a tile) becomes
     max_tiles: int = 0  # InternVL: the most tiles an image is cut into (a thumbnail after them)
     min_tiles: int = 0
+    # Idefics3's `do_image_splitting`: cut into tiles with the whole image after them (else
+    # the whole image alone at one tile's size)
+    split_tiles: bool = False
     max_soft_tokens: int = 0  # the most tokens an image becomes (Gemma 4; merge_size pools)
-    longest_edge: int = 0  # the longest side an image is scaled down to (Pixtral)
+    longest_edge: int = 0  # the longest side an image is scaled to (Pixtral: down; Idefics3)
     # the tokens ending each row of an image's tokens and the image (Pixtral's row break and
     # image end; the api process fills in their ids)
     row_break_id: int | None = None
@@ -136,6 +141,9 @@ class VisionSpec:
     before: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
     video: VideoSpec | None = None  # None: the family takes no videos
+    # Idefics3: the image token's text, for the prompt of an image's tiles that is written out
+    # and tokenized (the api process fills it in)
+    image_text: str = ""
 
     @classmethod
     def of(cls, hf: dict, folder: Path | None) -> VisionSpec | None:
@@ -154,6 +162,8 @@ class VisionSpec:
             return cls._pixtral(hf, vision, pre)
         if family == "internvl":
             return cls._internvl(hf, vision, pre)
+        if family == "idefics3":
+            return cls._idefics3(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         low, high = PIXEL_BUDGETS.get(family, (56 * 56, 28 * 28 * 1280))
@@ -291,6 +301,36 @@ class VisionSpec:
             placeholder_id=image,
         )
 
+    @classmethod
+    def _idefics3(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
+        """Scaled to `size.longest_edge`, then up to whole tiles of `max_image_size`; cut into
+        them (`do_image_splitting`) and the whole image at one tile's size after them; each
+        tile's patches pixel-shuffled `scale_factor` x `scale_factor` into one token."""
+        tile = int((pre.get("max_image_size") or {}).get("longest_edge", 364))
+        longest = int((pre.get("size") or {}).get("longest_edge", 4 * 364))
+        patch, shuffle = int(vision.get("patch_size", 32)), int(hf.get("scale_factor", 2))
+        image = int(hf.get("image_token_id", 128257))
+        return cls(
+            family="idefics3",
+            image_token_id=image,
+            start_token_id=None,
+            end_token_id=None,
+            patch_size=patch,
+            temporal_patch_size=1,
+            merge_size=shuffle,
+            min_pixels=0,
+            max_pixels=0,
+            mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+            std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+            resample=int(pre.get("resample", LANCZOS)),
+            mrope=False,
+            image_size=tile,
+            tokens_per_image=(tile // patch // shuffle) ** 2,
+            split_tiles=bool(pre.get("do_image_splitting", True)),
+            longest_edge=longest,
+            placeholder_id=image,
+        )
+
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this many pixels."""
@@ -298,7 +338,7 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        if self.family in ("gemma3", "gemma4", "pixtral", "internvl"):
+        if self.family in ("gemma3", "gemma4", "pixtral", "internvl", "idefics3"):
             return [self.placeholder_id]
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]
