@@ -157,6 +157,11 @@ FAMILIES = {
         dict(head_dim=16, rope_parameters=dict(BETA_SCALED_YARN)),
     ),
     "apertus": (hf.ApertusConfig, hf.ApertusForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
+    "apertus1p5_text": (  # its head pruned to the first 400 ids
+        hf.Apertus1p5TextConfig,
+        hf.Apertus1p5TextForCausalLM,
+        dict(rope_parameters=LLAMA3_ROPE, output_vocab_size=400),
+    ),
     "hunyuan_v1_dense": (
         hf.HunYuanDenseV1Config,
         hf.HunYuanDenseV1ForCausalLM,
@@ -1045,6 +1050,15 @@ LLAMA4_WHOLE = dict(
         projector_output_dim=32,
     ),
 )  # fmt: skip
+APERTUS1P5_WHOLE = dict(  # visual codes 410..441, audio codes 442..473 of the vocabulary
+    text_config={**COMMON, **FAMILIES["apertus1p5_text"][2]},
+    vision_config=dict(
+        codebook_size=32, embed_dim=32, latent_channels=32, base_channels=32,
+        channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[], resolution=32,
+    ),
+    audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=32),
+    image_token_id=401, audio_token_id=402, image_token_offset=410, audio_token_offset=442,
+)  # fmt: skip
 MULTIMODAL = {
     "gemma4": (hf.Gemma4Config, hf.Gemma4ForConditionalGeneration, GEMMA4_WHOLE),
     "gemma4_no_tower": (
@@ -1053,20 +1067,36 @@ MULTIMODAL = {
         dict(GEMMA4_WHOLE, vision_config=None),
     ),
     "llama4": (hf.Llama4Config, hf.Llama4ForConditionalGeneration, LLAMA4_WHOLE),
+    "apertus1p5": (hf.Apertus1p5Config, hf.Apertus1p5ForConditionalGeneration, APERTUS1P5_WHOLE),
 }
 
 
 @pytest.mark.parametrize("family", list(MULTIMODAL))
 def test_multimodal_checkpoints_answer_text_as_hf(tmp_path, family):
-    """Gemma 4 and Llama 4 ship as `...ForConditionalGeneration`: Gemma 4 served with its
-    vision tower (images: tests/test_vision_models.py) or as its language model where the
-    checkpoint has none, Llama 4 as its language model (tower and projector skipped); HF's
-    whole model fed text alone gives the same greedy tokens, fresh and from the cache."""
+    """Gemma 4, Llama 4 and Apertus 1.5 ship as `...ForConditionalGeneration`: Gemma 4 served
+    with its vision tower (images: tests/test_vision_models.py) or as its language model where
+    the checkpoint has none, Llama 4 as its language model (tower and projector skipped),
+    Apertus 1.5 as its language model (image and audio tokenizers skipped; its head pruned);
+    HF's whole model fed text alone gives the same greedy tokens, fresh and from the cache."""
     model, path = build_checkpoint(tmp_path, family, MULTIMODAL, {})
     want = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     fresh, cached = served_twice(path)
     assert fresh == want
     assert cached == want
+
+
+def test_a_pruned_head_never_gives_the_ids_it_pruned(tmp_path):
+    """Apertus 1.5's head keeps the first 400 of 512 ids: an id past it, biased all the way up,
+    still never comes, and penalties over prompt ids past it run; greedy stays HF's."""
+    model, path = build_checkpoint(tmp_path, "apertus1p5_text")
+    ids = [450, 451, 452] + PROMPTS[1]
+    want = hf_greedy(model, ids, NEW_TOKENS)
+    params = {**GREEDY, "logit_bias": {"450": 100.0}}
+    with Engine(model=str(path), max_total_tokens=1024, dtype="float32") as eng:
+        assert eng.generate(input_ids=ids, sampling_params=params)["output_ids"] == want
+        params = {**GREEDY, "repetition_penalty": 1.3, "max_new_tokens": 4}
+        out = eng.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    assert len(out) == 4 and max(out) < 400
 
 
 def test_gemma4_refuses_what_its_pool_of_two_head_dims_does_not_run_with(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 TEXT_OF_MULTIMODAL = {
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
 }
 # vision-language checkpoints served whole: the config keys of the top level they keep
 VISION_LANGUAGE = {

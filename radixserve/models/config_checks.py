@@ -16,7 +16,8 @@ LANGUAGE_MODELS = {
 V4_SCORES = ("sqrtsoftplus", "sigmoid")  # DeepSeek-V4's router scores
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu2"}
-OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}}  # learned ones, the family's own module
+# learned ones, the family's own module
+OWN_ACTIVATIONS = {"ApertusForCausalLM": {"xielu"}, "Apertus1p5TextForCausalLM": {"xielu"}}
 
 
 def check_supported(hf: dict) -> None:

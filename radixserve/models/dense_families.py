@@ -315,6 +315,29 @@ class ApertusForCausalLM(RecipeCausalLM):
         return ApertusMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
 
 
+class Apertus1p5ForCausalLM(ApertusForCausalLM):
+    """Apertus 1.5's language model (alone, or in its multimodal checkpoint under
+    `model.language_model.`; the image and audio tokenizers are not served): Apertus, its head
+    possibly pruned to the first `output_vocab_size` ids (the others' logits are -inf)."""
+
+    NOT_TEXT = ("model.vision_tokenizer.", "model.audio_tokenizer.")
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()):
+        super().__init__(cfg, max_positions, tp)
+        self.kept = self.hf.get("output_vocab_size") or cfg.vocab_size
+        self.lm_head = Linear(cfg.hidden_size, self.kept)
+
+    def rename(self, name: str) -> str | None:
+        if name.startswith(self.NOT_TEXT):
+            return None
+        return super().rename(name.replace("model.language_model.", "model.", 1))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        pruned = self.cfg.vocab_size - self.kept
+        return F.pad(logits, (0, pruned), value=float("-inf")) if pruned else logits
+
+
 class HunYuanDenseV1ForCausalLM(RecipeCausalLM):
     """Llama with q and k normed per head after the rotary (`query_layernorm`,
     `key_layernorm`); its rotary may stretch the base by a fixed NTK `alpha`."""
