@@ -85,3 +85,37 @@ def test_cache_batch_and_chunking_never_change_an_answer(model_dir, tmp_path, dt
 def test_options_it_cannot_keep_deterministic_are_refused(model_dir):
     with pytest.raises(ValueError, match="enable_torch_compile with enable_deterministic"):
         Engine(model=model_dir, enable_deterministic_inference=True, enable_torch_compile=True)
+
+
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("qwen3_5_text", "float32"), ("qwen3_5_text", "bfloat16"), ("nemotron_h", "float32")],
+)
+def test_a_hybrids_answer_never_changes_with_cache_batch_or_chunking(tmp_path, family, dtype):
+    """A hybrid's recurrent layers (Gated DeltaNet and short convolutions; Mamba2) run a token
+    at a time: resumed from a snapshot, inside a batch of 8 or in other chunks, its answer is
+    the same bit for bit (its states float32, its model float32 or bf16)."""
+    import test_model_families as families
+    from test_hybrid_models import COMMON, FAMILIES
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    table = {family: (config_cls, model_cls, {**extra, "head_dim": 32})}  # the kernels' least
+    _, path = families.build_checkpoint(tmp_path, family, table, COMMON)
+    common = dict(
+        model=str(path),
+        dtype=dtype,
+        max_total_tokens=4096,
+        enable_deterministic_inference=True,
+        mamba_track_interval=24,
+    )
+    seen = {}
+    with Engine(chunked_prefill_size=64, **common) as engine:
+        _, seen["alone"] = run(engine, [PROMPT])
+        meta, seen["radix cache"] = run(engine, [PROMPT])
+        assert meta["meta_info"]["cached_tokens"] >= len(PROMPT) - 64
+    with Engine(chunked_prefill_size=64, **common) as engine:
+        _, seen["batch of 8"] = run(engine, [PROMPT, *OTHERS])
+    with Engine(chunked_prefill_size=48, **common) as engine:
+        _, seen["chunks of 48"] = run(engine, [PROMPT])
+    differing = [name for name, got in seen.items() if got != seen["alone"]]
+    assert not differing, {name: seen[name] for name in ["alone", *differing]}

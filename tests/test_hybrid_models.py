@@ -490,8 +490,11 @@ def test_lora_adapters_on_a_hybrid_match_hf_merged_and_keep_their_own_snapshots(
 @pytest.mark.parametrize(
     "option,flag",
     [
-        (dict(enable_deterministic_inference=True), "enable_deterministic_inference"),
         (dict(enable_torch_compile=True), "enable_torch_compile"),
+        (
+            dict(enable_deterministic_inference=True, mamba_ssm_dtype="bfloat16"),
+            "mamba_ssm_dtype other than float32 with enable_deterministic_inference",
+        ),
     ],
 )
 def test_what_hybrid_models_do_not_run_yet_is_refused_by_name(tmp_path, option, flag):

@@ -82,6 +82,8 @@ class EngineArgs(DecodingOptions, ParallelOptions, CacheOptions, ScheduleOptions
                 ("speculative_algorithm", self.speculative_algorithm is not None),
                 ("lora_paths / enable_lora", self.enable_lora or bool(self.lora_paths)),
                 ("tp_size", self.tp_size > 1),
+                # states rounded where a chunk ends would depend on where chunks end
+                ("mamba_ssm_dtype other than float32", self.mamba_ssm_dtype != "float32"),
             ):
                 if value:
                     yield f"{name} with enable_deterministic_inference is not supported"

@@ -6,11 +6,13 @@ request (`recurrent.RecurrentStates`, shared by the model's layers), chosen by t
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from ..attention import AttentionInputs
 from ..distributed import TPGroup
 from ..model_config import ModelConfig, is_attention_layer, layer_types_of
 from .decoder import CausalLM, DecoderLayer
@@ -51,6 +53,15 @@ class HybridCausalLM(CausalLM):
         mixers = [m for m in self.modules() if m is not self and hasattr(m, "state_bytes")]
         return sum(m.state_bytes(dtype) for m in mixers)
 
+    def run_mixers_a_token_at_a_time(self) -> None:
+        """Deterministic inference: each stateful mixer runs the step's tokens one at a time
+        (`one_token_at_a_time`), so its every op sees the same shapes whatever the batch
+        around a request and wherever its chunks or cached prefix end (torch's vectorized
+        elementwise ops give other bits in a tensor's tail than in its body)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "state_bytes"):
+                module.forward = one_token_at_a_time(module.forward)
+
     def make_attention(self, kv_index: int, i: int) -> nn.Module:
         raise NotImplementedError
 
@@ -59,6 +70,41 @@ class HybridCausalLM(CausalLM):
 
     def make_decoder_layer(self, i: int, mixer: nn.Module) -> nn.Module:
         return DecoderLayer(self.cfg, i, self.tp, mixer, self.make_mlp(i))
+
+
+@dataclass
+class OneTokenStep:
+    """What a stateful mixer reads of the attention backend: the step's inputs (here, one
+    token's)."""
+
+    inputs: AttentionInputs
+
+
+def one_token_at_a_time(forward):
+    """A stateful mixer's `forward(x, ropes, backend)` over the step's tokens one at a time,
+    each a one-token segment of its request continuing the state the previous one left."""
+
+    def run(x: torch.Tensor, ropes, backend) -> torch.Tensor:
+        inputs, outputs, start = backend.inputs, [], 0
+        segments = zip(inputs.extend_lens.tolist(), inputs.prefix_lens.tolist())
+        for b, (length, prefix) in enumerate(segments):
+            for t in range(start, start + length):
+                seen = prefix + t - start + 1
+                one = replace(
+                    inputs,
+                    is_decode=seen > 1,
+                    out_cache_loc=inputs.out_cache_loc[t : t + 1],
+                    rows=inputs.rows[b : b + 1],
+                    seq_lens=inputs.seq_lens.new_tensor([seen]),
+                    extend_lens=inputs.extend_lens.new_tensor([1]),
+                    max_seq_len=seen,
+                    max_extend_len=1,
+                )
+                outputs.append(forward(x[t : t + 1], ropes, OneTokenStep(one)))
+            start += length
+        return torch.cat(outputs)
+
+    return run
 
 
 def joined_convolutions(weights: Iterable[tuple[str, torch.Tensor]]):

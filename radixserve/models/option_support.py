@@ -85,7 +85,6 @@ def _recurrent_problems(cfg: ModelConfig, args: EngineArgs):
         ("tp_size", args.tp_size > 1 and cfg.architecture not in SHARDED_HYBRIDS),
         ("speculative_algorithm at tp_size > 1", spec and args.tp_size > 1),
         ("enable_hierarchical_cache at tp_size > 1", tiers and args.tp_size > 1),
-        ("enable_deterministic_inference", args.enable_deterministic_inference),
         ("enable_torch_compile", args.enable_torch_compile),
     ):
         if on:

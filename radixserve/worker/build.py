@@ -138,6 +138,8 @@ def state_pool(
     if not model.cfg.keeps_state:
         return None
     model.states.ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
+    if args.enable_deterministic_inference:
+        model.run_mixers_a_token_at_a_time()
     size = model.state_bytes(dtype)
     rows = model.states.rows = args.max_running_requests
     count = args.max_mamba_cache_size
