@@ -1,6 +1,8 @@
-"""The cost of `--enable-deterministic-inference` on the bundled model, per dtype.
+"""The cost of `--enable-deterministic-inference` on the bundled model, per dtype; with
+`--hybrid`, on bench/hybrid.py's random Qwen3.5 checkpoint (six Gated DeltaNet layers, two of
+attention), whose stateful layers the flag runs a token at a time.
 
-    python bench/deterministic.py [--dtypes float32 bfloat16] [--out results/deterministic.json]
+    python bench/deterministic.py [--dtypes float32 bfloat16] [--hybrid] [--out FILE]
 
 Eight client threads keep eight requests in flight (256-token random prompts, nothing shared,
 64 output tokens, 32 requests), in-process engines, the radix cache off; then one request of a
@@ -14,6 +16,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from radixserve import Engine
 from radixserve.models.source import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid import build_checkpoint  # noqa: E402
 from lora import output_tok_s  # noqa: E402
 
 CONCURRENCY, REQUESTS, PROMPT, OUTPUT, LONG = 8, 32, 256, 64, 1024
@@ -49,8 +53,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hybrid", action="store_true", help="bench/hybrid.py's Qwen3.5 checkpoint")
     a = ap.parse_args()
-    bundled = str(resolve_model(None).weights_dir)
+    folder = tempfile.mkdtemp(prefix="deterministic-")
+    bundled = str(build_checkpoint(Path(folder)) if a.hybrid else resolve_model(None).weights_dir)
     vocab = json.loads((Path(bundled) / "config.json").read_text())["vocab_size"]
     rows = []
     for dtype in a.dtypes:
