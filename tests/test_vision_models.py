@@ -44,6 +44,7 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5
         "glm46v",
         "internvl",
         "smolvlm",
+        "llava",
     ],
 )
 def served(request, tmp_path_factory, model_dir):
@@ -194,7 +195,7 @@ def test_a_repeated_image_after_other_text_skips_the_tower_and_metrics_count_it(
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral", "glm4v", "internvl"]
+    "family", ["qwen2_5_vl", "gemma3", "gemma4", "pixtral", "glm4v", "internvl", "llava"]
 )
 def test_our_preprocessing_equals_hf_image_processors_bit_for_bit(tmp_path, model_dir, family):
     """The api process decodes, resizes, normalizes and cuts patches in numpy and Pillow (no
@@ -290,6 +291,22 @@ def test_idefics3_tower_positions_equal_hf_where_rounding_moves_them():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_llava_preprocessing_that_is_not_implemented_is_refused_by_name(tmp_path, model_dir):
+    import json
+
+    from radixserve.models.source import resolve_model
+    from radixserve.multimodal.spec import VisionSpec
+
+    _, path = build_vl_checkpoint(tmp_path, "llava", model_dir)
+    hf_config = resolve_model(str(path)).config.hf_config
+    pre_file = path / "preprocessor_config.json"
+    pre = json.loads(pre_file.read_text())
+    for change, named in ((dict(do_pad=True), "do_pad"), (dict(crop_size={"height": 42}), "42")):
+        pre_file.write_text(json.dumps({**pre, **change}))
+        with pytest.raises(ValueError, match=named):
+            VisionSpec.of(hf_config, path)
+
+
 def test_every_vision_family_has_a_preprocessing_layout():
     from radixserve.multimodal.processing import LAYOUTS
     from radixserve.multimodal.spec import FAMILIES
@@ -375,11 +392,14 @@ def test_at_tp_2_images_and_text_match_hf(tmp_path, model_dir, family):
         assert server.stop() == 0, server.log()
 
 
-@pytest.mark.parametrize("family", ["internvl_qwen2", "internvl_qwen3_moe", "idefics3"])
-def test_internvl_over_qwen2_and_qwen3_moe_and_idefics3_match_hf(tmp_path, model_dir, family):
+@pytest.mark.parametrize(
+    "family", ["internvl_qwen2", "internvl_qwen3_moe", "idefics3", "llava_siglip"]
+)
+def test_variants_of_tiled_and_llava_families_match_hf(tmp_path, model_dir, family):
     """InternVL 3 (Qwen2) and InternVL 3.5's MoE (Qwen3-MoE): the class picked by the text
     config's type; an image of several tiles and a thumbnail, fresh and cached, equals HF.
-    Idefics3, its tower's positions bucketed (7 x 7 under tiles of 8 x 8 patches), alike."""
+    Idefics3, its tower's positions bucketed (7 x 7 under tiles of 8 x 8 patches), alike;
+    LLaVA with a SigLIP tower over Qwen2, alike."""
     from radixserve import Engine
 
     model, path = build_vl_checkpoint(tmp_path, family, model_dir)
@@ -394,7 +414,9 @@ def test_internvl_over_qwen2_and_qwen3_moe_and_idefics3_match_hf(tmp_path, model
         assert got["meta_info"]["cached_tokens"] > len(ids)
 
 
-@pytest.mark.parametrize("family, name", [("internvl", "InternVL"), ("smolvlm", "SmolVLM")])
+@pytest.mark.parametrize(
+    "family, name", [("internvl", "InternVL"), ("smolvlm", "SmolVLM"), ("llava", "LLaVA")]
+)
 def test_a_language_model_not_implemented_under_a_tower_is_refused_by_name(
     tmp_path, model_dir, family, name
 ):

@@ -17,6 +17,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
@@ -217,6 +218,15 @@ IDEFICS3_CLASSES = {  # the checkpoints of the tests: (config, model, its tower'
     # a tower of 7 x 7 positions under tiles of 8 x 8 patches: positions bucketed
     "idefics3": (hf.Idefics3Config, hf.Idefics3ForConditionalGeneration, {"image_size": 56}),
 }
+LLAVA_VISION = dict(  # CLIP: 4 x 4 patches of 14 pixels, a class token
+    model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+    num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32,
+)  # fmt: skip
+LLAVA_PRE = {
+    "image_processor_type": "LlavaImageProcessor",
+    "size": {"shortest_edge": 56},
+    "crop_size": {"height": 56, "width": 56},
+}
 CLIP_BOUNDS = {"input_min": -2.0, "input_max": 2.0, "output_min": -3.0, "output_max": 3.0}
 
 
@@ -234,6 +244,8 @@ def build_vl_checkpoint(root, family: str, model_dir):
         return build_internvl_checkpoint(root, model_dir, family)
     if family in IDEFICS3_CLASSES:
         return build_idefics3_checkpoint(root, model_dir, family)
+    if family.startswith("llava"):
+        return build_llava_checkpoint(root, model_dir, family)
     config_cls, model_cls, text, vision, patch = FAMILIES[family]
     tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -443,6 +455,26 @@ def build_idefics3_checkpoint(root, model_dir, name: str = "smolvlm"):
     return built(root, name, model_cls, config, tokenizer, IDEFICS3_PRE, norm_around_one)
 
 
+def build_llava_checkpoint(root, model_dir, name: str = "llava"):
+    """LLaVA 1.5's layout: CLIP (its second-to-last layer's patches), a two-layer projector, a
+    Llama language model; as `llava_siglip`, a SigLIP tower (its last layer's patches, all
+    kept) over Qwen2."""
+    tokenizer = hf.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    siglip = name == "llava_siglip"
+    vision = dict(LLAVA_VISION, model_type="siglip_vision_model") if siglip else LLAVA_VISION
+    config = hf.LlavaConfig(
+        text_config={**TEXT, **ends, "model_type": "qwen2" if siglip else "llama"},
+        vision_config={k: v for k, v in vision.items() if not (siglip and k == "projection_dim")},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        **(dict(vision_feature_layer=-1, vision_feature_select_strategy="full") if siglip else {}),
+        **ends,
+    )
+    model_cls = hf.LlavaForConditionalGeneration
+    return built(root, name, model_cls, config, tokenizer, LLAVA_PRE, norm_around_one)
+
+
 def norm_around_one(name: str, tensor: torch.Tensor) -> None:
     tensor.normal_(1.0, 0.1) if "norm" in name else tensor.normal_(0, 0.2)
 
@@ -480,6 +512,8 @@ def image_processor(path):
         return GotOcr2ImageProcessorPil(**pre)
     if kind == "Glm4vImageProcessor":
         return Glm4vImageProcessorPil(**pre)
+    if kind == "LlavaImageProcessor":
+        return LlavaImageProcessorPil(**pre)
     if kind == "SmolVLMImageProcessor":  # with each image's rows and columns of tiles
         return SmolVLMImageProcessorPil(**pre, return_row_col_info=True)
     if kind == "PixtralImageProcessor":  # as PixtralProcessor calls it: patches of merged size
@@ -496,7 +530,7 @@ def marker(model) -> list[int]:
     c = model.config
     if c.model_type == "gemma3":
         return [c.boi_token_index]
-    if c.model_type in ("gemma4", "mistral3", "internvl", "smolvlm", "idefics3"):
+    if c.model_type in ("gemma4", "mistral3", "internvl", "smolvlm", "idefics3", "llava"):
         return [c.image_token_id]
     if c.model_type in GLM4V_CLASSES:
         return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
@@ -535,7 +569,7 @@ def hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image], n: 
         extra["image_sizes"] = out["image_sizes"]
     elif model.config.model_type in IDEFICS3_CLASSES:
         extra["pixel_attention_mask"] = out["pixel_attention_mask"]
-    elif model.config.model_type != "internvl":  # InternVL: the pixels alone
+    elif model.config.model_type not in ("internvl", "llava"):  # the pixels alone
         extra["image_grid_thw"] = out["image_grid_thw"]
         extra["mm_token_type_ids"] = (input_ids == image).int()
     with torch.no_grad():
@@ -566,6 +600,10 @@ def expanded(model, path, prompt_ids: list[int], out) -> list[int]:
         return internvl_expanded(c, path, prompt_ids, iter(out["num_patches"].tolist()))
     elif c.model_type in IDEFICS3_CLASSES:
         return idefics3_expanded(c, path, prompt_ids, out)
+    elif c.model_type == "llava":  # a token a patch (the class token dropped, or none)
+        vc = c.vision_config
+        counts, place, after = None, c.image_token_id, []
+        image = [place] * (vc.image_size // vc.patch_size) ** 2
     else:
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         place, after = c.image_token_id, []

@@ -26,6 +26,7 @@ VISION_LANGUAGE = {
     "InternVLForConditionalGeneration": {},
     "Idefics3ForConditionalGeneration": {},
     "SmolVLMForConditionalGeneration": {},
+    "LlavaForConditionalGeneration": {},
     "Qwen3_5ForConditionalGeneration": {},
     "Qwen3_5MoeForConditionalGeneration": {},
 }

@@ -12,6 +12,7 @@ LANGUAGE_MODELS = {
     "InternVLForConditionalGeneration": ("InternVL", ("qwen2", "llama", "qwen3", "qwen3_moe")),
     "Idefics3ForConditionalGeneration": ("Idefics3", ("llama",)),
     "SmolVLMForConditionalGeneration": ("SmolVLM", ("llama",)),
+    "LlavaForConditionalGeneration": ("LLaVA", ("llama", "mistral", "qwen2")),
 }
 V4_SCORES = ("sqrtsoftplus", "sigmoid")  # DeepSeek-V4's router scores
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional", "dynamic"}

@@ -122,6 +122,7 @@ ARCHITECTURES = {
     "InternVLForConditionalGeneration": ("internvl", "InternVLForConditionalGeneration"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "Qwen3_5MoeForConditionalGeneration"),
     # cross-encoders (served with --is-embedding for /v1/rerank and /v1/score)

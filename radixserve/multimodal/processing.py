@@ -157,6 +157,28 @@ def square_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
     return spec.image_size, spec.image_size
 
 
+def shortest_edge_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """LLaVA: the shorter side scaled to `shortest_edge`, the longer by the aspect ratio
+    (truncated), as HF's `get_resize_output_image_size`; without one, `image_size` square."""
+    side = spec.shortest_edge
+    if not side:
+        return square_size(height, width, spec)
+    if width <= height:
+        return int(side * height / width), side
+    return side, int(side * width / height)
+
+
+def center_crop(image: np.ndarray, spec: VisionSpec) -> Cut:
+    """LLaVA: the centre `image_size` square (HF's `center_crop`, its top-left offsets
+    floored), whole."""
+    _, height, width = image.shape
+    side = spec.image_size
+    top, left = (height - side) // 2, (width - side) // 2
+    crop = image[:, top : top + side, left : left + side]
+    patches = side // spec.patch_size
+    return crop.reshape(1, -1), (1, patches, patches), spec.tokens_per_image
+
+
 def fitted_size(height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
     """Qwen-VL's `smart_resize`: sides that are multiples of `spec.factor`, the area within
     [min_pixels, max_pixels], the aspect ratio kept as nearly as that allows."""
@@ -359,4 +381,5 @@ LAYOUTS = {
     "pixtral": Layout(pixtral_size, patch_rows_with_breaks),
     "glm4v": Layout(glm4v_size, merged_patches),
     "internvl": Layout(tiled_size, square_tiles, thumbnail=True),
+    "llava": Layout(shortest_edge_size, center_crop),
 }

@@ -26,6 +26,7 @@ FAMILIES = {
     "InternVLForConditionalGeneration": "internvl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
+    "LlavaForConditionalGeneration": "llava",
 }
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -110,15 +111,15 @@ class VideoSpec:
 class VisionSpec:
     family: str
     image_token_id: int  # the prompt token each image feature replaces
-    start_token_id: int | None  # tokens the chat turn puts around an image
-    end_token_id: int | None
     patch_size: int
-    temporal_patch_size: int
     merge_size: int  # merge_size x merge_size patches make one prompt token
-    min_pixels: int
-    max_pixels: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    start_token_id: int | None = None  # tokens the chat turn puts around an image
+    end_token_id: int | None = None
+    temporal_patch_size: int = 1
+    min_pixels: int = 0  # the pixel budget (Qwen-VL, GLM-4.xV)
+    max_pixels: int = 0
     resample: int = BICUBIC
     mrope: bool = True  # 3-D rotary positions (time, height, width) for image tokens
     image_size: int = 0  # a fixed square size every image (Gemma 3) or tile (InternVL) takes
@@ -130,6 +131,9 @@ class VisionSpec:
     split_tiles: bool = False
     max_soft_tokens: int = 0  # the most tokens an image becomes (Gemma 4; merge_size pools)
     longest_edge: int = 0  # the longest side an image is scaled to (Pixtral: down; Idefics3)
+    # LLaVA: the shorter side an image is scaled to before its centre is cropped to
+    # `image_size` (0: scaled straight to `image_size` square)
+    shortest_edge: int = 0
     # the tokens ending each row of an image's tokens and the image (Pixtral's row break and
     # image end; the api process fills in their ids)
     row_break_id: int | None = None
@@ -154,16 +158,18 @@ class VisionSpec:
         vision = hf["vision_config"]
         pre = _preprocessor_config(folder)
         if family == "gemma3":
-            return cls._gemma3(hf, vision, pre)
+            return _gemma3_spec(hf, vision, pre)
         if family == "gemma4":
             video = _json_file(folder, "video_preprocessor_config.json") or pre
-            return replace(cls._gemma4(hf, vision, pre), video=VideoSpec.of(family, hf, video))
+            return replace(_gemma4_spec(hf, vision, pre), video=VideoSpec.of(family, hf, video))
         if family == "pixtral":
-            return cls._pixtral(hf, vision, pre)
+            return _pixtral_spec(hf, vision, pre)
         if family == "internvl":
-            return cls._internvl(hf, vision, pre)
+            return _internvl_spec(hf, vision, pre)
         if family == "idefics3":
-            return cls._idefics3(hf, vision, pre)
+            return _idefics3_spec(hf, vision, pre)
+        if family == "llava":
+            return _llava_spec(hf, vision, pre)
         size = pre.get("size") or {}
         default_patch = 16 if family == "qwen3_vl" else 14
         low, high = PIXEL_BUDGETS.get(family, (56 * 56, 28 * 28 * 1280))
@@ -188,149 +194,6 @@ class VisionSpec:
             video=VideoSpec.of(family, hf, video),
         )
 
-    @classmethod
-    def _gemma3(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
-        """SigLIP at one fixed size (pan-and-scan is not applied), pooled to a fixed number of
-        tokens; a prompt marks each image with its start token."""
-        size = int(vision.get("image_size", 896))
-        return cls(
-            family="gemma3",
-            image_token_id=int(hf.get("image_token_index", hf.get("image_token_id"))),
-            start_token_id=int(hf["boi_token_index"]),
-            end_token_id=int(hf["eoi_token_index"]),
-            patch_size=int(vision.get("patch_size", 14)),
-            temporal_patch_size=1,
-            merge_size=1,
-            min_pixels=0,
-            max_pixels=size * size,
-            mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
-            std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
-            resample=int(pre.get("resample", BILINEAR)),
-            mrope=False,
-            image_size=size,
-            tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
-            placeholder_id=int(hf["boi_token_index"]),
-            before=(int(hf["boi_token_index"]),),
-            after=(int(hf["eoi_token_index"]),),
-        )
-
-    @classmethod
-    def _gemma4(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
-        """Resized within `max_soft_tokens` pooled patches keeping the aspect ratio, pixels in
-        [0, 1] (no normalization), cut into patches that `pooling_kernel_size`^2 at a time
-        become one token; a prompt's image token becomes its start token, its tokens and its
-        end token."""
-        defaults = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
-        image, boi, eoi = (int(hf.get(k, v)) for k, v in defaults.items())  # transformers'
-
-        normalize = pre.get("do_normalize", False)
-        return cls(
-            family="gemma4",
-            image_token_id=image,
-            start_token_id=boi,
-            end_token_id=eoi,
-            patch_size=int(pre.get("patch_size", vision.get("patch_size", 16))),
-            temporal_patch_size=1,
-            merge_size=int(pre.get("pooling_kernel_size", vision.get("pooling_kernel_size", 3))),
-            min_pixels=0,
-            max_pixels=0,
-            mean=tuple(pre.get("image_mean", (0.0,) * 3)) if normalize else (0.0,) * 3,
-            std=tuple(pre.get("image_std", (1.0,) * 3)) if normalize else (1.0,) * 3,
-            resample=int(pre.get("resample", BICUBIC)),
-            mrope=False,
-            max_soft_tokens=int(pre.get("max_soft_tokens", 280)),
-            placeholder_id=image,
-            before=(boi,),
-            after=(eoi,),
-        )
-
-    @classmethod
-    def _pixtral(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
-        """Scaled down to fit `longest_edge`, sides rounded up to whole merged patches; a
-        prompt's image token becomes rows of its tokens, each ended by a row break, the last by
-        the image end."""
-        image = int(hf.get("image_token_index", hf.get("image_token_id", 10)))
-        return cls(
-            family="pixtral",
-            image_token_id=image,
-            start_token_id=None,
-            end_token_id=None,
-            patch_size=int(vision.get("patch_size", 16)),
-            temporal_patch_size=1,
-            merge_size=int(hf.get("spatial_merge_size", 2)),
-            min_pixels=0,
-            max_pixels=0,
-            mean=tuple(pre.get("image_mean", CLIP_MEAN)),
-            std=tuple(pre.get("image_std", CLIP_STD)),
-            resample=int(pre.get("resample", BICUBIC)),
-            mrope=False,
-            longest_edge=int((pre.get("size") or {}).get("longest_edge", 1024)),
-            placeholder_id=image,
-        )
-
-    @classmethod
-    def _internvl(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
-        """Square tiles of `size` in the grid whose aspect ratio is nearest the image's within
-        `min_patches`..`max_patches` tiles, a thumbnail of the whole image after several; each
-        tile's patches pixel-shuffled into `tokens_per_image` tokens; a prompt's image token
-        becomes `<img>`, the tokens and `</img>` (the api process fills in their ids)."""
-        tile = int((pre.get("size") or {}).get("height", 448))
-        patch = vision.get("patch_size", 14)
-        patch = int(patch if isinstance(patch, int) else patch[0])
-        shuffle = round(1 / hf.get("downsample_ratio", 0.5))
-        tiled = pre.get("crop_to_patches", False)
-        image = int(hf["image_token_id"])
-        return cls(
-            family="internvl",
-            image_token_id=image,
-            start_token_id=None,
-            end_token_id=None,
-            patch_size=patch,
-            temporal_patch_size=1,
-            merge_size=shuffle,
-            min_pixels=0,
-            max_pixels=0,
-            mean=tuple(pre.get("image_mean", CLIP_MEAN)),
-            std=tuple(pre.get("image_std", CLIP_STD)),
-            resample=int(pre.get("resample", BICUBIC)),
-            mrope=False,
-            image_size=tile,
-            tokens_per_image=(tile // patch // shuffle) ** 2,
-            max_tiles=int(pre.get("max_patches", 12)) if tiled else 1,
-            min_tiles=int(pre.get("min_patches", 1)) if tiled else 1,
-            placeholder_id=image,
-        )
-
-    @classmethod
-    def _idefics3(cls, hf: dict, vision: dict, pre: dict) -> VisionSpec:
-        """Scaled to `size.longest_edge`, then up to whole tiles of `max_image_size`; cut into
-        them (`do_image_splitting`) and the whole image at one tile's size after them; each
-        tile's patches pixel-shuffled `scale_factor` x `scale_factor` into one token."""
-        tile = int((pre.get("max_image_size") or {}).get("longest_edge", 364))
-        longest = int((pre.get("size") or {}).get("longest_edge", 4 * 364))
-        patch, shuffle = int(vision.get("patch_size", 32)), int(hf.get("scale_factor", 2))
-        image = int(hf.get("image_token_id", 128257))
-        return cls(
-            family="idefics3",
-            image_token_id=image,
-            start_token_id=None,
-            end_token_id=None,
-            patch_size=patch,
-            temporal_patch_size=1,
-            merge_size=shuffle,
-            min_pixels=0,
-            max_pixels=0,
-            mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
-            std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
-            resample=int(pre.get("resample", LANCZOS)),
-            mrope=False,
-            image_size=tile,
-            tokens_per_image=(tile // patch // shuffle) ** 2,
-            split_tiles=bool(pre.get("do_image_splitting", True)),
-            longest_edge=longest,
-            placeholder_id=image,
-        )
-
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this many pixels."""
@@ -338,7 +201,7 @@ class VisionSpec:
 
     def marker_ids(self) -> list[int]:
         """The token ids a chat turn holds for one image before it is expanded."""
-        if self.family in ("gemma3", "gemma4", "pixtral", "internvl", "idefics3"):
+        if self.family in ("gemma3", "gemma4", "pixtral", "internvl", "idefics3", "llava"):
             return [self.placeholder_id]
         ids = (self.start_token_id, self.image_token_id, self.end_token_id)
         return [t for t in ids if t is not None]
@@ -350,6 +213,166 @@ class VisionSpec:
         if self.video.timestamps == CLOCK:
             return [self.video.token_id]
         return [self.start_token_id, self.video.token_id, self.end_token_id]
+
+
+def _gemma3_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """SigLIP at one fixed size (pan-and-scan is not applied), pooled to a fixed number of
+    tokens; a prompt marks each image with its start token."""
+    size = int(vision.get("image_size", 896))
+    return VisionSpec(
+        family="gemma3",
+        image_token_id=int(hf.get("image_token_index", hf.get("image_token_id"))),
+        start_token_id=int(hf["boi_token_index"]),
+        end_token_id=int(hf["eoi_token_index"]),
+        patch_size=int(vision.get("patch_size", 14)),
+        merge_size=1,
+        max_pixels=size * size,
+        mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+        std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        resample=int(pre.get("resample", BILINEAR)),
+        mrope=False,
+        image_size=size,
+        tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
+        placeholder_id=int(hf["boi_token_index"]),
+        before=(int(hf["boi_token_index"]),),
+        after=(int(hf["eoi_token_index"]),),
+    )
+
+
+def _gemma4_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """Resized within `max_soft_tokens` pooled patches keeping the aspect ratio, pixels in
+    [0, 1] (no normalization), cut into patches that `pooling_kernel_size`^2 at a time
+    become one token; a prompt's image token becomes its start token, its tokens and its
+    end token."""
+    defaults = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
+    image, boi, eoi = (int(hf.get(k, v)) for k, v in defaults.items())  # transformers'
+
+    normalize = pre.get("do_normalize", False)
+    return VisionSpec(
+        family="gemma4",
+        image_token_id=image,
+        start_token_id=boi,
+        end_token_id=eoi,
+        patch_size=int(pre.get("patch_size", vision.get("patch_size", 16))),
+        merge_size=int(pre.get("pooling_kernel_size", vision.get("pooling_kernel_size", 3))),
+        mean=tuple(pre.get("image_mean", (0.0,) * 3)) if normalize else (0.0,) * 3,
+        std=tuple(pre.get("image_std", (1.0,) * 3)) if normalize else (1.0,) * 3,
+        resample=int(pre.get("resample", BICUBIC)),
+        mrope=False,
+        max_soft_tokens=int(pre.get("max_soft_tokens", 280)),
+        placeholder_id=image,
+        before=(boi,),
+        after=(eoi,),
+    )
+
+
+def _pixtral_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """Scaled down to fit `longest_edge`, sides rounded up to whole merged patches; a
+    prompt's image token becomes rows of its tokens, each ended by a row break, the last by
+    the image end."""
+    image = int(hf.get("image_token_index", hf.get("image_token_id", 10)))
+    return VisionSpec(
+        family="pixtral",
+        image_token_id=image,
+        patch_size=int(vision.get("patch_size", 16)),
+        merge_size=int(hf.get("spatial_merge_size", 2)),
+        mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+        std=tuple(pre.get("image_std", CLIP_STD)),
+        resample=int(pre.get("resample", BICUBIC)),
+        mrope=False,
+        longest_edge=int((pre.get("size") or {}).get("longest_edge", 1024)),
+        placeholder_id=image,
+    )
+
+
+def _internvl_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """Square tiles of `size` in the grid whose aspect ratio is nearest the image's within
+    `min_patches`..`max_patches` tiles, a thumbnail of the whole image after several; each
+    tile's patches pixel-shuffled into `tokens_per_image` tokens; a prompt's image token
+    becomes `<img>`, the tokens and `</img>` (the api process fills in their ids)."""
+    tile = int((pre.get("size") or {}).get("height", 448))
+    patch = vision.get("patch_size", 14)
+    patch = int(patch if isinstance(patch, int) else patch[0])
+    shuffle = round(1 / hf.get("downsample_ratio", 0.5))
+    tiled = pre.get("crop_to_patches", False)
+    image = int(hf["image_token_id"])
+    return VisionSpec(
+        family="internvl",
+        image_token_id=image,
+        patch_size=patch,
+        merge_size=shuffle,
+        mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+        std=tuple(pre.get("image_std", CLIP_STD)),
+        resample=int(pre.get("resample", BICUBIC)),
+        mrope=False,
+        image_size=tile,
+        tokens_per_image=(tile // patch // shuffle) ** 2,
+        max_tiles=int(pre.get("max_patches", 12)) if tiled else 1,
+        min_tiles=int(pre.get("min_patches", 1)) if tiled else 1,
+        placeholder_id=image,
+    )
+
+
+def _idefics3_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """Scaled to `size.longest_edge`, then up to whole tiles of `max_image_size`; cut into
+    them (`do_image_splitting`) and the whole image at one tile's size after them; each
+    tile's patches pixel-shuffled `scale_factor` x `scale_factor` into one token."""
+    tile = int((pre.get("max_image_size") or {}).get("longest_edge", 364))
+    longest = int((pre.get("size") or {}).get("longest_edge", 4 * 364))
+    patch, shuffle = int(vision.get("patch_size", 32)), int(hf.get("scale_factor", 2))
+    image = int(hf.get("image_token_id", 128257))
+    return VisionSpec(
+        family="idefics3",
+        image_token_id=image,
+        patch_size=patch,
+        merge_size=shuffle,
+        mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+        std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        resample=int(pre.get("resample", LANCZOS)),
+        mrope=False,
+        image_size=tile,
+        tokens_per_image=(tile // patch // shuffle) ** 2,
+        split_tiles=bool(pre.get("do_image_splitting", True)),
+        longest_edge=longest,
+        placeholder_id=image,
+    )
+
+
+def _llava_spec(hf: dict, vision: dict, pre: dict) -> VisionSpec:
+    """Scaled so its shorter side is `size.shortest_edge` and its centre cropped to
+    `crop_size` (or scaled to `size` square), the tower's patches a token each (and its
+    class token under the `full` strategy). ValueError for `do_pad`, which is not
+    implemented."""
+    name = "preprocessor_config.json"
+    if pre.get("do_pad"):
+        raise ValueError(f"{name}: do_pad (LLaVA's pad to square) is not implemented")
+    clip = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+    size, crop = pre.get("size") or {"shortest_edge": 224}, pre.get("crop_size") or {}
+    side = int(crop.get("height", size.get("shortest_edge", size.get("height", 224))))
+    patch = int(vision.get("patch_size", 32 if clip else 16))
+    tower = int(vision.get("image_size", 224))
+    full = hf.get("vision_feature_select_strategy", "default") == "full"
+    image = int(hf.get("image_token_index", hf.get("image_token_id", 32000)))
+    shortest = int(size.get("shortest_edge", 0))
+    if side != tower or 0 < shortest < side:
+        raise ValueError(
+            f"{name}: images cropped to {side} (scaled to {shortest or side}) do not fit "
+            f"the tower's image_size {tower}"
+        )
+    return VisionSpec(
+        family="llava",
+        image_token_id=image,
+        patch_size=patch,
+        merge_size=1,
+        mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+        std=tuple(pre.get("image_std", CLIP_STD)),
+        resample=int(pre.get("resample", BICUBIC)),
+        mrope=False,
+        image_size=side,
+        tokens_per_image=(tower // patch) ** 2 + (clip and full),
+        shortest_edge=shortest,
+        placeholder_id=image,
+    )
 
 
 def _preprocessor_config(folder: Path | None) -> dict:
