@@ -2,9 +2,10 @@
 
 Each family's preprocessing is its HF image processor's (PIL backend) step by step: the size it
 picks (`LAYOUTS`: Qwen-VL's and GLM-4.xV's sides rounded to multiples of patch x merge within
-the pixel budget, Gemma 3's square, Gemma 4's token budget, Pixtral's longest edge), a PIL
-resize, x 1/255 in float64 then float32, normalized, cut into patches in the order its tower
-reads them. Its content hash (over the processed pixels and their grid) names the image
+the pixel budget, Gemma 3's square, Gemma 4's token budget, Pixtral's longest edge, InternVL's
+tiles, LLaVA's shorter side and centre crop; Idefics3's resizes and tiles: `split_tiles`), a
+PIL resize, x 1/255 in float64 then float32, normalized, cut into patches in the order its
+tower reads them. Its content hash (over the processed pixels and their grid) names the image
 everywhere: in the radix tree its tokens are `IMAGE_ID_BASE + hash % IMAGE_ID_SPAN`, so equal
 images share a cached prefix and different ones part at their first token."""
 
@@ -327,8 +328,8 @@ def split_tiles(image: Image.Image, spec: VisionSpec) -> ProcessedTiles:
         height, width = whole_tiles_size(image.height, image.width, side)
         image = image.resize((width, height), resample=spec.resample)
     rows, columns = (height // side, width // side) if spec.split_tiles else (1, 1)
-    pictures = [image] if rows * columns == 1 else []
-    if not pictures:
+    pictures = [image]
+    if rows * columns > 1:
         boxes = [(c * side, r * side, (c + 1) * side, (r + 1) * side)
                  for r in range(rows) for c in range(columns)]  # fmt: skip
         pictures = [image.crop(box) for box in boxes] + [image]
