@@ -14,7 +14,7 @@ from ..distributed import TPGroup
 from .decoder import swap_prefix
 from .llama import LlamaForCausalLM
 from .qwen_vision import activation
-from .siglip import SiglipLayer
+from .siglip import SiglipTower
 
 # the checkpoint's names for its parts (as transformers loads them, and as it saves them) -> ours
 PREFIXES = (
@@ -28,57 +28,24 @@ PREFIXES = (
     ("model.multi_modal_projector.", "vision.projector."),
     ("multi_modal_projector.", "vision.projector."),
 )
-UNUSED = ("vision.tower.post_layernorm.", "vision.tower.head.")  # after the features taken
-
-
-class LlavaTower(nn.Module):
-    """CLIP's tower (`clip_vision_model`) or SigLIP's: the hidden states after `depth` blocks."""
-
-    def __init__(self, vc: dict, depth: int):
-        super().__init__()
-        self.clip = vc.get("model_type", "clip_vision_model") == "clip_vision_model"
-        dim, eps = vc["hidden_size"], vc.get("layer_norm_eps", 1e-5 if self.clip else 1e-6)
-        self.size = vc.get("image_size", 224)
-        self.patch = vc.get("patch_size", 32 if self.clip else 16)
-        patches = (self.size // self.patch) ** 2
-        self.embeddings = nn.Module()
-        self.embeddings.patch_embedding = nn.Conv2d(
-            vc.get("num_channels", 3), dim, self.patch, self.patch, bias=not self.clip
-        )
-        self.embeddings.position_embedding = nn.Embedding(patches + self.clip, dim)
-        if self.clip:
-            self.embeddings.class_embedding = nn.Parameter(torch.zeros(dim))
-            self.pre_layrnorm = nn.LayerNorm(dim, eps=eps)
-        act = vc.get("hidden_act", "quick_gelu" if self.clip else "gelu_pytorch_tanh")
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(
-            SiglipLayer(dim, vc["num_attention_heads"], vc["intermediate_size"], act, eps)
-            for _ in range(vc["num_hidden_layers"])
-        )
-        self.depth = depth % (len(self.encoder.layers) + 1)  # hidden states 0..layers
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """`[images, 3, size, size]` -> `[images, (class token and) patches, dim]`."""
-        conv = self.embeddings.patch_embedding
-        x = conv(pixels.to(conv.weight.dtype)).flatten(2).transpose(1, 2)
-        if self.clip:
-            cls = self.embeddings.class_embedding.expand(x.shape[0], 1, -1)
-            x = torch.cat([cls, x], dim=1)
-        x = x + self.embeddings.position_embedding.weight
-        if self.clip:
-            x = self.pre_layrnorm(x)
-        for layer in self.encoder.layers[: self.depth]:
-            x = layer(x)
-        return x
+UNUSED = ("vision.tower.head.",)  # SigLIP's pooling head
+# the tower configs' defaults in transformers: CLIP's (with a class token), SigLIP's
+TOWER_DEFAULTS = {
+    True: {"image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+    False: {"image_size": 224, "patch_size": 16},
+}
 
 
 class LlavaVision(nn.Module):
     def __init__(self, hf: dict, text_hidden: int):
         super().__init__()
         vc = hf["vision_config"]
-        self.tower = LlavaTower(vc, int(hf.get("vision_feature_layer", -2)))
+        clip = vc.get("model_type", "clip_vision_model") == "clip_vision_model"
+        self.tower = SiglipTower({**TOWER_DEFAULTS[clip], **vc}, class_token=clip)
+        # the hidden states taken: 0 the embeddings .. the last block's
+        self.depth = int(hf.get("vision_feature_layer", -2)) % (vc["num_hidden_layers"] + 1)
         strategy = hf.get("vision_feature_select_strategy", "default")
-        self.drop_class = self.tower.clip and strategy == "default"
+        self.drop_class = clip and strategy == "default"
         bias = hf.get("multimodal_projector_bias", True)
         self.projector = nn.Module()
         self.projector.linear_1 = nn.Linear(vc["hidden_size"], text_hidden, bias=bias)
@@ -87,7 +54,7 @@ class LlavaVision(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """`[images, 3, size, size]` -> the images' tokens in turn `[images x tokens, hidden]`."""
-        x = self.tower(images)
+        x = self.tower.hidden_states(images, depth=self.depth)
         x = x[:, 1:] if self.drop_class else x
         pr = self.projector
         return pr.linear_2(self.act(pr.linear_1(x.flatten(0, 1))))

@@ -1,7 +1,8 @@
 """SigLIP's tower as the vision-language families load it (`embeddings.patch_embedding`,
 `embeddings.position_embedding`, `encoder.layers`, `post_layernorm`): patches embedded by a
-convolution with learned positions, pre-norm bidirectional blocks, a final layer norm; and the
-pixel shuffle that folds s x s neighbouring patches into one token (Idefics3, InternVL)."""
+convolution with learned positions, pre-norm bidirectional blocks, a final layer norm; CLIP's,
+the same with a class token (LLaVA); and the pixel shuffle that folds s x s neighbouring
+patches into one token (Idefics3, InternVL)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,26 @@ class SiglipLayer(nn.Module):
 
 class SiglipTower(nn.Module):
     """`[images, C, H, W]` -> `[images, patches, dim]`: each image attends within itself; the
-    position table is `side` x `side` (the config's `image_size` over `patch_size`)."""
+    position table is `side` x `side` (the config's `image_size` over `patch_size`). With
+    `class_token` it is CLIP's: a class embedding before the patches (its own row of the
+    position table first), a patch convolution without a bias and a layer norm before the
+    blocks (`pre_layrnorm`)."""
 
-    def __init__(self, vc: dict, default_act: str = "gelu_pytorch_tanh"):
+    def __init__(self, vc: dict, class_token: bool = False):
         super().__init__()
         dim, eps = vc["hidden_size"], vc.get("layer_norm_eps", 1e-6)
         self.size, self.patch = vc.get("image_size", 224), vc.get("patch_size", 14)
         self.side = self.size // self.patch
+        self.class_token = class_token
         self.embeddings = nn.Module()
         self.embeddings.patch_embedding = nn.Conv2d(
-            vc.get("num_channels", 3), dim, self.patch, self.patch
+            vc.get("num_channels", 3), dim, self.patch, self.patch, bias=not class_token
         )
-        self.embeddings.position_embedding = nn.Embedding(self.side * self.side, dim)
-        act = vc.get("hidden_act", default_act)
+        self.embeddings.position_embedding = nn.Embedding(self.side**2 + class_token, dim)
+        if class_token:
+            self.embeddings.class_embedding = nn.Parameter(torch.zeros(dim))
+            self.pre_layrnorm = nn.LayerNorm(dim, eps=eps)
+        act = vc.get("hidden_act", "gelu_pytorch_tanh")
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(
             SiglipLayer(dim, vc["num_attention_heads"], vc["intermediate_size"], act, eps)
@@ -58,15 +66,26 @@ class SiglipTower(nn.Module):
         self.post_layernorm = nn.LayerNorm(dim, eps=eps)
 
     def encode(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions`: each patch's row of the position table (None: the table in order, the
-        images at the tower's own size)."""
+        """The last block's output, normed. `positions`: each patch's row of the position table
+        (None: the table in order, the images at the tower's own size)."""
+        return self.post_layernorm(self.hidden_states(pixels, positions))
+
+    def hidden_states(
+        self, pixels: torch.Tensor, positions: torch.Tensor | None = None, depth: int | None = None
+    ) -> torch.Tensor:
+        """The output of the first `depth` blocks (all by default; 0: the embeddings), not
+        normed: `[images, (class token and) patches, dim]`."""
         conv = self.embeddings.patch_embedding
         x = conv(pixels.to(conv.weight.dtype)).flatten(2).transpose(1, 2)
+        if self.class_token:
+            x = torch.cat([self.embeddings.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
         table = self.embeddings.position_embedding.weight
         x = x + (table if positions is None else table[positions])
-        for layer in self.encoder.layers:
+        if self.class_token:
+            x = self.pre_layrnorm(x)
+        for layer in self.encoder.layers[:depth]:
             x = layer(x)
-        return self.post_layernorm(x)
+        return x
 
 
 def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
